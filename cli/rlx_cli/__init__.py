@@ -1,0 +1,1 @@
+"""The `rl` command-line interface."""

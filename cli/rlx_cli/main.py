@@ -1,0 +1,113 @@
+"""The ``rl`` command: parse arguments, call core, turn `RLXError` into one line and an exit code.
+
+Commands stay thin; plugins add their own through the ``register_commands`` hook.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from rlx.errors import RLXError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="rlx: RL post-training for LLMs.")
+config_app = typer.Typer(no_args_is_help=True, help="Check and print configs.")
+app.add_typer(config_app, name="config")
+
+out = Console()
+err = Console(stderr=True)
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a value: --set rollout.sampling.temperature=0.7 (repeatable)."),
+]
+
+
+_built: list = []  # the plugin manager of this invocation, built once
+
+
+def _plugins():
+    from rlx.plugins import build_plugins
+
+    if not _built:
+        _built.append(build_plugins())
+    return _built[0]
+
+
+@app.command("plugins")
+def plugins_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
+) -> None:
+    """List loaded plugins and what each registers."""
+    infos = _plugins().infos
+    if as_json:
+        print(json.dumps([i.to_dict() for i in infos], indent=2))
+        return
+    table = Table(title="rlx plugins")
+    for col in ("name", "distribution", "version", "registers"):
+        table.add_column(col)
+    for i in infos:
+        regs = "\n".join(f"{k}: {', '.join(v)}" for k, v in i.registers.items()) or "(hooks only)"
+        table.add_row(i.name, i.distribution, i.version, regs)
+    out.print(table)
+
+
+@config_app.command("validate")
+def config_validate(file: ConfigArg, set_: SetOpt = None) -> None:
+    """Check a config: types, unknown keys, required fields, component names and their args."""
+    from rlx.config import load_config
+
+    load_config(file, set_ or [], plugins=_plugins())
+    out.print(f"[green]ok[/green] {file}")
+
+
+@config_app.command("show")
+def config_show(file: ConfigArg, set_: SetOpt = None) -> None:
+    """Print the resolved config, defaults included, as YAML."""
+    from rlx.config import load_config
+
+    cfg = load_config(file, set_ or [], plugins=_plugins())
+    print(cfg.to_yaml(), end="")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    _built.clear()
+    try:
+        try:
+            _plugins().add_commands(app)
+        except RLXError:
+            pass  # reported below by whichever command builds the plugins again
+        app(args=argv, standalone_mode=False)
+    except RLXError as e:
+        err.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except Exception as e:  # click's usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            return e.exit_code
+        if isinstance(e, click.exceptions.Abort):
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

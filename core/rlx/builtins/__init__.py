@@ -1,0 +1,6 @@
+"""Built-in plugins: ordinary plugin modules that `rlx.plugins.build_plugins` registers first."""
+
+BUILTIN_PLUGINS = (
+    "rlx.builtins.rewards",
+    "rlx.builtins.generators",
+)

@@ -1,0 +1,35 @@
+"""Built-in rewards that need nothing beyond the core: exact match against the dataset label."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from rlx import hookimpl
+from rlx.types import RewardResult, Sample
+
+
+class ExactMatch:
+    """1.0 when the response equals the label (after optional stripping and case folding), else 0.0."""
+
+    name = "exact_match"
+
+    class Config(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        strip: bool = True  # ignore leading and trailing whitespace
+        case_sensitive: bool = True
+
+    def __init__(self, config: Config | None = None):
+        self.config = config or self.Config()
+
+    def score(self, sample: Sample) -> RewardResult:
+        got, want = sample.response_text, "" if sample.label is None else str(sample.label)
+        if self.config.strip:
+            got, want = got.strip(), want.strip()
+        if not self.config.case_sensitive:
+            got, want = got.casefold(), want.casefold()
+        return RewardResult(score=float(got == want))
+
+
+@hookimpl
+def register_rewards(register):
+    register(ExactMatch)

@@ -1,0 +1,369 @@
+"""The typed config tree: one YAML file plus ``--set a.b=c`` overrides, validated all at once.
+
+Choices:
+
+* pydantic v2 at the boundary; every section forbids unknown keys, so a typo is an error, never a no-op.
+* Every problem is collected before anything is reported: pydantic's own errors, then component names
+  (``rollout.rewards[0].name``) checked against the plugin registry, then each component's ``args``
+  validated against its own ``Config`` class. Each problem carries ``file:line: key.path``.
+* ``--set`` values are parsed as YAML scalars (``--set rollout.sampling.temperature=0.7``); numeric
+  path parts index lists (``--set rollout.rewards.0.weight=2``).
+* Section models live here so that ``rl config show`` prints the whole tree with its defaults; each
+  field has an inline comment saying what it does. Subsystems add fields; they never reshape sections.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rlx.errors import ConfigError
+
+if typing.TYPE_CHECKING:
+    from rlx.plugins import Plugins
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ComponentSpec(Section):
+    """A component selected by name, with arguments for its own ``Config``."""
+
+    name: str  # the registered component name (`rl plugins` lists them)
+    args: dict[str, Any] = Field(default_factory=dict)  # validated by the component's Config class
+
+    @classmethod
+    def coerce(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+
+class RewardSpec(ComponentSpec):
+    weight: float = 1.0  # the combined reward is the weighted sum of every reward's score
+
+
+class RunConfig(Section):
+    name: str = "rlx"  # run name, used in logs and the default output directory
+    output_dir: str = "runs/rlx"  # checkpoints, metrics.jsonl and plots go here
+    seed: int = 1234  # seeds python, numpy and torch; data order and sampling follow from it
+
+
+class ModelConfig(Section):
+    path: str  # HF checkpoint directory (config.json, tokenizer, safetensors)
+    tokenizer: str | None = None  # tokenizer directory, when not the model's own
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+
+
+class DataConfig(Section):
+    path: str | None = None  # JSONL or Parquet prompt file, relative to the config file
+    prompt_key: str = "prompt"  # column holding a plain-text prompt
+    messages_key: str | None = None  # column holding chat messages instead of a prompt
+    label_key: str = "label"  # column holding the reference answer given to rewards
+    metadata_key: str | None = None  # column copied into Sample.metadata
+    apply_chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    on_bad_row: Literal["skip", "error"] = "error"  # a malformed row: report and skip, or stop
+    shuffle: bool = True  # reshuffled each epoch from run.seed
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0)  # 0 is greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1  # -1: no top-k
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_new_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = Field(default_factory=list)  # extra stop ids beside the tokenizer's EOS
+
+
+class EngineGroupConfig(Section):
+    """One group of identical engine servers; several groups make a topology."""
+
+    name: str = "default"  # used in logs and metrics
+    backend: Literal["embedded", "sglang"] = "embedded"  # sglang needs a GPU; embedded runs anywhere
+    num_engines: int = Field(1, ge=1)  # servers in this group
+    model_path: str | None = None  # defaults to model.path
+    tp_size: int = Field(1, ge=1)  # tensor parallel size of each server (sglang)
+    mem_fraction_static: float | None = Field(None, gt=0, le=1)  # sglang's --mem-fraction-static
+    worker_type: Literal["regular", "prefill", "decode"] = "regular"  # prefill/decode: PD disaggregation
+    update_weights: bool = True  # whether this group receives the trainer's weights
+    server_args: dict[str, Any] = Field(default_factory=dict)  # passed through as --key value
+
+
+class RouterConfig(Section):
+    enabled: bool | None = None  # None: use the router when there is more than one engine
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    port: int | None = None  # None: a free port
+    args: dict[str, Any] = Field(default_factory=dict)  # passed through to sglang-router as --key value
+
+
+class RolloutConfig(Section):
+    n_prompts: int = Field(8, ge=1)  # prompts per rollout step
+    n_samples_per_prompt: int = Field(4, ge=1)  # samples per prompt (the GRPO group size)
+    generator: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="single_turn"))
+    rewards: list[RewardSpec] = Field(default_factory=list)  # combined by weighted sum
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engines: list[EngineGroupConfig] = Field(default_factory=lambda: [EngineGroupConfig()])  # the topology
+    external_engines: list[str] = Field(default_factory=list)  # attach to these URLs instead of launching
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    startup_timeout_s: float = Field(600, gt=0)  # how long an engine may take to become healthy
+    request_timeout_s: float = Field(600, gt=0)  # one generate request, end to end
+    retries: int = Field(0, ge=0)  # retries of a generate request that failed on a dead engine
+    max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
+    reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
+    filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
+    max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
+    partial_rollout: bool = False  # abort in-flight requests at a step boundary, resume them next step
+    over_sampling: float = Field(1.0, ge=1.0)  # with partial_rollout: start this many x n_prompts groups
+    output: str | None = None  # rl rollout: where to write groups (default <output_dir>/rollout.jsonl)
+    num_steps: int = Field(1, ge=1)  # rl rollout: how many rollout steps to run
+
+    @field_validator("generator", mode="before")
+    @classmethod
+    def _generator(cls, v: Any) -> Any:
+        return ComponentSpec.coerce(v)
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _rewards(cls, v: Any) -> Any:
+        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
+
+
+class Config(Section):
+    """The root of the tree: one field per subsystem."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    #: Where the config came from (for relative paths); not part of the tree.
+    _source: Path | None = None
+
+    def resolve_path(self, p: str) -> Path:
+        """A path from the config, taken relative to the config file's folder."""
+        path = Path(p).expanduser()
+        if path.is_absolute() or self._source is None:
+            return path
+        return (self._source.parent / path).resolve()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Components selected by name in the tree: (key path, kind).
+COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
+    (("rollout", "generator"), "generators"),
+    (("rollout", "rewards"), "rewards"),
+]
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | Path,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    plugins: Plugins | None = None,
+) -> Config:
+    """Read, override and validate a config; raise one `ConfigError` listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError([(str(path), f"cannot read: {e.strerror}")]) from None
+    return parse_config(text, source=path, overrides=overrides, plugins=plugins)
+
+
+def parse_config(
+    text: str,
+    source: Path | None = None,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    plugins: Plugins | None = None,
+) -> Config:
+    where = str(source) if source else "<config>"
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError([(f"{where}{line}", f"not valid YAML: {getattr(e, 'problem', e)}")]) from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError([(where, "the top level must be a mapping of sections")])
+    lines = _line_map(node) if node is not None else {}
+
+    problems: list[tuple[str, str]] = []
+    overridden: dict[tuple[Any, ...], str] = {}
+    for ov in overrides:
+        try:
+            keys = apply_override(data, ov)
+            overridden[keys] = f"--set {ov}"
+        except ValueError as e:
+            problems.append((f"--set {ov}", str(e)))
+
+    def locate(loc: tuple[Any, ...]) -> str:
+        for n in range(len(loc), -1, -1):
+            if loc[:n] in overridden:
+                return f"{overridden[loc[:n]]}: {format_path(loc)}"
+            if loc[:n] in lines:
+                return f"{where}:{lines[loc[:n]]}: {format_path(loc)}"
+        return f"{where}: {format_path(loc)}"
+
+    cfg: Config | None = None
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            problems.append((locate(loc), _describe(err, loc)))
+    if cfg is not None and plugins is not None:
+        problems += [(locate(loc), msg) for loc, msg in check_components(cfg, plugins)]
+    if problems:
+        raise ConfigError(problems, source=where)
+    assert cfg is not None
+    cfg._source = source.resolve() if source else None
+    return cfg
+
+
+def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
+    """Every component name exists, and its args validate against the component's ``Config``."""
+    from rlx.plugins import unknown_component_message
+
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    for path, kind in COMPONENT_FIELDS:
+        value: Any = cfg
+        for key in path:
+            value = getattr(value, key)
+        specs = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, spec in specs:
+            base = path + ((i,) if i is not None else ())
+            if spec.name not in plugins.components[kind]:
+                problems.append((base + ("name",), unknown_component_message(kind, spec.name, plugins.names(kind))))
+                continue
+            try:
+                component_config(plugins.get(kind, spec.name), spec.args)
+            except ValidationError as e:
+                for err in e.errors():
+                    loc = base + ("args",) + tuple(err["loc"])
+                    problems.append((loc, _describe(err, loc)))
+    return problems
+
+
+def component_config(component: Any, args: dict[str, Any]) -> Any:
+    """The component's validated ``Config`` instance, or None if it takes no config."""
+    conf_cls = getattr(component, "Config", None)
+    if conf_cls is None:
+        if args:
+            raise ValidationError.from_exception_data(
+                "args",
+                [{"type": "extra_forbidden", "loc": (k,), "input": v} for k, v in args.items()],
+            )
+        return None
+    return conf_cls.model_validate(args)
+
+
+def apply_override(data: dict[str, Any], override: str) -> tuple[Any, ...]:
+    """Apply ``a.b.c=value`` to the raw tree in place; return the key path."""
+    if "=" not in override:
+        raise ValueError("expected KEY.PATH=VALUE")
+    dotted, raw = override.split("=", 1)
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in dotted.strip().split(".")]
+    if not all(str(p) for p in parts):
+        raise ValueError(f"empty part in key path {dotted!r}")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node: Any = data
+    for i, key in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            if not isinstance(key, int) or key >= len(node):
+                raise ValueError(f"{format_path(parts[: i + 1])}: no list item {key}")
+            if isinstance(node[key], str) and not isinstance(nxt, int):
+                node[key] = {"name": node[key]}  # a component given by name alone
+            node = node[key]
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"{format_path(parts[:i])} is not a mapping")
+        if node.get(key) is None:
+            node[key] = [] if isinstance(nxt, int) else {}
+        elif isinstance(node[key], str) and not isinstance(nxt, int):
+            node[key] = {"name": node[key]}
+        node = node[key]
+    last = parts[-1]
+    if isinstance(node, list):
+        if not isinstance(last, int) or last > len(node):
+            raise ValueError(f"{format_path(parts)}: no list item {last}")
+        node[last:last + 1] = [value]
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ValueError(f"{format_path(parts[:-1])} is not a mapping")
+    return tuple(parts)
+
+
+def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<root>"
+
+
+def _describe(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        msg = "unknown key"
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1) if known else []
+        if close:
+            msg += f" (did you mean {close[0]!r}?)"
+        elif known:
+            msg += f"; known keys: {', '.join(known)}"
+        return msg
+    if kind == "missing":
+        return "required, but missing"
+    return f"{err['msg']} (got {err.get('input')!r})"
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at `loc`, or [] if it cannot be told (e.g. a component's args)."""
+    model: Any = Config
+    for key in loc:
+        if isinstance(key, int):
+            continue
+        fields = getattr(model, "model_fields", None)
+        if not fields or key not in fields:
+            return []
+        model = _model_of(fields[key].annotation)
+    return list(getattr(model, "model_fields", {}) or [])
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (list, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            m = _model_of(arg)
+            if m is not None:
+                return m
+    return None
+
+
+def _line_map(node: yaml.Node, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
+    """Key path -> 1-based line of that key (or list item) in the YAML source."""
+    out: dict[tuple[Any, ...], int] = {prefix: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            path = prefix + (k.value,)
+            out.update(_line_map(v, path))
+            out[path] = k.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.update(_line_map(v, prefix + (i,)))
+    return out

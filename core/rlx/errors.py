@@ -1,0 +1,37 @@
+"""Errors a user can cause, shown as one clear line at the CLI and never as a traceback.
+
+Every message says what was wrong, where (file, line, key path, plugin) and, when it helps, what to do.
+Code that catches a third-party exception re-raises it as an `RLXError` with that context added.
+"""
+
+from __future__ import annotations
+
+
+class RLXError(Exception):
+    """A problem the user can fix: bad config, bad data row, unreachable engine, a plugin's error."""
+
+    exit_code = 1
+
+
+class ConfigError(RLXError):
+    """One or more configuration problems, reported together.
+
+    Each problem is a `(where, message)` pair, `where` being `file:line: key.path` when known.
+    """
+
+    exit_code = 2
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        head = f"{len(problems)} problem{'s' if len(problems) != 1 else ''} in config"
+        if source:
+            head += f" {source}"
+        lines = [f"  {where}: {msg}" for where, msg in problems]
+        super().__init__(head + ":\n" + "\n".join(lines))
+
+
+class PluginError(RLXError):
+    """A plugin failed to load, has a misspelled hook, or clashes with another plugin."""
+
+    exit_code = 2

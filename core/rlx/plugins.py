@@ -1,0 +1,280 @@
+"""The plugin manager: built-ins first, then entry points in group ``rlx.plugins``, behind a typed facade.
+
+Choices:
+
+* The manager is built by `build_plugins()`, never at import time; tests build a fresh one each.
+* Built-in features are ordinary plugins (`rlx.builtins.BUILTIN_PLUGINS`), registered exactly like
+  third-party ones.
+* ``RLX_LOAD_PLUGINS=a,b`` loads only those entry-point plugins (empty: none);
+  ``RLX_DISABLE_PLUGINS=a,b`` skips plugins by name, built-ins included (to replace one).
+* Hook implementations are validated before registration so that a misspelled hook or argument is an
+  error naming the plugin, the hook and the argument; ``check_pending()`` runs after loading as well.
+* Components are collected per plugin, so that every component knows who registered it and two
+  components with one name name both plugins.
+* Call sites use `Plugins` (the typed facade), never ``pm.hook``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata as md
+import inspect
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from rlx import hookspecs
+from rlx.errors import PluginError, RLXError
+from rlx.hookspecs import KINDS, PROJECT
+
+if TYPE_CHECKING:
+    import typer
+
+    from rlx.types import Group, RolloutBatch
+
+ENTRY_POINT_GROUP = "rlx.plugins"
+
+
+@dataclass
+class PluginInfo:
+    """One loaded plugin, as ``rl plugins`` shows it."""
+
+    name: str
+    distribution: str
+    version: str
+    registers: dict[str, list[str]] = field(default_factory=dict)  # kind -> component names
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "registers": {k: list(v) for k, v in self.registers.items()},
+        }
+
+
+@dataclass
+class Component:
+    """A registered component: what it is, its kind, and the plugin that registered it."""
+
+    name: str
+    kind: str
+    obj: Any
+    plugin: str
+
+
+class Plugins:
+    """Typed facade over the pluggy manager: components by kind and name, and the lifecycle hooks."""
+
+    def __init__(self, pm: pluggy.PluginManager, infos: list[PluginInfo]):
+        self.pm = pm
+        self.infos = infos
+        self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+        self._collect()
+
+    # -- components ----------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        by_name = {info.name: info for info in self.infos}
+        for kind in KINDS:
+            caller = getattr(self.pm.hook, f"register_{kind}")
+            # get_hookimpls() is in registration order: built-ins claim their names first.
+            for impl in caller.get_hookimpls():
+                plugin_name = impl.plugin_name
+
+                def register(obj: Any, _plugin: str = plugin_name, _kind: str = kind) -> None:
+                    self._add(_kind, obj, _plugin)
+
+                try:
+                    impl.function(register=register)
+                except RLXError:
+                    raise
+                except Exception as e:
+                    raise PluginError(
+                        f"plugin {plugin_name!r} raised in register_{kind}: {type(e).__name__}: {e}"
+                    ) from e
+            for comp in self.components[kind].values():
+                by_name[comp.plugin].registers.setdefault(kind, []).append(comp.name)
+
+    def _add(self, kind: str, obj: Any, plugin: str) -> None:
+        name = getattr(obj, "name", None)
+        if not isinstance(name, str) or not name:
+            raise PluginError(
+                f"plugin {plugin!r} registered a {kind[:-1]} {obj!r} without a string `name` attribute"
+            )
+        existing = self.components[kind].get(name)
+        if existing is not None:
+            raise PluginError(
+                f"two {kind} named {name!r}: one from plugin {existing.plugin!r} "
+                f"({_qualname(existing.obj)}), one from plugin {plugin!r} ({_qualname(obj)}); "
+                f"disable one with RLX_DISABLE_PLUGINS"
+            )
+        self.components[kind][name] = Component(name, kind, obj, plugin)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.components[_check_kind(kind)])
+
+    def get(self, kind: str, name: str) -> Any:
+        """The component of `kind` called `name`; an error listing the choices if there is none."""
+        comps = self.components[_check_kind(kind)]
+        if name in comps:
+            return comps[name].obj
+        raise RLXError(unknown_component_message(kind, name, list(comps)))
+
+    def component(self, kind: str, name: str) -> Component:
+        self.get(kind, name)
+        return self.components[kind][name]
+
+    # -- lifecycle hooks -----------------------------------------------------------------------
+
+    def keep_group(self, group: Group) -> bool:
+        """False if any ``filter_group`` implementation rejects the group."""
+        return all(r is not False for r in self.pm.hook.filter_group(group=group))
+
+    def on_rollout_end(self, batch: RolloutBatch) -> None:
+        self.pm.hook.on_rollout_end(batch=batch)
+
+    def on_train_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        self.pm.hook.on_train_step_end(step=step, metrics=metrics)
+
+    def add_commands(self, app: typer.Typer) -> None:
+        self.pm.hook.register_commands(app=app)
+
+
+def unknown_component_message(kind: str, name: str, choices: Iterable[str]) -> str:
+    choices = sorted(choices)
+    msg = f"no {kind[:-1]} named {name!r}"
+    close = difflib.get_close_matches(name, choices, n=1)
+    if close:
+        msg += f" (did you mean {close[0]!r}?)"
+    msg += f"; available: {', '.join(choices) if choices else 'none'}"
+    if not close:
+        msg += " (is the plugin that provides it installed? `rl plugins` lists what is loaded)"
+    return msg
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind {kind!r}; kinds are {', '.join(KINDS)}")
+    return kind
+
+
+def _qualname(obj: Any) -> str:
+    o = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
+    return f"{o.__module__}.{o.__qualname__}"
+
+
+def _env_list(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def validate_plugin(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Reject hook implementations whose name or arguments do not match a spec, naming all three."""
+    for attr in dir(plugin):
+        if pm.parse_hookimpl_opts(plugin, attr) is None:
+            continue
+        caller = getattr(pm.hook, attr, None)
+        if caller is None or caller.spec is None:
+            close = difflib.get_close_matches(attr, _spec_names(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PluginError(f"plugin {name!r} implements unknown hook {attr!r}{hint}")
+        fn = getattr(plugin, attr)
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+        ]
+        allowed = caller.spec.argnames
+        for p in params:
+            if p not in allowed:
+                close = difflib.get_close_matches(p, allowed, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise PluginError(
+                    f"plugin {name!r}, hook {attr!r}: argument {p!r} is not in the spec "
+                    f"({', '.join(allowed)}){hint}"
+                )
+
+
+def _spec_names() -> list[str]:
+    return [n for n, v in vars(hookspecs).items() if callable(v) and hasattr(v, f"{PROJECT}_spec")]
+
+
+def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    validate_plugin(pm, plugin, name)
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as e:
+        raise PluginError(f"plugin {name!r} rejected: {e}") from e
+
+
+def build_plugins(
+    *,
+    entry_points: bool = True,
+    extra: Iterable[tuple[str, object]] = (),
+) -> Plugins:
+    """Build a fresh plugin manager and collect every component.
+
+    :param entry_points: load third-party plugins from the ``rlx.plugins`` entry-point group.
+    :param extra: ``(name, plugin)`` pairs registered after everything else (tests, embedding).
+    """
+    from rlx.builtins import BUILTIN_PLUGINS
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    disabled = _env_list("RLX_DISABLE_PLUGINS") or set()
+    only = _env_list("RLX_LOAD_PLUGINS")
+    version = _rlx_version()
+    infos: list[PluginInfo] = []
+
+    for modname in BUILTIN_PLUGINS:
+        if modname in disabled:
+            continue
+        _register(pm, importlib.import_module(modname), modname)
+        infos.append(PluginInfo(modname, "rlx", version))
+
+    if entry_points:
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if ep.name in disabled or (only is not None and ep.name not in only):
+                continue
+            dist = ep.dist.name if ep.dist else "?"
+            dist_version = ep.dist.version if ep.dist else "?"
+            if pm.has_plugin(ep.name):
+                raise PluginError(
+                    f"two plugins named {ep.name!r}: distribution {dist!r} and an earlier one; "
+                    f"rename one entry point"
+                )
+            try:
+                plugin = ep.load()
+            except Exception as e:
+                raise PluginError(
+                    f"plugin {ep.name!r} from distribution {dist!r} failed to import "
+                    f"({ep.value}): {type(e).__name__}: {e}"
+                ) from e
+            _register(pm, plugin, ep.name)
+            infos.append(PluginInfo(ep.name, dist, dist_version))
+
+    for name, plugin in extra:
+        _register(pm, plugin, name)
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+        infos.append(PluginInfo(name, module.split(".")[0], "-"))
+
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        raise PluginError(str(e)) from e
+    return Plugins(pm, infos)
+
+
+def _rlx_version() -> str:
+    try:
+        return md.version("rlx")
+    except md.PackageNotFoundError:
+        return "0+unknown"

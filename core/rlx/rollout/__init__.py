@@ -1,0 +1,1 @@
+"""Rollout: engines, the router, generators, rewards and the rollout manager."""

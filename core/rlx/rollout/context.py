@@ -1,0 +1,65 @@
+"""What a generator gets to work with: the engine client, the tokenizer and the sampling settings.
+
+A generator is a component registered through ``register_generators``: a class with ``name`` and
+``async generate(ctx, sample) -> list[Sample]``. It receives a sample whose ``prompt_ids`` are set
+(and, when a partial rollout resumes, whose ``response_ids`` already hold the earlier tokens), and
+returns the finished sample, or several when it branches (subagents, compaction). It must keep
+token-in-token-out: ``response_ids`` are the engine's ids, appended, never re-encoded from text.
+Rewards are scored by the manager afterwards unless the generator has already set ``sample.reward``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlx.config import SamplingConfig
+from rlx.rollout.engines.protocol import EngineClient, GenerateRequest, GenerateResult
+from rlx.types import Sample, SampleStatus
+
+_FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass
+class GenerateContext:
+    client: EngineClient  # the router, or the single engine
+    tokenizer: Any
+    sampling: SamplingConfig
+    retries: int = 0  # retries of a request that failed on a dead or unreachable engine
+    _rids: Any = field(default_factory=itertools.count)
+
+    def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
+        """SGLang sampling_params from config, with `already` tokens deducted from the budget."""
+        s = self.sampling
+        params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                  "max_new_tokens": max(s.max_new_tokens - already, 0), "stop": list(s.stop),
+                  "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": True}
+        return params | overrides
+
+    def new_rid(self, sample: Sample) -> str:
+        return f"s{sample.sample_id}-{next(self._rids)}"
+
+    async def generate(self, input_ids: list[int], params: dict[str, Any], rid: str | None = None) -> GenerateResult:
+        (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
+        return res
+
+
+def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
+    """Append what the engine sampled to the sample, with logprobs, mask 1 and versions."""
+    sample.response_ids += res.output_ids
+    sample.rollout_logprobs += res.output_logprobs or [0.0] * len(res.output_ids)
+    sample.loss_mask += [1] * len(res.output_ids)
+    versions = res.token_weight_versions or [res.weight_version] * len(res.output_ids)
+    sample.token_versions += [_int_version(v) for v in versions]
+    if sample.token_versions:
+        sample.weight_version = min(sample.token_versions)
+    sample.finish_reason = res.finish_reason
+    sample.status = _FINISH_STATUS.get(res.finish_reason, SampleStatus.COMPLETED)
+
+
+def _int_version(v: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0  # SGLang's initial version is "default"

@@ -1,0 +1,80 @@
+"""Building reward components from config and calling them, sync or async, with a time limit.
+
+A reward's exception or time-out never escapes: the sample is marked FAILED with the reason and the
+run goes on. Sync rewards run in a worker thread so a slow one does not stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from rlx.config import RewardSpec, component_config
+from rlx.errors import RLXError
+from rlx.types import RewardResult, Sample, SampleStatus
+
+
+@dataclass
+class BoundReward:
+    """A reward instance with its name and weight from config."""
+
+    name: str
+    weight: float
+    reward: Any
+
+
+def instantiate(component: Any, args: dict[str, Any]) -> Any:
+    """Create a component from its class and config args (an object is returned as it is)."""
+    if not inspect.isclass(component):
+        return component
+    conf = component_config(component, args)
+    return component(conf) if conf is not None else component()
+
+
+def build_rewards(specs: list[RewardSpec], plugins: Any) -> list[BoundReward]:
+    return [BoundReward(s.name, s.weight, instantiate(plugins.get("rewards", s.name), s.args)) for s in specs]
+
+
+def as_result(value: Any, name: str) -> RewardResult:
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RLXError(f"reward {name!r} returned {type(value).__name__}; expected RewardResult or a number")
+    return RewardResult(float(value))
+
+
+async def call_reward(reward: Any, sample: Sample, name: str = "?") -> RewardResult:
+    """Call `reward.score(sample)`, sync or async, and normalise the result."""
+    fn = reward.score
+    if inspect.iscoroutinefunction(fn):
+        value = await fn(sample)
+    else:
+        value = await asyncio.to_thread(fn, sample)
+        if inspect.isawaitable(value):
+            value = await value
+    return as_result(value, name)
+
+
+async def score_sample(sample: Sample, rewards: list[BoundReward], timeout_s: float | None) -> Sample:
+    """Fill `sample.rewards` and `sample.reward`; on any failure mark the sample FAILED with why."""
+    total = 0.0
+    for b in rewards:
+        try:
+            result = await asyncio.wait_for(call_reward(b.reward, sample, b.name), timeout_s)
+        except TimeoutError:
+            return _fail(sample, f"reward {b.name!r} timed out after {timeout_s}s")
+        except Exception as e:
+            return _fail(sample, f"reward {b.name!r} raised {type(e).__name__}: {e}")
+        sample.rewards[b.name] = result
+        total += b.weight * result.score
+    sample.reward = total
+    return sample
+
+
+def _fail(sample: Sample, why: str) -> Sample:
+    sample.status = SampleStatus.FAILED
+    sample.error = why
+    sample.reward = None
+    return sample

@@ -1,0 +1,136 @@
+"""Data that crosses module boundaries: samples, groups, rewards and batches.
+
+Plain dataclasses with no torch in them, so that rollout workers, the buffer service, plugins and tests
+can build and inspect them cheaply. Token ids are the ids the engine sampled (token-in-token-out): text
+is kept alongside for people and rewards, never re-encoded into training data.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class SampleStatus(str, enum.Enum):
+    """Where a sample is in its life. Only COMPLETED and TRUNCATED samples are trained on."""
+
+    PENDING = "pending"  # created, not generated yet (or waiting to resume a partial rollout)
+    COMPLETED = "completed"  # the engine stopped on EOS or a stop sequence
+    TRUNCATED = "truncated"  # the engine stopped at max_new_tokens or the context limit
+    ABORTED = "aborted"  # generation was cut at a step boundary; may resume from its prefix
+    FAILED = "failed"  # generation or a reward raised; `error` says why
+    FILTERED = "filtered"  # dropped by a group filter (e.g. zero reward variance)
+
+    @property
+    def trainable(self) -> bool:
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+@dataclass
+class RewardResult:
+    """What a reward returns: a score, and optionally the parts it was made of.
+
+    `parts` are logged as metrics (`reward/<name>/<part>`); only `score` enters the advantage.
+    """
+
+    score: float
+    parts: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # anything worth keeping, e.g. the parsed answer
+
+
+@dataclass
+class Sample:
+    """One generated response to one prompt, and everything training needs from it."""
+
+    prompt_ids: list[int]  # the prompt exactly as sent to the engine (chat template already applied)
+    response_ids: list[int] = field(default_factory=list)  # every token after the prompt, in order
+    loss_mask: list[int] = field(default_factory=list)  # per response token: 1 model-sampled, 0 tool/user
+    rollout_logprobs: list[float] = field(default_factory=list)  # engine logprob per response token (0 where mask is 0)
+    prompt_text: str = ""  # for people and rewards only
+    response_text: str = ""  # for people and rewards only
+    label: Any = None  # the reference answer from the dataset, given to rewards
+    reward: float | None = None  # the combined reward used for advantages
+    rewards: dict[str, RewardResult] = field(default_factory=dict)  # each reward's own result, by name
+    status: SampleStatus = SampleStatus.PENDING
+    finish_reason: str | None = None  # the engine's: "stop", "length", "abort"
+    error: str | None = None  # why the sample FAILED
+    group_id: int = -1  # which prompt group this sample belongs to
+    sample_id: int = -1  # unique within a run; the order training sees samples in is checked by it
+    index: int = 0  # position within its group
+    weight_version: int = 0  # policy version that generated it (lowest, for a resumed partial rollout)
+    token_versions: list[int] = field(default_factory=list)  # per response token, when versions are mixed
+    metadata: dict[str, Any] = field(default_factory=dict)  # dataset metadata and generator notes
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        d = dict(d)
+        d["status"] = SampleStatus(d.get("status", "pending"))
+        d["rewards"] = {k: RewardResult(**v) for k, v in (d.get("rewards") or {}).items()}
+        return cls(**d)
+
+
+@dataclass
+class Group:
+    """The samples drawn for one prompt; GRPO-style advantages are computed within a group."""
+
+    group_id: int
+    samples: list[Sample]
+    prompt_index: int = -1  # position of the prompt in the dataset (for exact resume)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples if s.reward is not None]
+
+    @property
+    def trainable(self) -> list[Sample]:
+        return [s for s in self.samples if s.status.trainable]
+
+
+@dataclass
+class RolloutBatch:
+    """What one rollout step hands to training: whole groups, any number of samples each.
+
+    The global batch size varies: a prompt may yield many samples (n per prompt, or an agent's
+    branches), and training uses all of them, normalising over groups rather than padding or dropping.
+    """
+
+    step: int
+    groups: list[Group]
+    weight_version: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.total_len for s in self.samples)
+
+
+@dataclass
+class TrainBatch:
+    """Trainable samples of one step with their per-token advantages, ready to pack for one DP rank."""
+
+    step: int
+    samples: list[Sample]
+    advantages: list[list[float]]  # per sample, per response token
+    returns: list[list[float]] | None = None  # for value-based methods (PPO with a critic)
+    num_groups: int = 0  # for group-level loss normalisation across ranks
+
+    def __post_init__(self) -> None:
+        if len(self.advantages) != len(self.samples):
+            raise ValueError(
+                f"TrainBatch: {len(self.samples)} samples but {len(self.advantages)} advantage rows"
+            )

@@ -1,0 +1,101 @@
+import json
+import textwrap
+import types
+
+import typer
+
+from rlx import hookimpl
+from rlx_cli import main as cli
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_plugins_json_lists_builtins_with_the_documented_keys(capsys):
+    code, out, _ = run(capsys, "plugins", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    builtin = next(r for r in rows if r["name"] == "rlx.builtins.rewards")
+    assert set(builtin) == {"name", "distribution", "version", "registers"}
+    assert builtin["registers"]["rewards"] == ["exact_match"]
+
+
+def test_plugins_table(capsys):
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0 and "exact_match" in out and "distribution" in out
+
+
+def test_validate_ok_and_show_prints_defaults(tmp_path, capsys):
+    p = write(tmp_path, """
+        model: {path: /m}
+        rollout:
+          rewards: [exact_match]
+    """)
+    assert run(capsys, "config", "validate", str(p))[0] == 0
+    code, out, _ = run(capsys, "config", "show", str(p), "--set", "rollout.sampling.temperature=0.5")
+    assert code == 0
+    assert "temperature: 0.5" in out and "n_samples_per_prompt: 4" in out and "name: exact_match" in out
+
+
+def test_three_problems_at_once_exit_2_without_traceback(tmp_path, capsys):
+    p = write(tmp_path, """
+        run:
+          name: x
+          sed: 3
+        rollout:
+          n_prompts: many
+    """)
+    code, out, err = run(capsys, "config", "validate", str(p))
+    assert code == 2
+    assert "Traceback" not in err + out
+    assert "3 problems" in err
+    assert f"{p}:4: run.sed: unknown key (did you mean 'seed'?)" in err
+    assert f"{p}:6: rollout.n_prompts: Input should be a valid integer" in err
+    assert "model: required, but missing" in err
+
+
+def test_unknown_reward_and_bad_args_are_reported_with_paths(tmp_path, capsys):
+    p = write(tmp_path, """
+        model: {path: /m}
+        rollout:
+          rewards:
+            - name: exact_mach
+            - name: exact_match
+              args: {strp: true}
+    """)
+    code, _, err = run(capsys, "config", "validate", str(p))
+    assert code == 2
+    assert f"{p}:5: rollout.rewards[0].name: no reward named 'exact_mach'" in err
+    assert f"{p}:7: rollout.rewards[1].args.strp: unknown key" in err
+
+
+def test_missing_file_is_a_one_line_error(tmp_path, capsys):
+    code, _, err = run(capsys, "config", "validate", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "cannot read" in err and "Traceback" not in err
+
+
+def test_register_commands_hook_adds_a_subcommand(monkeypatch, capsys):
+    from rlx import plugins as plugins_mod
+
+    def register_commands(app: typer.Typer):
+        @app.command("hello")
+        def hello():
+            print("hello from a plugin")
+
+    mod = types.ModuleType("cmds")
+    mod.register_commands = hookimpl(register_commands)
+    real = plugins_mod.build_plugins
+    monkeypatch.setattr(plugins_mod, "build_plugins", lambda **kw: real(extra=[("cmds", mod)], **kw))
+    monkeypatch.setattr(cli, "app", typer.Typer())  # a fresh app, so the command is not added twice
+    cli.app.command("plugins")(cli.plugins_cmd)
+    code, out, _ = run(capsys, "hello")
+    assert code == 0 and "hello from a plugin" in out

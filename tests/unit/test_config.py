@@ -1,0 +1,124 @@
+import textwrap
+
+import pytest
+
+from rlx.config import apply_override, format_path, load_config, parse_config
+from rlx.errors import ConfigError
+from rlx.plugins import build_plugins
+
+
+def parse(text, overrides=(), plugins=None):
+    return parse_config(textwrap.dedent(text), overrides=list(overrides), plugins=plugins)
+
+
+def problems(text, overrides=(), plugins=None):
+    with pytest.raises(ConfigError) as e:
+        parse(text, overrides, plugins)
+    return e.value.problems
+
+
+def test_defaults_fill_the_tree():
+    cfg = parse("model: {path: /m}")
+    assert cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.rollout.generator.name == "single_turn"
+    assert cfg.rollout.sampling.top_k == -1
+
+
+def test_unknown_wrong_type_and_missing_are_collected_with_lines():
+    got = problems("""
+        run:
+          outptu_dir: /x
+        rollout:
+          sampling:
+            temperature: hot
+    """)
+    assert len(got) == 3
+    assert ("<config>:3: run.outptu_dir", "unknown key (did you mean 'output_dir'?)") in got
+    where = [w for w, _ in got]
+    assert "<config>:6: rollout.sampling.temperature" in where
+    assert any(w.endswith(": model") and m == "required, but missing" for w, m in got)
+
+
+def test_unknown_top_level_section_lists_known_keys():
+    (where, msg), = problems("model: {path: /m}\nzzz: 1\n")
+    assert where == "<config>:2: zzz" and "known keys: run, model, data, rollout" in msg
+
+
+def test_override_sets_typed_values_and_list_items():
+    cfg = parse(
+        """
+        model: {path: /m}
+        rollout:
+          rewards: [exact_match]
+        """,
+        ["rollout.sampling.temperature=0.25", "rollout.rewards.0.weight=2", "rollout.sampling.stop=[a, b]"],
+    )
+    assert cfg.rollout.sampling.temperature == 0.25
+    assert cfg.rollout.rewards[0].weight == 2.0
+    assert cfg.rollout.sampling.stop == ["a", "b"]
+
+
+def test_override_errors_name_the_override():
+    got = problems("model: {path: /m}", ["rollout.n_prompts=lots", "nokey"])
+    assert ("--set nokey", "expected KEY.PATH=VALUE") in got
+    assert any(w == "--set rollout.n_prompts=lots: rollout.n_prompts" for w, _ in got)
+
+
+def test_override_creates_missing_sections():
+    cfg = parse("{}", ["model.path=/x"])
+    assert cfg.model.path == "/x"
+
+
+def test_apply_override_rejects_index_past_the_end():
+    with pytest.raises(ValueError, match="no list item 5"):
+        apply_override({"a": [1]}, "a.5.b=1")
+
+
+def test_component_names_and_args_checked_against_plugins():
+    got = problems(
+        """
+        model: {path: /m}
+        rollout:
+          generator: nope
+          rewards:
+            - {name: exact_match, args: {case_sensitive: maybe}}
+        """,
+        plugins=build_plugins(entry_points=False),
+    )
+    where = dict(got)
+    assert "no generator named 'nope'" in where["<config>:4: rollout.generator.name"]
+    assert "valid boolean" in where["<config>:6: rollout.rewards[0].args.case_sensitive"]
+
+
+def test_yaml_syntax_error_has_a_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  path: [unclosed\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.problems[0][0].startswith(f"{p}:")
+    assert e.value.exit_code == 2
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    p = tmp_path / "sub" / "c.yaml"
+    p.parent.mkdir()
+    p.write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
+    cfg = load_config(p)
+    assert cfg.resolve_path(cfg.data.path) == tmp_path / "sub" / "d.jsonl"
+    assert cfg.resolve_path("/abs") .as_posix() == "/abs"
+
+
+def test_to_yaml_round_trips():
+    cfg = parse("model: {path: /m}\nrollout: {rewards: [{name: exact_match, weight: 0.5}]}")
+    again = parse(cfg.to_yaml())
+    assert again.model_dump() == cfg.model_dump()
+
+
+def test_format_path():
+    assert format_path(("rollout", "rewards", 0, "args", "x")) == "rollout.rewards[0].args.x"
+    assert format_path(()) == "<root>"
+
+
+def test_override_into_a_component_given_by_name():
+    cfg = parse("model: {path: /m}\nrollout: {generator: single_turn}", ["rollout.generator.args.x=1"])
+    assert cfg.rollout.generator.name == "single_turn" and cfg.rollout.generator.args == {"x": 1}

@@ -1,0 +1,169 @@
+import types
+
+import pytest
+
+from rlx import hookimpl
+from rlx.errors import PluginError, RLXError
+from rlx.plugins import build_plugins, validate_plugin
+from rlx.types import Group, RolloutBatch, Sample
+
+
+def _plugin(name: str, **hooks) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    for k, fn in hooks.items():
+        setattr(mod, k, hookimpl(fn))
+    return mod
+
+
+class Reward:
+    name = "double"
+
+    def score(self, sample):
+        return 2.0
+
+
+def test_builtins_are_ordinary_plugins_and_register_components():
+    p = build_plugins(entry_points=False)
+    assert "exact_match" in p.names("rewards")
+    info = next(i for i in p.infos if i.name == "rlx.builtins.rewards")
+    assert info.distribution == "rlx" and info.registers == {"rewards": ["exact_match"]}
+
+
+def test_extra_plugin_registers_and_is_found_by_name():
+    mod = _plugin("mine", register_rewards=lambda register: register(Reward))
+    p = build_plugins(entry_points=False, extra=[("mine", mod)])
+    assert p.get("rewards", "double") is Reward
+    assert p.component("rewards", "double").plugin == "mine"
+
+
+def test_unknown_component_suggests_the_close_name():
+    p = build_plugins(entry_points=False)
+    with pytest.raises(RLXError, match=r"no reward named 'exact_mach' \(did you mean 'exact_match'\?\)"):
+        p.get("rewards", "exact_mach")
+
+
+def test_duplicate_component_names_name_both_plugins():
+    a = _plugin("alpha", register_rewards=lambda register: register(Reward))
+    b = _plugin("beta", register_rewards=lambda register: register(Reward))
+    with pytest.raises(PluginError) as e:
+        build_plugins(entry_points=False, extra=[("alpha", a), ("beta", b)])
+    assert "'alpha'" in str(e.value) and "'beta'" in str(e.value) and "'double'" in str(e.value)
+
+
+def test_misspelled_hook_name_names_plugin_and_hook():
+    bad = _plugin("typo-plugin", register_reward=lambda register: None)
+    with pytest.raises(PluginError) as e:
+        build_plugins(entry_points=False, extra=[("typo-plugin", bad)])
+    msg = str(e.value)
+    assert "'typo-plugin'" in msg and "'register_reward'" in msg and "did you mean 'register_rewards'" in msg
+
+
+def test_misspelled_argument_names_plugin_hook_and_argument():
+    bad = _plugin("argy", register_rewards=lambda registr: None)
+    with pytest.raises(PluginError) as e:
+        build_plugins(entry_points=False, extra=[("argy", bad)])
+    msg = str(e.value)
+    assert "'argy'" in msg and "'register_rewards'" in msg and "'registr'" in msg and "'register'" in msg
+
+
+def test_validate_plugin_accepts_subset_of_arguments():
+    import pluggy
+
+    from rlx import hookspecs
+
+    pm = pluggy.PluginManager("rlx")
+    pm.add_hookspecs(hookspecs)
+    validate_plugin(pm, _plugin("ok", on_train_step_end=lambda step: None), "ok")
+
+
+def test_component_without_name_is_rejected():
+    mod = _plugin("nameless", register_rewards=lambda register: register(object()))
+    with pytest.raises(PluginError, match="'nameless'.*without a string `name`"):
+        build_plugins(entry_points=False, extra=[("nameless", mod)])
+
+
+def test_exception_in_register_hook_names_the_plugin():
+    def boom(register):
+        raise KeyError("x")
+
+    with pytest.raises(PluginError, match="plugin 'boom' raised in register_rewards"):
+        build_plugins(entry_points=False, extra=[("boom", _plugin("boom", register_rewards=boom))])
+
+
+def test_disable_plugins_env_skips_builtins(monkeypatch):
+    monkeypatch.setenv("RLX_DISABLE_PLUGINS", "rlx.builtins.rewards")
+    assert "exact_match" not in build_plugins(entry_points=False).names("rewards")
+
+
+def test_load_plugins_env_limits_entry_points(monkeypatch):
+    monkeypatch.setenv("RLX_LOAD_PLUGINS", "")
+    p = build_plugins()
+    assert all(i.distribution == "rlx" for i in p.infos)
+
+
+def test_each_build_is_fresh():
+    mod = _plugin("once", register_rewards=lambda register: register(Reward))
+    build_plugins(entry_points=False, extra=[("once", mod)])
+    assert "double" not in build_plugins(entry_points=False).names("rewards")
+
+
+def test_lifecycle_hooks_through_the_facade():
+    seen = {}
+
+    def filter_group(group):
+        return len(set(group.rewards)) > 1
+
+    def on_train_step_end(step, metrics):
+        metrics["seen"] = step
+
+    def on_rollout_end(batch):
+        seen["groups"] = len(batch.groups)
+
+    mod = _plugin("life", filter_group=filter_group, on_train_step_end=on_train_step_end,
+                  on_rollout_end=on_rollout_end)
+    p = build_plugins(entry_points=False, extra=[("life", mod)])
+    same = Group(0, [Sample([1], reward=1.0), Sample([1], reward=1.0)])
+    mixed = Group(1, [Sample([1], reward=0.0), Sample([1], reward=1.0)])
+    assert p.keep_group(mixed) and not p.keep_group(same)
+    m = {}
+    p.on_train_step_end(3, m)
+    assert m == {"seen": 3}
+    p.on_rollout_end(RolloutBatch(1, [same, mixed]))
+    assert seen == {"groups": 2}
+
+
+def test_every_hookspec_is_exercised_by_a_test():
+    # datasette-style guard: a new hook must come with a test that names it.
+    import pathlib
+
+    from rlx import hookspecs
+    from rlx.plugins import _spec_names
+
+    text = "".join(p.read_text() for p in pathlib.Path(__file__).parent.parent.rglob("test_*.py"))
+    missing = [n for n in _spec_names() if n not in text]
+    assert not missing, f"hooks without a test: {missing}"
+    assert set(_spec_names()) >= {f"register_{k}" for k in hookspecs.KINDS}
+
+
+def test_every_registration_kind_is_collected_and_reported():
+    def make(kind):
+        cls = type(f"C_{kind}", (), {"name": f"my-{kind}"})
+        return lambda register: register(cls)
+
+    hooks = {
+        "register_rewards": make("rewards"),
+        "register_losses": make("losses"),
+        "register_balancers": make("balancers"),
+        "register_transports": make("transports"),
+        "register_generators": make("generators"),
+        "register_models": make("models"),
+        "register_kernels": make("kernels"),
+        "register_agents": make("agents"),
+    }
+    p = build_plugins(entry_points=False, extra=[("all-kinds", _plugin("all-kinds", **hooks))])
+    info = next(i for i in p.infos if i.name == "all-kinds")
+    assert info.to_dict()["registers"] == {k: [f"my-{k}"] for k in
+                                           ["rewards", "losses", "balancers", "transports",
+                                            "generators", "models", "kernels", "agents"]}
+    for kind in info.registers:
+        assert p.get(kind, f"my-{kind}").name == f"my-{kind}"
