@@ -1,0 +1,1 @@
+"""Model helpers that need no plugin: resolving model paths and the tiny built-in model."""

@@ -1,0 +1,118 @@
+"""A tiny Qwen3-shaped model and byte-level BPE tokenizer, built offline in about a second.
+
+``model.path: builtin://tiny-qwen3`` resolves to a directory holding an ordinary HF checkpoint
+(config.json, safetensors, tokenizer.json, chat template), built on first use and cached under
+``$RLX_CACHE`` (default ``~/.cache/rlx``). Every engine and trainer loads it like any HF checkpoint,
+so the same code path serves it and a real model. The tokenizer is trained on arithmetic text, so
+that prompts and answers of the built-in tasks are a handful of tokens. Weights are random (seeded):
+the point is a model a CPU can train in minutes, not one that knows anything.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlx.errors import RLXError
+
+SCHEME = "builtin://"
+VERSION = "1"  # bump when the recipe changes, so caches rebuild
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+SHAPES = {
+    "tiny-qwen3": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16),
+    "small-qwen3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=32),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLX_CACHE", Path.home() / ".cache" / "rlx"))
+
+
+def resolve_model_path(path: str) -> str:
+    """A real directory for `path`, building a built-in model first if `path` names one."""
+    if not path.startswith(SCHEME):
+        return path
+    name = path[len(SCHEME):]
+    if name not in SHAPES:
+        raise RLXError(f"unknown built-in model {path!r}; built-ins: {', '.join(SCHEME + n for n in SHAPES)}")
+    target = cache_root() / f"{name}-v{VERSION}"
+    if (target / "config.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # engines and trainers may race to build it
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
+            build_tiny_model(tmp, name)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+    return str(target)
+
+
+def corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Text the tokenizer is trained on: arithmetic, chat markup and a few common words."""
+    rng = random.Random(seed)
+    words = "what is the answer result sum of and plus minus times equals compute give only number".split()
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        lines.append(f"{rng.choice(words)} {a} {op} {b} = {eval(f'{a}{op}{b}')}")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 8))))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        **SHAPES[name],
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out

@@ -1,0 +1,1 @@
+"""Engines: the SGLang HTTP protocol client, the embedded engine, and launching or attaching engines."""

@@ -1,0 +1,82 @@
+"""Command line of the embedded engine; flags mirror ``sglang.launch_server`` where they overlap."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlx.rollout.engines.embedded",
+                                description="rlx embedded engine (SGLang-compatible HTTP API)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path")
+    p.add_argument("--served-model-name")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--context-length", type=int)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
+    p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.tp_size != 1:
+        print("error: the embedded engine runs on one device (--tp-size 1); use SGLang for TP", file=sys.stderr)
+        return 2
+    import torch
+    from aiohttp import web
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlx.models.tiny import resolve_model_path
+    from rlx.rollout.engines.embedded.scheduler import Scheduler
+    from rlx.rollout.engines.embedded.server import EngineServer
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    path = resolve_model_path(args.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
+                          max_context=args.context_length)
+    server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
+                          server_args={k: v for k, v in vars(args).items()})
+    scheduler.start()
+
+    async def serve() -> None:
+        runner = web.AppRunner(server.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        print(f"rlx embedded engine ready on http://{args.host}:{args.port} (pid {os.getpid()}, "
+              f"{device}, {dtype})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        scheduler.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Continuous batching over a Hugging Face causal LM: the embedded engine's core, run in one thread.
+
+Choices:
+
+* Any ``AutoModelForCausalLM`` works: the model is called with a left-padded batch, a 2-D attention
+  mask, explicit per-row position ids and one ``DynamicCache`` for the whole running batch.
+* Requests that arrive while others decode are prefilled together, then merged into the running batch
+  by left-padding the two caches to a common length; finished rows are dropped by index, and leading
+  columns that no row uses any more are trimmed, so padding does not accumulate.
+* Sampling is vectorised over rows, each row with its own temperature, top-p, top-k and min-p.
+  The logprob reported for a token is ``log_softmax(logits / temperature)`` at that token, before top-k
+  or top-p truncation (SGLang's default), and the plain ``log_softmax(logits)`` when greedy; with
+  temperature 1 it is exactly the model's logprob, which is what RL needs.
+* Output ids include the stop token that ended a request (EOS or a stop id), so a trainer learns to
+  stop; the text excludes it and is cut before a matched stop string.
+* Commands (weight updates, flush, pause) run in this thread between two decode steps, so a step
+  never sees half-updated weights. Each output token records the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_rid_counter = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_rid_counter)}")
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict[str, Any] | None = None
+    aborted: str | None = None  # the abort message, once asked to abort
+    on_token: Callable[[Request], None] | None = None  # called in the scheduler thread
+    on_done: Callable[[Request], None] | None = None
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+
+class Command:
+    """A function to run in the scheduler thread between steps, with a result to wait for."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # handed to the caller, who reports it
+            self.error = e
+        finally:
+            self.done.set()
+
+
+class Scheduler:
+    """Owns the model and the running batch; everything that touches them runs in its thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_running: int = 64, seed: int = 0,
+                 max_context: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_running = max_running
+        self.max_context = max_context or getattr(model.config, "max_position_embeddings", 1 << 30)
+        eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.weight_version = "0"
+        self.paused = False
+        self.released = False
+        self.inbox: queue.Queue[Request | Command] = queue.Queue()
+        self.waiting: list[Request] = []
+        self.rows: list[Request] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 where a real token sits
+        self._pos: torch.Tensor | None = None  # [B] position id of the next token
+        self._last: torch.Tensor | None = None  # [B] last sampled token
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="rlx-engine-scheduler", daemon=True)
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- called from other threads -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put(Command(lambda: None))
+        self.thread.join(timeout=10)
+
+    def submit(self, req: Request) -> None:
+        self.inbox.put(req)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` in the scheduler thread between steps and return its result (blocking)."""
+        cmd = Command(fn)
+        self.inbox.put(cmd)
+        if not cmd.done.wait(timeout):
+            raise TimeoutError("the engine did not run the command in time")
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.result
+
+    def abort(self, rid: str | None = None, message: str = "aborted") -> int:
+        """Mark requests to abort (all when rid is None); they finish at the next step boundary."""
+        return self.call(lambda: self._abort(rid, message))
+
+    # -- the scheduler thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            idle = not self.rows and not self.waiting or self.paused or self.released
+            self._drain_inbox(block=idle)
+            if self._stop.is_set():
+                break
+            self._finish_aborted()
+            if self.paused or self.released:
+                continue
+            try:
+                room = self.max_running - len(self.rows)
+                if room > 0 and self.waiting:
+                    new, self.waiting = self.waiting[:room], self.waiting[room:]
+                    self._prefill(new)
+                if self.rows:
+                    self._decode()
+            except Exception as e:  # a model error fails the requests in flight, not the server
+                for r in self.rows + self.waiting:
+                    self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                self._reset_batch()
+                self.waiting = []
+
+    def _drain_inbox(self, block: bool) -> None:
+        first = True
+        while True:
+            try:
+                item = self.inbox.get(block=block and first, timeout=0.5 if block and first else None)
+            except queue.Empty:
+                return
+            first = False
+            if isinstance(item, Command):
+                item.run()
+            else:
+                self._admit(item)
+
+    def _admit(self, req: Request) -> None:
+        p = req.params
+        if len(req.input_ids) + 1 > self.max_context:
+            self._finish(req, {"type": "length", "length": len(req.input_ids)})
+        elif p.max_new_tokens <= 0:
+            self._finish(req, {"type": "length", "length": 0})
+        else:
+            self.waiting.append(req)
+
+    def _abort(self, rid: str | None, message: str) -> int:
+        n = 0
+        for r in self.rows + self.waiting:
+            if rid is None or r.rid == rid:
+                r.aborted = message
+                n += 1
+        self._finish_aborted()
+        return n
+
+    def _finish_aborted(self) -> None:
+        for r in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(r)
+            self._finish(r, {"type": "abort", "message": r.aborted})
+        keep = [i for i, r in enumerate(self.rows) if not r.aborted]
+        if len(keep) != len(self.rows):
+            for r in self.rows:
+                if r.aborted:
+                    self._finish(r, {"type": "abort", "message": r.aborted})
+            self._select(keep)
+
+    # -- batch state ---------------------------------------------------------------------------
+
+    def _reset_batch(self) -> None:
+        self.rows, self._cache, self._mask, self._pos, self._last = [], None, None, None, None
+
+    def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _make_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=kv)
+
+    def _select(self, keep: list[int]) -> None:
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, device=self.device)
+        self.rows = [self.rows[i] for i in keep]
+        mask = self._mask.index_select(0, idx)
+        # Trim columns that no remaining row attends to (left padding of finished long rows).
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else mask.shape[1]
+        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
+              for k, v in self._layers(self._cache)]
+        self._cache = self._make_cache(kv)
+        self._mask = mask[:, start:]
+        self._pos = self._pos.index_select(0, idx)
+        self._last = self._last.index_select(0, idx)
+
+    def _prefill(self, new: list[Request]) -> None:
+        n, length = len(new), max(len(r.input_ids) for r in new)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((n, length), pad, dtype=torch.long, device=self.device)
+        mask = torch.zeros((n, length), dtype=torch.long, device=self.device)
+        for i, r in enumerate(new):
+            ids[i, length - len(r.input_ids):] = torch.tensor(r.input_ids, device=self.device)
+            mask[i, length - len(r.input_ids):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._make_cache([])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
+        new_pos = mask.sum(-1)
+        self._merge(new, out.past_key_values, mask, new_pos)
+        offset = len(self.rows) - n
+        self._emit(logits, list(range(offset, offset + n)))
+
+    def _merge(self, new: list[Request], cache: Any, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        if not self.rows:
+            self.rows, self._cache, self._mask, self._pos = list(new), cache, mask, pos
+            self._last = torch.zeros(len(new), dtype=torch.long, device=self.device)
+            return
+        old_len, new_len = self._mask.shape[1], mask.shape[1]
+        total = max(old_len, new_len)
+
+        def left_pad(t: torch.Tensor, dim: int, to: int) -> torch.Tensor:
+            if t.shape[dim] == to:
+                return t
+            shape = list(t.shape)
+            shape[dim] = to - t.shape[dim]
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        kv = [
+            (torch.cat([left_pad(k0, 2, total), left_pad(k1, 2, total)]),
+             torch.cat([left_pad(v0, 2, total), left_pad(v1, 2, total)]))
+            for (k0, v0), (k1, v1) in zip(self._layers(self._cache), self._layers(cache), strict=True)
+        ]
+        self._cache = self._make_cache(kv)
+        self._mask = torch.cat([left_pad(self._mask, 1, total), left_pad(mask, 1, total)])
+        self._pos = torch.cat([self._pos, pos])
+        self._last = torch.cat([self._last, torch.zeros(len(new), dtype=torch.long, device=self.device)])
+        self.rows += new
+
+    def _decode(self) -> None:
+        b = len(self.rows)
+        self._mask = torch.cat([self._mask, self._mask.new_ones((b, 1))], dim=1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
+                         position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
+        self._cache = out.past_key_values
+        self._pos = self._pos + 1
+        self.steps += 1
+        self._emit(out.logits[:, -1].float(), list(range(b)))
+
+    # -- sampling and stopping -----------------------------------------------------------------
+
+    def _emit(self, logits: torch.Tensor, row_idx: list[int]) -> None:
+        rows = [self.rows[i] for i in row_idx]
+        tokens, logprobs = sample(logits, [r.params for r in rows], self.generator)
+        idx = torch.tensor(row_idx, device=self.device)
+        self._last.index_copy_(0, idx, tokens)
+        done: list[int] = []
+        now = time.monotonic()
+        for i, r, tok, lp in zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            r.output_ids.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(self.weight_version)
+            r.first_token_at = r.first_token_at or now
+            self.generated_tokens += 1
+            reason = self._stop_reason(r, tok)
+            if reason is not None:
+                self._finish(r, reason)
+                done.append(i)
+            elif r.on_token is not None:
+                r.text = self._text(r)
+                r.on_token(r)
+        if done:
+            self._select([i for i in range(len(self.rows)) if i not in set(done)])
+
+    def _stop_reason(self, r: Request, tok: int) -> dict[str, Any] | None:
+        p = r.params
+        if tok in p.stop_token_ids or (tok in self.eos_ids and not p.ignore_eos):
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            tail = self.tokenizer.decode(r.output_ids[-(max(map(len, p.stop)) + 8):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(r.output_ids)}
+        if len(r.input_ids) + len(r.output_ids) >= self.max_context:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _text(self, r: Request) -> str:
+        ids = r.output_ids
+        if r.finish_reason and r.finish_reason.get("type") == "stop" and isinstance(
+            r.finish_reason.get("matched"), int
+        ):
+            ids = ids[:-1]  # the stop token is not part of the text
+        text = self.tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens)
+        matched = (r.finish_reason or {}).get("matched")
+        if isinstance(matched, str) and not r.params.no_stop_trim:
+            cut = text.find(matched)
+            text = text[:cut] if cut >= 0 else text
+        return text
+
+    def _finish(self, r: Request, reason: dict[str, Any]) -> None:
+        r.finish_reason = reason
+        r.text = self._text(r)
+        if r.on_done is not None:
+            r.on_done(r)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, with that row's sampling parameters; returns (tokens, logprobs)."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    if bool(greedy.all()):
+        tokens = logits.argmax(-1)
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    probs = logp.exp()
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    if bool((top_k > 0).any() | (top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=dev)[None, :]
+        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
+        drop |= (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]

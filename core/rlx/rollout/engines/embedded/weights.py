@@ -1,0 +1,116 @@
+"""Weight updates for the embedded engine: from disk, from serialized tensors, and by broadcast.
+
+The same three ways SGLang takes weights, with the same request fields. The broadcast group is built
+from a ``TCPStore`` and a process group object directly (not ``init_process_group``), so neither side
+gives up its default group: the trainer keeps Megatron's, the engine has none. The trainer is rank 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "torch.float32": torch.float32, "torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16,
+}
+
+
+class WeightError(ValueError):
+    """A weight update that cannot be applied (unknown name, wrong shape, unreadable file)."""
+
+
+def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy tensors into the model's parameters and buffers by name; all checked before any copy."""
+    state = model.state_dict(keep_vars=True)  # tied weights appear under every name they have
+    for name, t in named:
+        if name not in state:
+            raise WeightError(f"unknown weight {name!r}")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise WeightError(f"weight {name!r}: shape {tuple(t.shape)} != model's {tuple(state[name].shape)}")
+    with torch.no_grad():
+        for name, t in named:
+            state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
+    return len(named)
+
+
+def load_from_disk(model: torch.nn.Module, path: str) -> int:
+    """Load every ``*.safetensors`` file of an HF checkpoint directory into the model."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no *.safetensors files in {path}")
+    named: list[tuple[str, torch.Tensor]] = []
+    for f in files:
+        named += list(load_file(str(f)).items())
+    return load_named(model, named)
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """The client side of ``/update_weights_from_tensor``: pickled pairs, base64 for JSON.
+
+    CPU tensors travel by value; CUDA tensors through torch's reductions become IPC handles, so a
+    colocated engine maps the trainer's memory instead of copying it over HTTP.
+    """
+    if any(t.is_cuda for _, t in named):
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions)
+
+        return base64.b64encode(ForkingPickler.dumps(named)).decode()
+    return base64.b64encode(pickle.dumps([(n, t.detach().cpu()) for n, t in named])).decode()
+
+
+def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    named = pickle.loads(base64.b64decode(payload))
+    if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
+        raise WeightError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
+    return named
+
+
+class BroadcastGroup:
+    """The engine's end of a trainer→engines broadcast group."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
+                 group_name: str, backend: str, timeout_s: float = 300):
+        import torch.distributed as dist
+
+        if rank <= 0:
+            raise WeightError("engine ranks start at 1 (the trainer is rank 0)")
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(group_name, store)
+        self.name, self.rank, self.world_size = group_name, rank, world_size
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+            self.device = torch.device("cpu")
+        elif backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            raise WeightError(f"unknown backend {backend!r}; use gloo or nccl")
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise WeightError("names, dtypes and shapes must have the same length")
+        out = []
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            if dt not in DTYPES:
+                raise WeightError(f"weight {name!r}: unknown dtype {dt!r}")
+            t = torch.empty(shape, dtype=DTYPES[dt], device=self.device)
+            self.pg.broadcast(t, 0).wait()
+            out.append((name, t))
+        return out
+
+
+def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
+    state = model.state_dict(keep_vars=True)
+    if name not in state:
+        raise WeightError(f"unknown weight {name!r}")
+    return state[name].detach().float().flatten()[:truncate_size].cpu().tolist()

@@ -1,0 +1,123 @@
+"""The engines of a run, from config: launched (a topology of groups) or attached, plus the router.
+
+Generation goes to one URL: the router when there is one, else the single engine. Control calls
+(pause, abort, weight updates) go to each engine directly, because a router forwards a request to one
+worker, not to all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlx.config import Config, EngineGroupConfig
+from rlx.errors import RLXError
+from rlx.models.tiny import resolve_model_path
+from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, sglang_command, wait_healthy
+from rlx.rollout.engines.protocol import EngineClient
+from rlx.rollout.router import Router
+
+
+@dataclass
+class Engine:
+    url: str
+    group: str
+    worker_type: str = "regular"
+    update_weights: bool = True
+    process: ManagedProcess | None = None  # None: attached, not ours to stop
+
+    def client(self, timeout_s: float = 600) -> EngineClient:
+        return EngineClient(self.url, timeout_s=timeout_s)
+
+
+class EngineFleet:
+    def __init__(self, cfg: Config, log_dir: Path):
+        self.cfg = cfg
+        self.rc = cfg.rollout
+        self.log_dir = Path(log_dir)
+        self.engines: list[Engine] = []
+        self.router: Router | None = None
+        self.url = ""
+
+    @property
+    def weight_targets(self) -> list[Engine]:
+        return [e for e in self.engines if e.update_weights]
+
+    def _command(self, g: EngineGroupConfig, port: int) -> list[str]:
+        path = g.model_path or self.cfg.model.path
+        if g.backend == "embedded":
+            if g.worker_type != "regular":
+                raise RLXError(f"engine group {g.name!r}: the embedded engine has no {g.worker_type} mode; "
+                               f"use backend: sglang for prefill/decode disaggregation")
+            args = dict(g.server_args)
+            if g.tp_size != 1:
+                raise RLXError(f"engine group {g.name!r}: the embedded engine runs one device (tp_size: 1)")
+            if self.cfg.model.dtype != "auto":
+                args.setdefault("dtype", self.cfg.model.dtype)
+            args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
+            return embedded_command(path, port, server_args=args)
+        return sglang_command(resolve_model_path(path), port, tp_size=g.tp_size,
+                              mem_fraction_static=g.mem_fraction_static, worker_type=g.worker_type,
+                              server_args=g.server_args)
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        if self.rc.external_engines:
+            self.engines = [Engine(u.rstrip("/"), "external") for u in self.rc.external_engines]
+        else:
+            for g in self.rc.engines:
+                for i in range(g.num_engines):
+                    port = free_port()
+                    proc = ManagedProcess(self._command(g, port), self.log_dir / f"engine-{g.name}-{i}.log")
+                    proc.start()
+                    self.engines.append(Engine(f"http://{HOST}:{port}", g.name, g.worker_type, g.update_weights,
+                                               proc))
+        await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
+
+        prefill = [e.url for e in self.engines if e.worker_type == "prefill"]
+        decode = [e.url for e in self.engines if e.worker_type == "decode"]
+        if bool(prefill) != bool(decode):
+            raise RLXError("prefill/decode disaggregation needs at least one prefill and one decode group")
+        use_router = self.rc.router.enabled
+        if use_router is None:
+            use_router = len(self.engines) > 1
+        if prefill and not use_router:
+            raise RLXError("prefill/decode disaggregation needs the router (rollout.router.enabled)")
+        if use_router:
+            self.router = Router(self.rc.router.policy, self.rc.router.port, self.log_dir, self.rc.router.args,
+                                 prefill_urls=prefill, decode_urls=decode)
+            await self.router.start()
+            for e in self.engines:
+                if e.worker_type == "regular":
+                    await self.router.add_worker(e.url)
+            self.url = self.router.url
+        else:
+            self.url = self.engines[0].url
+
+    def client(self) -> EngineClient:
+        return EngineClient(self.url, timeout_s=self.rc.request_timeout_s)
+
+    async def for_each(self, fn) -> list:
+        """Call ``fn(client)`` on every engine concurrently (control calls bypass the router)."""
+
+        async def one(e: Engine):
+            async with e.client() as c:
+                return await fn(c)
+
+        return await asyncio.gather(*(one(e) for e in self.engines))
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+        for e in self.engines:
+            if e.process is not None:
+                e.process.stop()
+        self.engines = []

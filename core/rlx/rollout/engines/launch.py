@@ -1,0 +1,133 @@
+"""Starting engine servers (SGLang or embedded) as processes, and waiting until they serve.
+
+Choices:
+
+* Both backends are separate processes on 127.0.0.1 with their own port, each in its own process
+  group so that stopping one stops everything it spawned (SGLang forks schedulers). Logs go to a file
+  per engine; a failed start shows that log's tail.
+* The SGLang command line is built from config: model path, TP, memory fraction, disaggregation mode
+  from the worker type, and every ``server_args`` key passed through as ``--key value`` (``true``
+  becomes a bare flag, ``false`` drops it, a list repeats values), so new SGLang flags need no rlx
+  change.
+* Waiting polls ``/health`` and watches the process: a process that exits is reported at once with
+  its exit code and log, a slow one after ``timeout_s``; never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlx.rollout.engines.protocol import EngineClient, EngineError
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def flags(args: dict[str, Any]) -> list[str]:
+    """``{"chunked_prefill_size": 4096, "enable_x": True}`` -> ``--chunked-prefill-size 4096 --enable-x``."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction_static: float | None = None,
+                   worker_type: str = "regular", server_args: dict[str, Any] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", HOST,
+           "--port", str(port), "--tp-size", str(tp_size)]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    if worker_type in ("prefill", "decode"):
+        cmd += ["--disaggregation-mode", worker_type]
+    return cmd + flags(server_args or {})
+
+
+def embedded_command(model_path: str, port: int, *, server_args: dict[str, Any] | None = None) -> list[str]:
+    return [sys.executable, "-m", "rlx.rollout.engines.embedded", "--model-path", model_path,
+            "--host", HOST, "--port", str(port), *flags(server_args or {})]
+
+
+@dataclass
+class ManagedProcess:
+    """A server process rlx started, with where its log goes."""
+
+    cmd: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after `grace_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+
+async def wait_healthy(url: str, process: ManagedProcess | None, timeout_s: float, what: str = "engine") -> None:
+    """Poll ``/health`` until it answers 200; fail at once if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    async with EngineClient(url, timeout_s=10) as client:
+        while True:
+            if process is not None and not process.alive():
+                code = process.proc.returncode if process.proc else None
+                raise EngineError(f"{what} at {url} exited with code {code} before it was healthy; "
+                                  f"log {process.log_path}:\n{process.log_tail()}")
+            if await client.health(timeout_s=5):
+                return
+            if time.monotonic() > deadline:
+                tail = f"; log {process.log_path}:\n{process.log_tail()}" if process else ""
+                raise EngineError(f"{what} at {url} not healthy after {timeout_s:.0f}s{tail}")
+            await asyncio.sleep(0.25)

@@ -1,0 +1,241 @@
+"""The embedded engine behind the real sglang-router, driven over HTTP; every id and logprob the engine
+returns is checked against a forward pass of the same model."""
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlx.config import parse_config
+from rlx.rollout.engines.embedded.weights import serialize_named_tensors
+from rlx.rollout.engines.fleet import EngineFleet
+from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [[1, 264, 263, 201, 284, 324], [1, 67, 85], [300, 301, 302, 303, 304, 305, 306, 307], [5]]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def call(url, fn):
+    async def go():
+        async with EngineClient(url) as c:
+            return await fn(c)
+
+    return run(go())
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_path, tmp_path_factory):
+    cfg = parse_config(f"""
+model: {{path: builtin://tiny-qwen3}}
+rollout:
+  engines: [{{num_engines: 2, server_args: {{num_threads: 1}}}}]
+  router: {{policy: round_robin}}
+""")
+    f = EngineFleet(cfg, tmp_path_factory.mktemp("logs"))
+    run(f.start())
+    yield f
+    run(f.stop())
+    assert all(e.process is None or not e.process.alive() for e in f.engines)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+def forward_logprobs(model, prompt, output, temperature=1.0):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return logp[pos, torch.tensor(output)].tolist(), logits[pos].argmax(-1).tolist()
+
+
+async def generate_many(url, reqs):
+    async with EngineClient(url) as c:
+        return await asyncio.gather(*(c.generate(r) for r in reqs))
+
+
+def test_concurrent_sampled_ids_and_logprobs_match_a_forward_pass(fleet, model):
+    reqs = [GenerateRequest(PROMPTS[i % 4], {"max_new_tokens": 6 + i, "temperature": 1.0, "ignore_eos": True}) for i in range(12)]
+    results = run(generate_many(fleet.url, reqs))
+    for req, (res,) in zip(reqs, results):
+        assert len(res.output_ids) == req.sampling_params["max_new_tokens"] and res.finish_reason == "length"
+        want, _ = forward_logprobs(model, req.input_ids, res.output_ids)
+        assert res.output_logprobs == pytest.approx(want, abs=2e-4)
+    served = run(fleet.for_each(lambda c: c.server_info()))
+    assert all(s["internal_states"][0]["generated_tokens"] > 0 for s in served), "round robin used both"
+
+
+def test_greedy_is_the_argmax_and_n_gives_n_samples(fleet, model):
+    (a, b, c), = run(generate_many(fleet.url, [GenerateRequest(PROMPTS[2], {"max_new_tokens": 5, "temperature": 0, "n": 3})]))
+    assert a.output_ids == b.output_ids == c.output_ids
+    _, argmax = forward_logprobs(model, PROMPTS[2], a.output_ids)
+    assert a.output_ids == argmax
+
+
+def test_stop_token_ids_and_stop_strings(fleet, model):
+    (base,), = run(generate_many(fleet.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 12, "temperature": 0})]))
+    stop_id = base.output_ids[3]
+    first = base.output_ids.index(stop_id)
+    (res,), = run(generate_many(fleet.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 12, "temperature": 0,
+                                                                        "stop_token_ids": [stop_id]})]))
+    assert res.finish_reason == "stop" and res.matched_stop == stop_id
+    assert res.output_ids == base.output_ids[: first + 1]  # the stop token is kept in the ids
+    stop_text = base.text[len(base.text) // 2:][:2]
+    (res,), = run(generate_many(fleet.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 12, "temperature": 0,
+                                                                        "stop": [stop_text]})]))
+    assert res.finish_reason == "stop" and res.matched_stop == stop_text
+    assert stop_text not in res.text and base.text.startswith(res.text)
+
+
+def test_abort_returns_the_partial_output(fleet):
+    engine = fleet.engines[0]
+
+    async def go():
+        async with EngineClient(engine.url) as c:
+            task = asyncio.create_task(c.generate(GenerateRequest(
+                PROMPTS[1], {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}, rid="long-one")))
+            await asyncio.sleep(0.5)
+            await c.abort("long-one")
+            return await asyncio.wait_for(task, 30)
+
+    (res,) = run(go())
+    assert res.finish_reason == "abort"
+    assert 0 < len(res.output_ids) < 1500 and len(res.output_logprobs) == len(res.output_ids)
+
+
+def test_pause_in_place_then_continue(fleet):
+    engine = fleet.engines[1]
+
+    async def go():
+        async with EngineClient(engine.url) as c:
+            await c.pause("in_place")
+            task = asyncio.create_task(c.generate(GenerateRequest(PROMPTS[0], {"max_new_tokens": 4, "ignore_eos": True})))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            await c.resume()
+            return await asyncio.wait_for(task, 30)
+
+    (res,) = run(go())
+    assert len(res.output_ids) == 4
+
+
+def perturbed(model, scale):
+    return {n: p.detach().clone() * scale for n, p in model.named_parameters()}
+
+
+def test_weight_updates_from_disk_tensor_and_broadcast(fleet, model, tmp_path):
+    engine = fleet.engines[0]
+    ckpt = tmp_path / "ckpt"
+
+    def check(version, ref_model):
+        async def go():
+            async with EngineClient(engine.url) as c:
+                (res,) = await c.generate(GenerateRequest(PROMPTS[0], {"max_new_tokens": 5, "ignore_eos": True}))
+                return res, await c.weight_version()
+
+        res, v = run(go())
+        assert res.weight_version == version == v and res.token_weight_versions == [version] * 5
+        want, _ = forward_logprobs(ref_model, PROMPTS[0], res.output_ids)
+        assert res.output_logprobs == pytest.approx(want, abs=2e-4)
+
+    new = AutoModelForCausalLM.from_pretrained(fleet_model_path(model), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.5)
+    new.save_pretrained(ckpt)
+    call(engine.url, lambda c: c.update_weights_from_disk(str(ckpt), weight_version="1"))
+    check("1", new)
+
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(0.5)
+    payload = serialize_named_tensors(list(new.state_dict().items()))
+    call(engine.url, lambda c: c.update_weights_from_tensor([payload], weight_version="2"))
+    check("2", new)
+
+    # Broadcast: this process is rank 0 of a two-rank gloo group, the engine rank 1.
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from rlx.rollout.engines.launch import free_port
+
+    port = free_port()
+    store = dist.PrefixStore("g", dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False))
+    holder = {}
+    t = threading.Thread(target=lambda: holder.setdefault("pg", dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))))
+    t.start()
+    call(engine.url, lambda c: c.init_weights_update_group("127.0.0.1", port, 1, 2, "g", "gloo"))
+    t.join(60)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(3.0)
+    named = list(new.state_dict().items())
+
+    async def push():
+        async with EngineClient(engine.url) as c:
+            task = asyncio.create_task(c.update_weights_from_distributed(
+                [n for n, _ in named], [str(x.dtype).removeprefix("torch.") for _, x in named],
+                [list(x.shape) for _, x in named], "g", weight_version="3"))
+            await asyncio.sleep(0)
+            for _, x in named:
+                await asyncio.to_thread(lambda x=x: holder["pg"].broadcast(x.contiguous(), 0).wait())
+            await task
+
+    run(push())
+    check("3", new)
+    name = "model.layers.0.mlp.down_proj.weight"
+    got = call(engine.url, lambda c: c.get_weights_by_name(name, 5))
+    assert got == pytest.approx(new.state_dict()[name].flatten()[:5].tolist())
+
+
+def fleet_model_path(model):
+    return model.name_or_path
+
+
+def test_bad_requests_get_400_in_sglang_error_shape(fleet):
+    async def go(body):
+        async with EngineClient(fleet.engines[0].url) as c:
+            return await c.request("POST", "/generate", body)
+
+    for body, text in [({"sampling_params": {}}, "text or input_ids"),
+                       ({"input_ids": [1, 2], "sampling_params": {"temperatur": 1}}, "temperatur"),
+                       ({"input_ids": [10**9]}, "input_ids")]:
+        with pytest.raises(EngineError) as e:
+            run(go(body))
+        assert e.value.status == 400 and text in str(e.value)
+    with pytest.raises(EngineError, match="unknown weight"):
+        call(fleet.engines[0].url, lambda c: c.get_weights_by_name("nope"))
+
+
+def test_router_removes_and_adds_workers(fleet):
+    url = fleet.engines[1].url
+    run(fleet.router.remove_worker(url))
+    assert url not in [w["url"] for w in run(fleet.router.workers())]
+    run(fleet.router.add_worker(url))
+    assert url in [w["url"] for w in run(fleet.router.workers())]
+
+
+def test_a_dead_engine_is_a_clear_error_not_a_hang(tiny_model_path, tmp_path):
+    cfg = parse_config("model: {path: builtin://tiny-qwen3}\nrollout: {engines: [{server_args: {num_threads: 1}}]}")
+    f = EngineFleet(cfg, tmp_path)
+    run(f.start())
+    try:
+        pid = f.engines[0].process.pid
+        os.kill(pid, signal.SIGKILL)
+        f.engines[0].process.proc.wait(10)
+        with pytest.raises(EngineError, match="unreachable"):
+            run(generate_many(f.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 4})]))
+    finally:
+        run(f.stop())
