@@ -78,6 +78,30 @@ def config_show(file: ConfigArg, set_: SetOpt = None) -> None:
     print(cfg.to_yaml(), end="")
 
 
+@app.command("rollout")
+def rollout_cmd(
+    file: ConfigArg,
+    set_: SetOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="JSONL file for the groups.")] = None,
+) -> None:
+    """Generate and score rollouts with no training; write the groups as JSONL."""
+    import asyncio
+
+    from rlx.config import load_config
+    from rlx.rollout.session import rollout_only
+
+    cfg = load_config(file, set_ or [], plugins=_plugins())
+
+    def progress(step, batch):
+        m = batch.metrics
+        out.print(f"step {step}/{cfg.rollout.num_steps}: {len(batch.groups)} groups, "
+                  f"reward/mean {m['reward/mean']:.3f}, response_len/mean {m['response_len/mean']:.1f}, "
+                  f"{m['time/rollout_s']:.2f}s")
+
+    path = asyncio.run(rollout_only(cfg, _plugins(), output, progress))
+    out.print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     _built.clear()

@@ -8,12 +8,16 @@ here and the rollout manager's per-sample timeout bounds the time instead.
 
 from __future__ import annotations
 
+import logging
 import re
 
 from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
 from rlx.types import RewardResult, Sample
+
+# math-verify warns on every call that its own timeouts are off; that is this plugin's choice.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 

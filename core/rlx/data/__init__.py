@@ -1,0 +1,1 @@
+"""Prompt datasets, procedural tasks and (later) rollout buffers."""

@@ -1,0 +1,151 @@
+"""Prompt datasets from JSONL or Parquet, with a resumable shuffled cursor.
+
+Choices:
+
+* Rows are checked when the file is read: each bad row (not JSON, not an object, a missing or
+  mistyped prompt) is reported as ``file:line: what`` and then skipped or fatal, as
+  ``data.on_bad_row`` says. Parquet rows are numbered from 1 like lines.
+* The chat template is applied once per prompt, with the model's tokenizer, when the prompt is
+  first drawn; ``prompt_ids`` are what the engine receives, never re-tokenized later.
+* Order is a permutation of the rows seeded by ``run.seed`` and the epoch number, so the cursor
+  ``(epoch, position)`` is all that a checkpoint needs to continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlx.config import DataConfig
+from rlx.errors import RLXError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRow:
+    index: int  # position in the file (0-based), stable across epochs
+    line: int  # 1-based line (JSONL) or row number (Parquet), for messages
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    label: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def tokenize_prompt(tokenizer: Any, row: PromptRow, chat: bool) -> list[int]:
+    """The prompt's token ids, through the chat template when `chat` is set."""
+    if chat:
+        messages = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    text = row.prompt if row.prompt is not None else "\n".join(m["content"] for m in row.messages or [])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class PromptDataset:
+    def __init__(self, cfg: DataConfig, path: Path, seed: int = 0):
+        self.cfg = cfg
+        self.path = Path(path)
+        self.seed = seed
+        self.skipped: list[str] = []
+        self.rows = self._read()
+        if not self.rows:
+            raise RLXError(f"{self.path}: no usable rows" + (f" ({len(self.skipped)} skipped)" if self.skipped else ""))
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _read(self) -> list[PromptRow]:
+        if not self.path.exists():
+            raise RLXError(f"data.path: {self.path} does not exist")
+        if self.path.suffix == ".parquet":
+            raw = self._parquet()
+        elif self.path.suffix in (".jsonl", ".json", ".ndjson"):
+            raw = self._jsonl()
+        else:
+            raise RLXError(f"data.path: {self.path}: expected a .jsonl or .parquet file")
+        rows = []
+        for line, obj in raw:
+            try:
+                rows.append(self._row(len(rows), line, obj))
+            except ValueError as e:
+                self._bad(line, str(e))
+        return rows
+
+    def _jsonl(self):
+        with open(self.path, encoding="utf-8") as f:
+            for line, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    yield line, json.loads(text)
+                except json.JSONDecodeError as e:
+                    self._bad(line, f"not valid JSON ({e.msg} at column {e.colno})")
+
+    def _parquet(self):
+        import pyarrow.parquet as pq
+
+        for i, obj in enumerate(pq.read_table(self.path).to_pylist(), 1):
+            yield i, obj
+
+    def _row(self, index: int, line: int, obj: Any) -> PromptRow:
+        c = self.cfg
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected an object, got {type(obj).__name__}")
+        prompt = messages = None
+        if c.messages_key is not None:
+            messages = obj.get(c.messages_key)
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ) or not messages:
+                raise ValueError(f"{c.messages_key!r} must be a non-empty list of {{role, content}} messages")
+        else:
+            prompt = obj.get(c.prompt_key)
+            if not isinstance(prompt, str) or not prompt:
+                got = "missing" if c.prompt_key not in obj else f"a {type(prompt).__name__}"
+                raise ValueError(f"{c.prompt_key!r} must be a non-empty string, is {got}")
+        meta = obj.get(c.metadata_key, {}) if c.metadata_key else {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"{c.metadata_key!r} must be an object")
+        return PromptRow(index, line, prompt, messages, obj.get(c.label_key), dict(meta))
+
+    def _bad(self, line: int, why: str) -> None:
+        where = f"{self.path}:{line}: {why}"
+        if self.cfg.on_bad_row == "error":
+            raise RLXError(f"bad data row {where} (set data.on_bad_row: skip to skip such rows)")
+        log.warning("skipping bad data row %s", where)
+        self.skipped.append(where)
+
+    # -- order -----------------------------------------------------------------------------------
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.cfg.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> PromptRow:
+        if self.position >= len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        row = self.rows[self._order[self.position]]
+        self.position += 1
+        return row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,246 @@
+"""The rollout manager: prompts in, scored and filtered groups out, for sync and async training alike.
+
+Choices:
+
+* A group is n samples of one prompt; each sample is one generator call, all of them concurrent under
+  ``rollout.max_concurrency``. A group is finished when all its samples are.
+* Rewards run after generation (sync or async, each with ``reward_timeout_s``); a reward that raises
+  or times out marks its sample FAILED with the reason and the run goes on. An engine error is not
+  swallowed: it ends the step with a clear `EngineError` (after ``rollout.retries`` retries).
+* Group filters (dynamic sampling): ``filter_zero_variance`` and every plugin's ``filter_group``.
+  Dropped groups are replaced by fresh prompts until the batch is full, at most
+  ``max_oversample_rounds`` × ``n_prompts`` prompts per step.
+* Partial rollout: with ``partial_rollout`` the manager starts ``over_sampling`` × ``n_prompts``
+  groups; once the batch is full it aborts what is still running and keeps those samples, with the
+  tokens they already have, to resume first in the next step.
+* `next_batch` returns one step's batch (sync); `run_stream` keeps a bounded queue of finished groups
+  filled (async). Both use the same group runner.
+* `state_dict` holds the dataset cursor, id counters and unfinished groups, so resume is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlx.config import Config
+from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
+from rlx.errors import RLXError
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.engines.protocol import EngineError
+from rlx.rollout.rewards import BoundReward, instantiate, score_sample
+from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(self, cfg: Config, plugins: Any, dataset: PromptDataset, ctx: GenerateContext,
+                 abort_all: Callable[[], Any] | None = None):
+        """`abort_all`: an async callable that aborts every in-flight request on every engine."""
+        self.cfg = cfg
+        self.rc = cfg.rollout
+        self.plugins = plugins
+        self.dataset = dataset
+        self.ctx = ctx
+        self.abort_all = abort_all
+        gen = self.rc.generator
+        self.generator = instantiate(plugins.get("generators", gen.name), gen.args)
+        self.rewards = [BoundReward(s.name, s.weight, instantiate(plugins.get("rewards", s.name), s.args))
+                        for s in self.rc.rewards]
+        self.sem = asyncio.Semaphore(self.rc.max_concurrency)
+        self.next_group_id = 0
+        self.next_sample_id = 0
+        self.pending: list[Group] = []  # partial groups to resume first
+        self._prompt_cache: dict[int, list[int]] = {}
+
+    # -- building groups -------------------------------------------------------------------------
+
+    def _prompt_ids(self, row: PromptRow) -> list[int]:
+        if row.index not in self._prompt_cache:
+            try:
+                self._prompt_cache[row.index] = tokenize_prompt(self.ctx.tokenizer, row,
+                                                                self.cfg.data.apply_chat_template)
+            except Exception as e:
+                raise RLXError(f"{self.dataset.path}:{row.line}: could not apply the chat template: {e}") from e
+        return self._prompt_cache[row.index]
+
+    def new_group(self) -> Group:
+        row = self.dataset.next()
+        ids = self._prompt_ids(row)
+        gid = self.next_group_id
+        self.next_group_id += 1
+        samples = []
+        for i in range(self.rc.n_samples_per_prompt):
+            samples.append(Sample(prompt_ids=list(ids), prompt_text=row.prompt or "", label=row.label,
+                                  group_id=gid, sample_id=self.next_sample_id, index=i,
+                                  metadata=dict(row.metadata)))
+            self.next_sample_id += 1
+        return Group(gid, samples, prompt_index=row.index)
+
+    # -- running a group -------------------------------------------------------------------------
+
+    async def _run_sample(self, sample: Sample) -> list[Sample]:
+        async with self.sem:
+            try:
+                out = await self.generator.generate(self.ctx, sample)
+            except EngineError:
+                raise
+            except Exception as e:
+                sample.status = SampleStatus.FAILED
+                sample.error = f"generator {self.rc.generator.name!r} raised {type(e).__name__}: {e}"
+                return [sample]
+        if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
+            raise RLXError(f"generator {self.rc.generator.name!r} must return a list of Sample, got {type(out).__name__}")
+        for s in out:
+            if s.status.trainable and s.reward is None:
+                await score_sample(s, self.rewards, self.rc.reward_timeout_s)
+        return out
+
+    async def run_group(self, group: Group) -> Group:
+        """Generate (or resume) every unfinished sample of the group, then score it."""
+        todo = [s for s in group.samples if s.status in (SampleStatus.PENDING, SampleStatus.ABORTED)]
+        done = [s for s in group.samples if s not in todo]
+        results = await asyncio.gather(*(self._run_sample(s) for s in todo))
+        group.samples = sorted(done + [s for r in results for s in r], key=lambda s: (s.index, s.sample_id))
+        return group
+
+    def keep(self, group: Group) -> bool:
+        """Apply the group filters; marks a dropped group's samples FILTERED."""
+        trainable = group.trainable
+        keep = bool(trainable)
+        if keep and self.rc.filter_zero_variance:
+            keep = len({s.reward for s in trainable}) > 1
+        if keep:
+            keep = self.plugins.keep_group(group)
+        if not keep:
+            for s in group.samples:
+                if s.status.trainable:
+                    s.status = SampleStatus.FILTERED
+        return keep
+
+    # -- one step (sync) -------------------------------------------------------------------------
+
+    async def next_batch(self, step: int, weight_version: int = 0) -> RolloutBatch:
+        t0 = time.monotonic()
+        target = self.rc.n_prompts
+        budget = self.rc.max_oversample_rounds * target  # fresh prompts this step may use
+        start = target if not self.rc.partial_rollout else int(round(self.rc.over_sampling * target))
+        kept: list[Group] = []
+        dropped = 0
+        errors: list[str] = []
+        running: dict[asyncio.Task, Group] = {}
+
+        def launch(g: Group) -> None:
+            running[asyncio.create_task(self.run_group(g))] = g
+
+        while self.pending and len(running) < max(start, len(self.pending)):
+            launch(self.pending.pop(0))
+        while len(running) < start and budget > 0:
+            launch(self.new_group())
+            budget -= 1
+        try:
+            while running and len(kept) < target:
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    running.pop(task)
+                    group = task.result()
+                    if len(kept) < target and self.keep(group):
+                        kept.append(group)
+                    elif len(kept) < target:
+                        dropped += 1
+                        errors += [s.error for s in group.samples if s.error]
+                    else:
+                        self.pending.append(group)  # finished after the batch filled: next step's
+                    if len(kept) + len(running) < target and budget > 0:
+                        launch(self.new_group())
+                        budget -= 1
+            if running:
+                await self._cut(running)
+        except BaseException:
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            raise
+        if len(kept) < target:
+            log.warning("step %d: only %d of %d groups kept after filtering %d", step, len(kept), target, dropped)
+        if not kept:
+            why = (f"{len(errors)} samples failed, e.g. {errors[0]}" if errors
+                   else "loosen the filters or raise rollout.max_oversample_rounds")
+            raise RLXError(f"rollout step {step}: every group was filtered out ({dropped} dropped); {why}")
+        batch = RolloutBatch(step, kept, weight_version)
+        batch.metrics.update(self._metrics(batch, dropped, time.monotonic() - t0))
+        self.plugins.on_rollout_end(batch)
+        return batch
+
+    async def _cut(self, running: dict[asyncio.Task, Group]) -> None:
+        """The batch is full: abort what still runs (partial rollout) or wait for it to finish."""
+        if self.rc.partial_rollout and self.abort_all is not None:
+            await self.abort_all()
+        groups = await asyncio.gather(*running)
+        self.pending.extend(groups)
+
+    def _metrics(self, batch: RolloutBatch, dropped: int, seconds: float) -> dict[str, float]:
+        samples = batch.samples
+        trainable = [s for s in samples if s.status.trainable]
+        rewards = [s.reward for s in trainable if s.reward is not None]
+        lens = [len(s.response_ids) for s in trainable]
+        m = {
+            "rollout/groups": float(len(batch.groups)),
+            "rollout/groups_filtered": float(dropped),
+            "rollout/samples": float(len(samples)),
+            "rollout/failed": float(sum(s.status == SampleStatus.FAILED for s in samples)),
+            "rollout/truncated": float(sum(s.status == SampleStatus.TRUNCATED for s in samples)),
+            "rollout/pending_groups": float(len(self.pending)),
+            "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
+            "time/rollout_s": seconds,
+        }
+        for b in self.rewards:
+            vals = [s.rewards[b.name].score for s in trainable if b.name in s.rewards]
+            if vals:
+                m[f"reward/{b.name}/mean"] = sum(vals) / len(vals)
+        return m
+
+    # -- streaming (async) -----------------------------------------------------------------------
+
+    async def run_stream(self, queue: asyncio.Queue, stop: asyncio.Event) -> None:
+        """Keep `queue` (bounded) filled with kept groups until `stop` is set."""
+        running: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                while len(running) < self.rc.n_prompts and not stop.is_set():
+                    g = self.pending.pop(0) if self.pending else self.new_group()
+                    running.add(asyncio.create_task(self.run_group(g)))
+                finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    group = task.result()
+                    if self.keep(group):
+                        await queue.put(group)
+        finally:
+            if running:
+                if self.abort_all is not None:
+                    await self.abort_all()
+                results = await asyncio.gather(*running, return_exceptions=True)
+                self.pending.extend(g for g in results if isinstance(g, Group))
+
+    # -- checkpoint ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "dataset": self.dataset.state_dict(),
+            "next_group_id": self.next_group_id,
+            "next_sample_id": self.next_sample_id,
+            "pending": [{"group_id": g.group_id, "prompt_index": g.prompt_index, "metadata": g.metadata,
+                         "samples": [s.to_dict() for s in g.samples]} for g in self.pending],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self.next_group_id = state["next_group_id"]
+        self.next_sample_id = state["next_sample_id"]
+        self.pending = [Group(g["group_id"], [Sample.from_dict(s) for s in g["samples"]], g["prompt_index"],
+                              g["metadata"]) for g in state["pending"]]

@@ -1,0 +1,101 @@
+"""Everything rollout needs for a run, built from config and torn down in reverse: tokenizer,
+dataset, engines (launched or attached) with the router, generator context and manager.
+
+`rl rollout` uses it alone; training uses it beside the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlx.config import Config
+from rlx.data.datasets import PromptDataset
+from rlx.errors import RLXError
+from rlx.models.tiny import resolve_model_path
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.engines.fleet import EngineFleet
+from rlx.rollout.manager import RolloutManager
+from rlx.types import RolloutBatch
+
+
+def load_tokenizer(cfg: Config) -> Any:
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.model.tokenizer or cfg.model.path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise RLXError(f"model.tokenizer: cannot load a tokenizer from {path}: {e}") from e
+
+
+class RolloutSession:
+    def __init__(self, cfg: Config, plugins: Any):
+        self.cfg = cfg
+        self.plugins = plugins
+        self.output_dir = cfg.resolve_path(cfg.run.output_dir)
+        self.fleet = EngineFleet(cfg, self.output_dir / "logs")
+        self.manager: RolloutManager | None = None
+
+    async def __aenter__(self) -> RolloutSession:
+        if self.cfg.data.path is None:
+            raise RLXError("data.path: a prompt file is required")
+        tokenizer = load_tokenizer(self.cfg)
+        dataset = PromptDataset(self.cfg.data, self.cfg.resolve_path(self.cfg.data.path), self.cfg.run.seed)
+        await self.fleet.start()
+        ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries)
+        self.manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all)
+        return self
+
+    async def abort_all(self) -> None:
+        await self.fleet.for_each(lambda c: c.abort())
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self.manager is not None:
+            await self.manager.ctx.client.close()
+        await self.fleet.stop()
+
+
+def group_records(batch: RolloutBatch) -> list[dict[str, Any]]:
+    """One JSON object per group, as `rl rollout` writes them."""
+    out = []
+    for g in batch.groups:
+        out.append({
+            "step": batch.step,
+            "group_id": g.group_id,
+            "prompt_index": g.prompt_index,
+            "samples": [{
+                "sample_id": s.sample_id,
+                "status": s.status.value,
+                "finish_reason": s.finish_reason,
+                "prompt_ids": s.prompt_ids,
+                "response_ids": s.response_ids,
+                "rollout_logprobs": s.rollout_logprobs,
+                "prompt_text": s.prompt_text,
+                "response_text": s.response_text,
+                "label": s.label,
+                "reward": s.reward,
+                "rewards": {k: {"score": v.score, "parts": v.parts} for k, v in s.rewards.items()},
+                "error": s.error,
+                "weight_version": s.weight_version,
+            } for s in g.samples],
+        })
+    return out
+
+
+async def rollout_only(cfg: Config, plugins: Any, out_path: Path | None = None, progress=None) -> Path:
+    """Run ``rollout.num_steps`` rollout steps with no training and write the groups as JSONL."""
+    async with RolloutSession(cfg, plugins) as session:
+        out = out_path or (cfg.resolve_path(cfg.rollout.output) if cfg.rollout.output
+                           else session.output_dir / "rollout.jsonl")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            for step in range(1, cfg.rollout.num_steps + 1):
+                batch = await session.manager.next_batch(step)
+                for rec in group_records(batch):
+                    f.write(json.dumps(rec) + "\n")
+                f.flush()
+                if progress is not None:
+                    progress(step, batch)
+    return out

@@ -1,0 +1,106 @@
+"""Rollout end to end on the tiny model: `rl rollout`, partial rollout across steps, a dead engine."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlx.config import parse_config
+from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.errors import RLXError
+from rlx.plugins import build_plugins
+from rlx.rollout.session import RolloutSession
+from rlx.types import SampleStatus
+
+pytestmark = pytest.mark.integration
+
+
+def config(tmp_path, **rollout):
+    data = write_jsonl(arithmetic(64), tmp_path / "data.jsonl")
+    base = {"n_prompts": 4, "n_samples_per_prompt": 2, "rewards": ["exact_match"],
+            "sampling": {"max_new_tokens": 8}, "engines": [{"server_args": {"num_threads": 1}}]}
+    doc = {"run": {"output_dir": str(tmp_path / "run")}, "model": {"path": "builtin://tiny-qwen3"},
+           "data": {"path": str(data)}, "rollout": base | rollout}
+    return parse_config(json.dumps(doc))
+
+
+def test_rl_rollout_writes_scored_groups(tiny_model_path, tmp_path):
+    data = write_jsonl(arithmetic(32), tmp_path / "data.jsonl")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        run: {{output_dir: {tmp_path / 'run'}}}
+        model: {{path: builtin://tiny-qwen3}}
+        data: {{path: {data}}}
+        rollout:
+          n_prompts: 3
+          n_samples_per_prompt: 2
+          num_steps: 2
+          rewards: [exact_match]
+          sampling: {{max_new_tokens: 6}}
+          engines: [{{server_args: {{num_threads: 1}}}}]
+    """))
+    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "rollout", str(cfg)], capture_output=True,
+                       text=True, timeout=300, env=os.environ.copy())
+    assert r.returncode == 0, r.stderr
+    groups = [json.loads(line) for line in (tmp_path / "run" / "rollout.jsonl").read_text().splitlines()]
+    assert len(groups) == 6 and [g["step"] for g in groups].count(2) == 3
+    for g in groups:
+        for s in g["samples"]:
+            assert s["status"] in ("completed", "truncated") and s["reward"] in (0.0, 1.0)
+            assert 0 < len(s["response_ids"]) <= 6 == 6 and len(s["rollout_logprobs"]) == len(s["response_ids"])
+            assert s["rewards"]["exact_match"]["score"] == s["reward"]
+    assert len({s["sample_id"] for g in groups for s in g["samples"]}) == 12
+
+
+def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny_model_path, tmp_path):
+    cfg = config(tmp_path, n_prompts=2, partial_rollout=True, over_sampling=3.0,
+                 sampling={"max_new_tokens": 1500}, max_concurrency=12)
+
+    async def go():
+        async with RolloutSession(cfg, build_plugins()) as s:
+            b1 = await s.manager.next_batch(1)
+            pending = {x.sample_id: list(x.response_ids) for g in s.manager.pending for x in g.samples
+                       if x.status == SampleStatus.ABORTED}
+            b2 = await s.manager.next_batch(2)
+            return b1, pending, b2
+
+    b1, pending, b2 = asyncio.run(go())
+    assert len(b1.groups) == 2 and pending, "groups still running at the boundary were kept"
+    resumed = {x.sample_id: x for x in b2.samples if x.sample_id in pending}
+    assert resumed, "the next step finished the partial groups first"
+    for sid, x in resumed.items():
+        prefix = pending[sid]
+        assert x.response_ids[: len(prefix)] == prefix and len(x.response_ids) > len(prefix)
+        assert len(x.rollout_logprobs) == len(x.response_ids) == len(x.loss_mask)
+
+
+def test_killing_the_engine_mid_rollout_is_a_clear_error(tiny_model_path, tmp_path):
+    cfg = config(tmp_path, sampling={"max_new_tokens": 1500}, n_prompts=4)
+
+    async def go():
+        async with RolloutSession(cfg, build_plugins()) as s:
+            task = asyncio.create_task(s.manager.next_batch(1))
+            await asyncio.sleep(1.0)
+            os.kill(s.fleet.engines[0].process.pid, signal.SIGKILL)
+            await asyncio.wait_for(task, 60)
+
+    with pytest.raises(RLXError, match="unreachable"):
+        asyncio.run(go())
+
+
+def test_with_two_engines_a_dead_one_is_retried_on_the_other(tiny_model_path, tmp_path):
+    cfg = config(tmp_path, engines=[{"num_engines": 2, "server_args": {"num_threads": 1}}],
+                 router={"policy": "round_robin"}, retries=2)
+
+    async def go():
+        async with RolloutSession(cfg, build_plugins()) as s:
+            s.fleet.engines[0].process.stop()
+            return await asyncio.wait_for(s.manager.next_batch(1), 120)
+
+    batch = asyncio.run(go())
+    assert len(batch.groups) == 4 and all(x.status.trainable for x in batch.samples)

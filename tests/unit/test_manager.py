@@ -1,0 +1,145 @@
+"""The rollout manager with in-process generators and rewards (no engine): filtering, over-sampling,
+failing rewards, partial groups and exact state round trips."""
+
+import asyncio
+import json
+import types
+
+import pytest
+
+from rlx import hookimpl
+from rlx.config import parse_config
+from rlx.data.datasets import PromptDataset
+from rlx.errors import RLXError
+from rlx.plugins import build_plugins
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.manager import RolloutManager
+from rlx.types import SampleStatus
+
+
+class ByteTok:
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [1] + self.encode(messages[-1]["content"]) + [2]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode(errors="replace")
+
+
+class EchoLabel:
+    """Answers the label for even sample indices, garbage otherwise; prompt 'same' always answers 'x'."""
+
+    name = "echo"
+
+    async def generate(self, ctx, sample):
+        await asyncio.sleep(0.001 * (sample.sample_id % 5))
+        text = "x" if sample.prompt_text == "same" else (str(sample.label) if sample.index % 2 == 0 else "?")
+        sample.response_ids = list(text.encode())
+        sample.loss_mask = [1] * len(text)
+        sample.rollout_logprobs = [-1.0] * len(text)
+        sample.response_text = text
+        sample.status = SampleStatus.COMPLETED
+        return [sample]
+
+
+class Boom:
+    name = "boom"
+
+    def score(self, sample):
+        if sample.index == 1:
+            raise ValueError("bad row")
+        return 1.0
+
+
+class Slow:
+    name = "slow"
+
+    async def score(self, sample):
+        await asyncio.sleep(5)
+        return 1.0
+
+
+def plugins():
+    mod = types.ModuleType("test-gen")
+    mod.register_generators = hookimpl(lambda register: register(EchoLabel))
+    mod.register_rewards = hookimpl(lambda register: [register(Boom), register(Slow)])
+    return build_plugins(entry_points=False, extra=[("test-gen", mod)])
+
+
+def make(tmp_path, rows, **rollout):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(json.dumps({"model": {"path": "/m"}, "data": {"path": str(data), "shuffle": False},
+                                   "rollout": {"generator": "echo", **rollout}}))
+    p = plugins()
+    ds = PromptDataset(cfg.data, data)
+    return RolloutManager(cfg, p, ds, GenerateContext(client=None, tokenizer=ByteTok(), sampling=cfg.rollout.sampling))
+
+
+ROWS = [{"prompt": f"q{i}", "label": str(i)} for i in range(6)]
+
+
+def test_batch_has_n_groups_of_n_samples_with_unique_ids_and_rewards(tmp_path):
+    m = make(tmp_path, ROWS, n_prompts=3, n_samples_per_prompt=4, rewards=["exact_match"])
+    batch = asyncio.run(m.next_batch(1))
+    assert len(batch.groups) == 3 and all(len(g.samples) == 4 for g in batch.groups)
+    ids = [s.sample_id for s in batch.samples]
+    assert len(set(ids)) == 12
+    assert [s.reward for s in batch.groups[0].samples] == [1.0, 0.0, 1.0, 0.0]
+    assert batch.metrics["reward/mean"] == 0.5 and batch.metrics["reward/exact_match/mean"] == 0.5
+    assert batch.groups[0].samples[0].prompt_ids == [1, *b"q0", 2]
+
+
+def test_zero_variance_groups_are_dropped_and_replaced(tmp_path):
+    rows = [{"prompt": "same", "label": "x"}, *ROWS]
+    m = make(tmp_path, rows, n_prompts=3, n_samples_per_prompt=2, rewards=["exact_match"],
+             filter_zero_variance=True)
+    batch = asyncio.run(m.next_batch(1))
+    assert len(batch.groups) == 3 and batch.metrics["rollout/groups_filtered"] == 1
+    assert all(g.prompt_index != 0 for g in batch.groups)
+
+
+def test_all_filtered_is_a_clear_error(tmp_path):
+    m = make(tmp_path, [{"prompt": "same", "label": "x"}], n_prompts=2, n_samples_per_prompt=2,
+             rewards=["exact_match"], filter_zero_variance=True, max_oversample_rounds=2)
+    with pytest.raises(RLXError, match="every group was filtered out"):
+        asyncio.run(m.next_batch(1))
+
+
+def test_a_raising_reward_fails_its_sample_not_the_run(tmp_path):
+    m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=3, rewards=["boom"])
+    batch = asyncio.run(m.next_batch(1))
+    failed = [s for s in batch.samples if s.status == SampleStatus.FAILED]
+    assert len(failed) == 2 and all("reward 'boom' raised ValueError: bad row" == s.error for s in failed)
+    assert batch.metrics["rollout/failed"] == 2
+
+
+def test_a_slow_reward_times_out_per_sample(tmp_path):
+    m = make(tmp_path, ROWS[:1], n_prompts=1, n_samples_per_prompt=2, rewards=["slow"], reward_timeout_s=0.05,
+             max_oversample_rounds=1)
+    with pytest.raises(RLXError, match=r"2 samples failed, e.g. reward 'slow' timed out after 0.05s"):
+        asyncio.run(m.next_batch(1))
+
+
+def test_state_round_trip_continues_with_the_same_prompts_and_ids(tmp_path):
+    m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=2, rewards=["exact_match"])
+    asyncio.run(m.next_batch(1))
+    state = json.loads(json.dumps(m.state_dict()))
+    want = asyncio.run(m.next_batch(2))
+    m2 = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=2, rewards=["exact_match"])
+    m2.load_state_dict(state)
+    got = asyncio.run(m2.next_batch(2))
+    assert [(s.sample_id, s.prompt_ids) for s in got.samples] == [(s.sample_id, s.prompt_ids) for s in want.samples]
+
+
+def test_plugin_group_filter_and_rollout_end_hook(tmp_path):
+    seen = []
+    mod = types.ModuleType("flt")
+    mod.filter_group = hookimpl(lambda group: group.prompt_index != 1)
+    mod.on_rollout_end = hookimpl(lambda batch: seen.append(batch.step))
+    m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=2, rewards=["exact_match"])
+    m.plugins = build_plugins(entry_points=False, extra=[("gen", plugins().pm.get_plugin("test-gen")), ("flt", mod)])
+    batch = asyncio.run(m.next_batch(7))
+    assert [g.prompt_index for g in batch.groups] == [0, 2] and seen == [7]
