@@ -105,9 +105,11 @@ class Scheduler:
         self._mask: torch.Tensor | None = None  # [B, L] 1 where a real token sits
         self._pos: torch.Tensor | None = None  # [B] position id of the next token
         self._last: torch.Tensor | None = None  # [B] last sampled token
+        self._sampling: SamplingTensors | None = None  # for the current rows; None when they change
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rlx-engine-scheduler", daemon=True)
         self.steps = 0
+        self.prefill_batches = 0
         self.generated_tokens = 0
 
     # -- called from other threads -------------------------------------------------------------
@@ -208,6 +210,7 @@ class Scheduler:
 
     def _reset_batch(self) -> None:
         self.rows, self._cache, self._mask, self._pos, self._last = [], None, None, None, None
+        self._sampling = None
 
     def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer.keys, layer.values) for layer in cache.layers]
@@ -223,6 +226,7 @@ class Scheduler:
             return
         idx = torch.tensor(keep, device=self.device)
         self.rows = [self.rows[i] for i in keep]
+        self._sampling = None
         mask = self._mask.index_select(0, idx)
         # Trim columns that no remaining row attends to (left padding of finished long rows).
         used = mask.any(0).nonzero()
@@ -235,6 +239,7 @@ class Scheduler:
         self._last = self._last.index_select(0, idx)
 
     def _prefill(self, new: list[Request]) -> None:
+        self.prefill_batches += 1
         n, length = len(new), max(len(r.input_ids) for r in new)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.full((n, length), pad, dtype=torch.long, device=self.device)
@@ -244,8 +249,9 @@ class Scheduler:
             mask[i, length - len(r.input_ids):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._make_cache([])
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        padded = bool((mask[:, 0] == 0).any())
+        out = self.model(input_ids=ids, attention_mask=mask if padded else None, position_ids=pos,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].float()
         new_pos = mask.sum(-1)
         self._merge(new, out.past_key_values, mask, new_pos)
@@ -253,6 +259,7 @@ class Scheduler:
         self._emit(logits, list(range(offset, offset + n)))
 
     def _merge(self, new: list[Request], cache: Any, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        self._sampling = None
         if not self.rows:
             self.rows, self._cache, self._mask, self._pos = list(new), cache, mask, pos
             self._last = torch.zeros(len(new), dtype=torch.long, device=self.device)
@@ -281,20 +288,29 @@ class Scheduler:
     def _decode(self) -> None:
         b = len(self.rows)
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, 1))], dim=1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask,
+        # Without padding the model can take its causal fast path; building a mask costs ~30% at batch 1.
+        mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
+        out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
         self._cache = out.past_key_values
         self._pos = self._pos + 1
         self.steps += 1
-        self._emit(out.logits[:, -1].float(), list(range(b)))
+        self._emit(out.logits[:, -1].float())
 
     # -- sampling and stopping -----------------------------------------------------------------
 
-    def _emit(self, logits: torch.Tensor, row_idx: list[int]) -> None:
-        rows = [self.rows[i] for i in row_idx]
-        tokens, logprobs = sample(logits, [r.params for r in rows], self.generator)
-        idx = torch.tensor(row_idx, device=self.device)
-        self._last.index_copy_(0, idx, tokens)
+    def _emit(self, logits: torch.Tensor, row_idx: list[int] | None = None) -> None:
+        """Sample for `row_idx` (all rows when None), append, and retire rows that stopped."""
+        if row_idx is None:
+            row_idx, rows = list(range(len(self.rows))), self.rows
+            if self._sampling is None:
+                self._sampling = SamplingTensors([r.params for r in rows], self.device)
+            tokens, logprobs = sample(logits, self._sampling, self.generator)
+            self._last = tokens
+        else:
+            rows = [self.rows[i] for i in row_idx]
+            tokens, logprobs = sample(logits, [r.params for r in rows], self.generator)
+            self._last.index_copy_(0, torch.tensor(row_idx, device=self.device), tokens)
         done: list[int] = []
         now = time.monotonic()
         for i, r, tok, lp in zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -348,31 +364,40 @@ class Scheduler:
             r.on_done(r)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
+class SamplingTensors:
+    """Per-row sampling parameters as tensors, built once per batch composition, not per step."""
+
+    def __init__(self, params: list[SamplingParams], device: torch.device):
+        self.temps = torch.tensor([p.temperature for p in params], device=device)
+        self.greedy = self.temps <= 0
+        self.all_greedy = bool(self.greedy.all())
+        self.divisor = torch.where(self.greedy, torch.ones_like(self.temps), self.temps)[:, None]
+        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], device=device)
+        self.min_p = torch.tensor([p.min_p for p in params], device=device)
+        self.truncate = bool((self.top_k > 0).any() | (self.top_p < 1).any())
+        self.use_min_p = bool((self.min_p > 0).any())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row, with that row's sampling parameters; returns (tokens, logprobs)."""
-    dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if bool(greedy.all()):
+    t = params if isinstance(params, SamplingTensors) else SamplingTensors(params, logits.device)
+    logp = torch.log_softmax(logits / t.divisor, dim=-1)
+    if t.all_greedy:
         tokens = logits.argmax(-1)
         return tokens, logp.gather(1, tokens[:, None])[:, 0]
     probs = logp.exp()
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((top_k > 0).any() | (top_p < 1).any()):
+    if t.truncate:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=dev)[None, :]
-        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        rank = torch.arange(probs.shape[-1], device=logits.device)[None, :]
+        drop = (t.top_k[:, None] > 0) & (rank >= t.top_k[:, None])
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-        drop |= (sorted_p.cumsum(-1) - sorted_p) >= top_p[:, None]
+        drop |= (sorted_p.cumsum(-1) - sorted_p) >= t.top_p[:, None]
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    if t.use_min_p:
+        probs = probs.masked_fill(probs < t.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    tokens = torch.where(t.greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]

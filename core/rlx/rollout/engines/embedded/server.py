@@ -256,6 +256,7 @@ class EngineServer:
                 "waiting_requests": len(self.s.waiting),
                 "paused": self.s.paused,
                 "decode_steps": self.s.steps,
+                "prefill_batches": self.s.prefill_batches,
                 "generated_tokens": self.s.generated_tokens,
             }],
         })
