@@ -143,3 +143,27 @@ def test_plugin_group_filter_and_rollout_end_hook(tmp_path):
     m.plugins = build_plugins(entry_points=False, extra=[("gen", plugins().pm.get_plugin("test-gen")), ("flt", mod)])
     batch = asyncio.run(m.next_batch(7))
     assert [g.prompt_index for g in batch.groups] == [0, 2] and seen == [7]
+
+
+def test_stream_mode_fills_a_bounded_queue_and_keeps_unfinished_groups(tmp_path):
+    m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=2, rewards=["exact_match"])
+
+    async def go():
+        queue = asyncio.Queue(maxsize=3)
+        stop = asyncio.Event()
+        task = asyncio.create_task(m.run_stream(queue, stop))
+        got = [await queue.get() for _ in range(5)]
+        await asyncio.sleep(0.05)  # let the queue fill up again, so a put is blocked at stop
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        while not queue.empty():
+            got.append(queue.get_nowait())
+        return got
+
+    got = asyncio.run(go())
+    delivered = [g.group_id for g in got]
+    kept_back = [g.group_id for g in m.pending]
+    assert len(delivered) >= 5 and all(len(g.samples) == 2 and all(s.reward is not None for s in g.samples)
+                                       for g in got)
+    # Nothing lost, nothing twice: every group made was delivered or kept for later.
+    assert sorted(delivered + kept_back) == list(range(m.next_group_id))

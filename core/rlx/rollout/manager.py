@@ -218,14 +218,26 @@ class RolloutManager:
                 finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     group = task.result()
-                    if self.keep(group):
-                        await queue.put(group)
+                    if self.keep(group) and not await self._put_unless_stopped(queue, group, stop):
+                        self.pending.append(group)
         finally:
             if running:
                 if self.abort_all is not None:
                     await self.abort_all()
                 results = await asyncio.gather(*running, return_exceptions=True)
                 self.pending.extend(g for g in results if isinstance(g, Group))
+
+    @staticmethod
+    async def _put_unless_stopped(queue: asyncio.Queue, group: Group, stop: asyncio.Event) -> bool:
+        """Wait for room in the queue, but not past `stop`; False if the group was not queued."""
+        put = asyncio.ensure_future(queue.put(group))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({put, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if put.done():
+            return True
+        put.cancel()
+        return False
 
     # -- checkpoint ------------------------------------------------------------------------------
 

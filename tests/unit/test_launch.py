@@ -1,0 +1,76 @@
+"""Command lines rlx builds for SGLang, the embedded engine and sglang-router, from config."""
+
+import asyncio
+import sys
+
+import pytest
+
+from rlx.config import parse_config
+from rlx.errors import RLXError
+from rlx.rollout.engines.fleet import EngineFleet
+from rlx.rollout.engines.launch import ManagedProcess, flags, sglang_command, wait_healthy
+from rlx.rollout.engines.protocol import EngineError
+from rlx.rollout.router import router_command
+
+
+def test_flags_pass_through_server_args():
+    assert flags({"chunked_prefill_size": 4096, "enable_x": True, "off": False, "none": None,
+                  "cuda_graph_bs": [1, 2]}) == ["--chunked-prefill-size", "4096", "--enable-x",
+                                                "--cuda-graph-bs", "1", "2"]
+
+
+def test_sglang_command_from_a_topology_group(tmp_path):
+    cfg = parse_config("""
+model: {path: /models/qwen}
+rollout:
+  engines:
+    - {name: p, backend: sglang, tp_size: 2, mem_fraction_static: 0.7, worker_type: prefill,
+       server_args: {disaggregation_bootstrap_port: 8998}}
+    - {name: d, backend: sglang, model_path: /models/other, worker_type: decode, update_weights: false}
+""")
+    fleet = EngineFleet(cfg, tmp_path)
+    p, d = cfg.rollout.engines
+    cmd = fleet._command(p, 30001)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert cmd[3:] == ["--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30001", "--tp-size", "2",
+                       "--mem-fraction-static", "0.7", "--disaggregation-mode", "prefill",
+                       "--disaggregation-bootstrap-port", "8998"]
+    assert fleet._command(d, 30002)[4] == "/models/other"
+    assert "--disaggregation-mode" in fleet._command(d, 30002)
+
+
+def test_embedded_group_refuses_what_it_cannot_do(tmp_path):
+    cfg = parse_config("model: {path: /m}\nrollout: {engines: [{worker_type: decode}, {tp_size: 2}]}")
+    fleet = EngineFleet(cfg, tmp_path)
+    with pytest.raises(RLXError, match="no decode mode"):
+        fleet._command(cfg.rollout.engines[0], 1)
+    with pytest.raises(RLXError, match="one device"):
+        fleet._command(cfg.rollout.engines[1], 1)
+
+
+def test_router_commands_regular_and_pd():
+    cmd = router_command(9000, "round_robin", worker_urls=["http://a"])
+    assert cmd[cmd.index("--policy") + 1] == "round_robin" and cmd[cmd.index("--worker-urls") + 1] == "http://a"
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+    pd = router_command(9000, "cache_aware", prefill_urls=["http://p"], decode_urls=["http://d"])
+    assert "--pd-disaggregation" in pd and pd[pd.index("--prefill") + 1] == "http://p"
+    assert pd[pd.index("--decode") + 1] == "http://d"
+
+
+def test_a_server_that_exits_at_start_is_reported_with_its_log(tmp_path):
+    proc = ManagedProcess([sys.executable, "-c", "import sys; print('no such model: /x'); sys.exit(3)"],
+                          tmp_path / "e.log")
+    proc.start()
+    with pytest.raises(EngineError, match=r"exited with code 3 before it was healthy(.|\n)*no such model: /x"):
+        asyncio.run(wait_healthy("http://127.0.0.1:9", proc, 30))
+
+
+def test_a_server_that_never_answers_times_out(tmp_path):
+    proc = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "e.log")
+    proc.start()
+    try:
+        with pytest.raises(EngineError, match="not healthy after 1s"):
+            asyncio.run(wait_healthy("http://127.0.0.1:9", proc, 1))
+    finally:
+        proc.stop()
+    assert not proc.alive()
