@@ -3,4 +3,5 @@
 BUILTIN_PLUGINS = (
     "rlx.builtins.rewards",
     "rlx.builtins.generators",
+    "rlx.builtins.losses",
 )

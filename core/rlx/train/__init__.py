@@ -1,0 +1,1 @@
+"""Training: losses and advantages, packing, balancing, and the Megatron trainer."""

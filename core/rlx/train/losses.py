@@ -1,0 +1,153 @@
+"""Advantage estimators and policy losses, as plain functions over flat per-token tensors.
+
+Choices:
+
+* Every tensor is flat over the tokens of a micro-batch (packed, no padding): ``[T]``. ``seq_index``
+  says which sequence a token belongs to.
+* Normalisation is a per-token weight computed once for the whole global batch (`token_weights`), so a
+  micro-batch's loss is ``sum(weight * per_token_loss)`` and micro-batches and data-parallel ranks add
+  up to exactly the global loss, whatever the batch size: ``token`` (every response token counts
+  equally), ``sequence`` (every sample equally) or ``group`` (every prompt equally, its samples sharing
+  its weight; a prompt that yielded many samples does not outweigh one that yielded few).
+* Log-probs: ``logprobs`` are the current policy's (with grad), ``old_logprobs`` the trainer's before
+  this update, ``rollout_logprobs`` the engine's. Truncated importance sampling corrects for the gap
+  between engine and trainer: weight ``min(exp(old - rollout), cap)``, no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rlx.types import Group
+
+Norm = Literal["token", "sequence", "group"]
+KLType = Literal["k1", "k2", "k3", "low_var"]
+
+
+# -- advantages (per sample; broadcast over its tokens) -----------------------------------------
+
+
+def grpo_advantages(groups: list[Group], normalize_std: bool = True, eps: float = 1e-6) -> dict[int, float]:
+    """``(r - mean_group) / (std_group + eps)``, or without the std when `normalize_std` is off.
+
+    The std is the population std of the group's rewards (a group of identical rewards gets 0).
+    Returns sample_id -> advantage for the trainable samples.
+    """
+    out: dict[int, float] = {}
+    for g in groups:
+        samples = [s for s in g.trainable if s.reward is not None]
+        if not samples:
+            continue
+        rewards = [s.reward for s in samples]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        for s in samples:
+            out[s.sample_id] = (s.reward - mean) / (std + eps) if normalize_std else s.reward - mean
+    return out
+
+
+def reinforce_pp_advantages(groups: list[Group], eps: float = 1e-6) -> dict[int, float]:
+    """REINFORCE++ with a baseline: subtract the group mean, then whiten over the whole batch."""
+    centred = grpo_advantages(groups, normalize_std=False)
+    if not centred:
+        return centred
+    vals = list(centred.values())
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
+    return {k: (v - mean) / (std + eps) for k, v in centred.items()}
+
+
+# -- normalisation -------------------------------------------------------------------------------
+
+
+def token_weights(groups: list[Group], norm: Norm) -> dict[int, float]:
+    """The weight of each loss-masked token of each trainable sample (sample_id -> weight per token)."""
+    samples = [(g, s) for g in groups for s in g.trainable]
+    counts = {s.sample_id: max(sum(s.loss_mask), 1) for _, s in samples}
+    if norm == "token":
+        total = sum(counts.values())
+        return {sid: 1.0 / total for sid in counts}
+    if norm == "sequence":
+        n = len(samples)
+        return {sid: 1.0 / (n * c) for sid, c in counts.items()}
+    if norm == "group":
+        live = [g for g in groups if g.trainable]
+        w: dict[int, float] = {}
+        for g in live:
+            k = len(g.trainable)
+            for s in g.trainable:
+                w[s.sample_id] = 1.0 / (len(live) * k * counts[s.sample_id])
+        return w
+    raise ValueError(f"unknown loss normalisation {norm!r}")
+
+
+# -- per-token terms -----------------------------------------------------------------------------
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1, k2, k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    k3 = torch.exp(-log_ratio) + log_ratio - 1.0
+    if kind == "k3":
+        return k3
+    if kind == "low_var":
+        return k3.clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL type {kind!r}")
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights between the trainer's and the engine's log-probs (no gradient)."""
+    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+
+
+@dataclass
+class ClipConfig:
+    eps_low: float = 0.2  # ratio floor 1 - eps_low
+    eps_high: float = 0.2  # ratio ceiling 1 + eps_high (clip-higher: make it larger than eps_low)
+    dual_clip: float | None = None  # c > 1: cap the loss of negative advantages at -c * A
+
+
+def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                  clip: ClipConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss (to minimise) and whether each token was clipped."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip.eps_low, 1.0 + clip.eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if clip.dual_clip is not None:
+        if clip.dual_clip <= 1.0:
+            raise ValueError("dual_clip must be > 1")
+        capped = torch.minimum(loss, -advantages * clip.dual_clip)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, was_clipped
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              seq_index: torch.Tensor, mask: torch.Tensor, clip: ClipConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: one importance ratio per sequence, the geometric mean of its token ratios.
+
+    Token-level form: ``r_t = sg(s_i) * exp(logp_t - sg(logp_t))``, so the value is the sequence ratio
+    ``s_i`` and the gradient flows through each token; then clipped like PPO.
+    """
+    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    log_ratio = (logprobs - old_logprobs) * mask
+    per_seq = torch.zeros(n, dtype=logprobs.dtype, device=logprobs.device).index_add_(0, seq_index, log_ratio)
+    lengths = torch.zeros(n, dtype=logprobs.dtype, device=logprobs.device).index_add_(0, seq_index, mask)
+    seq_log_ratio = (per_seq / lengths.clamp(min=1.0))[seq_index]
+    token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    return ppo_clip_loss(token_log_ratio, torch.zeros_like(token_log_ratio), advantages, clip)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of the categorical distribution given by `logits` ``[T, V]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,114 @@
+"""Each advantage estimator, policy loss, KL estimator and normalisation against values worked out
+by hand (the arithmetic is in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from rlx.config import component_config
+from rlx.plugins import build_plugins
+from rlx.train.losses import (ClipConfig, entropy_from_logits, gspo_loss, grpo_advantages, kl_penalty,
+                              ppo_clip_loss, reinforce_pp_advantages, tis_weights, token_weights)
+from rlx.train.objective import LossInputs, ObjectiveConfig, objective
+from rlx.types import Group, Sample, SampleStatus
+
+T = torch.tensor
+
+
+def group(gid, rewards, masks=None, first_id=0):
+    masks = masks or [[1]] * len(rewards)
+    return Group(gid, [Sample([0], [1] * len(m), loss_mask=m, reward=r, status=SampleStatus.COMPLETED,
+                              sample_id=first_id + i, group_id=gid) for i, (r, m) in enumerate(zip(rewards, masks))])
+
+
+def test_grpo_advantages_with_and_without_std():
+    g = [group(0, [1.0, 0.0, 0.0, 1.0]), group(1, [3.0, 3.0], first_id=4)]
+    # mean 0.5, population std 0.5 -> +-1; an all-equal group gets 0
+    assert list(grpo_advantages(g).values()) == pytest.approx([1, -1, -1, 1, 0, 0], abs=1e-5)
+    assert list(grpo_advantages(g, normalize_std=False).values()) == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0]
+
+
+def test_grpo_skips_failed_samples():
+    g = group(0, [1.0, 0.0, 5.0])
+    g.samples[2].status = SampleStatus.FAILED
+    assert set(grpo_advantages([g])) == {0, 1}
+
+
+def test_reinforce_pp_baseline_then_batch_whitening():
+    # centred: [0.5, -0.5] and [-1, -1, 2]; batch mean 0, std sqrt(6.5 / 5) = 1.140175
+    adv = reinforce_pp_advantages([group(0, [1.0, 0.0]), group(1, [2.0, 2.0, 5.0], first_id=2)])
+    s = math.sqrt(1.3)
+    assert list(adv.values()) == pytest.approx([0.5 / s, -0.5 / s, -1 / s, -1 / s, 2 / s], abs=1e-5)
+
+
+def test_token_sequence_and_group_normalisation():
+    groups = [group(0, [1.0, 0.0], masks=[[1, 1, 1], [0, 1]]), group(1, [1.0], masks=[[1, 1]], first_id=2)]
+    assert token_weights(groups, "token") == pytest.approx({0: 1 / 6, 1: 1 / 6, 2: 1 / 6})
+    assert token_weights(groups, "sequence") == pytest.approx({0: 1 / 9, 1: 1 / 3, 2: 1 / 6})
+    # two groups; group 0 has two samples sharing its half: 1/(2*2*3), 1/(2*2*1); group 1: 1/(2*1*2)
+    w = token_weights(groups, "group")
+    assert w == pytest.approx({0: 1 / 12, 1: 1 / 4, 2: 1 / 4})
+    assert 3 * w[0] + 1 * w[1] + 2 * w[2] == pytest.approx(1.0)
+
+
+def test_ppo_clip_with_clip_higher():
+    logp = torch.log(T([1.5, 0.5, 1.1]))
+    loss, clipped = ppo_clip_loss(logp, torch.zeros(3), T([1.0, -1.0, 2.0]), ClipConfig(0.2, 0.28))
+    # r=1.5,A=1: max(-1.5, -1.28); r=0.5,A=-1: max(0.5, 0.8); r=1.1,A=2: -2.2 either way
+    assert loss.tolist() == pytest.approx([-1.28, 0.8, -2.2])
+    assert clipped.tolist() == [True, True, False]
+
+
+def test_dual_clip_caps_negative_advantages():
+    loss, _ = ppo_clip_loss(torch.log(T([5.0, 5.0])), torch.zeros(2), T([-1.0, 1.0]), ClipConfig(0.2, 0.2, 3.0))
+    # A=-1, r=5: max(5, 1.2) = 5, capped at 3; A=+1 unaffected: max(-5, -1.2) = -1.2
+    assert loss.tolist() == pytest.approx([3.0, -1.2])
+
+
+def test_gspo_uses_one_ratio_per_sequence_and_its_gradient():
+    logp = T([0.1, 0.3, -0.5], requires_grad=True)
+    loss, _ = gspo_loss(logp, torch.zeros(3), T([1.0, 1.0, -1.0]), torch.tensor([0, 0, 1]), torch.ones(3),
+                        ClipConfig(0.2, 0.28))
+    s0, s1 = math.exp(0.2), math.exp(-0.5)  # geometric means: exp(mean(0.1, 0.3)), exp(-0.5)
+    assert loss.tolist() == pytest.approx([-s0, -s0, 0.8])  # s1 = 0.607 clipped up to 0.8
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-s0, -s0, 0.0])  # clipped token: no gradient
+    assert s1 < 0.8
+
+
+def test_kl_estimators():
+    logp, ref = T([-1.0]), T([-2.0])  # log ratio 1
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(1.0)
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(math.exp(-1))
+    assert kl_penalty(T([0.0]), T([-30.0]), "low_var").item() == pytest.approx(10.0)
+
+
+def test_tis_and_entropy():
+    assert tis_weights(torch.log(T([3.0, 0.5])), torch.zeros(2), cap=2.0).tolist() == pytest.approx([2.0, 0.5])
+    assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
+
+
+def test_objective_combines_terms_with_weights():
+    ppo = build_plugins(entry_points=False).get("losses", "ppo_clip")
+    policy = ppo(component_config(ppo, {"eps_low": 0.2, "eps_high": 0.2}))
+    logp = T([math.log(1.0), math.log(1.0)], requires_grad=True)
+    inp = LossInputs(logprobs=logp, old_logprobs=torch.zeros(2), rollout_logprobs=T([0.0, -math.log(3.0)]),
+                     advantages=T([1.0, -1.0]), weights=T([0.25, 0.75]), mask=torch.ones(2),
+                     seq_index=torch.tensor([0, 1]), ref_logprobs=T([-1.0, 0.0]), entropy=T([2.0, 1.0]))
+    loss, m = objective(inp, policy, ObjectiveConfig(kl_coef=0.5, kl_type="k1", entropy_coef=0.1, tis_cap=2.0))
+    # pg per token: -1 and +1; tis: 1 and min(3, 2) = 2 -> weighted: -0.25 + 0.75*2 = 1.25
+    # kl k1: [1, 0] weighted 0.25; entropy weighted 0.25*2 + 0.75*1 = 1.25
+    assert m["pg_loss"] == pytest.approx(1.25) and m["kl"] == pytest.approx(0.25)
+    assert m["entropy"] == pytest.approx(1.25)
+    assert loss.item() == pytest.approx(1.25 + 0.5 * 0.25 - 0.1 * 1.25)
+
+
+def test_loss_components_are_registered_with_their_configs():
+    p = build_plugins(entry_points=False)
+    assert {"grpo", "reinforce_pp", "ppo_clip", "gspo"} <= set(p.names("losses"))
+    gspo = p.get("losses", "gspo")
+    assert component_config(gspo, {}).eps_high == 4e-4
+    grpo = p.get("losses", "grpo")(component_config(p.get("losses", "grpo"), {"normalize_std": False}))
+    assert list(grpo.advantages([group(0, [1.0, 0.0])]).values()) == [0.5, -0.5]
