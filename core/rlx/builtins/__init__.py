@@ -4,4 +4,5 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.rewards",
     "rlx.builtins.generators",
     "rlx.builtins.losses",
+    "rlx.builtins.balancers",
 )
