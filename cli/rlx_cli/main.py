@@ -102,6 +102,52 @@ def rollout_cmd(
     out.print(f"wrote {path}")
 
 
+@app.command("train")
+def train_cmd(
+    file: ConfigArg,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")] = False,
+    save_hf: Annotated[Path | None, typer.Option("--save-hf", help="Export an HF checkpoint here at the end.")] = None,
+) -> None:
+    """Train: rollout, train, push weights, log and checkpoint, every step."""
+    import asyncio
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlx.config import load_config
+    from rlx.orchestrate.loop import train
+
+    cfg = load_config(file, set_ or [], plugins=_plugins())
+    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=err) as bar:
+        task = bar.add_task("train", total=cfg.train.num_steps, info="starting engines and trainer")
+
+        def progress(step, m):
+            bar.update(task, completed=step, info=f"reward {m['reward/mean']:.3f}  loss {m['loss']:+.4f}  "
+                                                  f"{m['time/step_s']:.2f}s/step")
+
+        out_dir = asyncio.run(train(cfg, _plugins(), resume=resume, save_hf=save_hf, progress=progress))
+    rows = __import__("rlx.orchestrate.metrics", fromlist=["read"]).read(out_dir)
+    first, last = rows[:5], rows[-5:]
+    mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
+    out.print(f"done: {len(rows)} steps in {out_dir}; mean reward first 5 steps {mean(first):.3f}, "
+              f"last 5 steps {mean(last):.3f}")
+    if save_hf:
+        out.print(f"HF checkpoint: {save_hf}")
+
+
+@app.command("plot")
+def plot_cmd(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run output folders (holding metrics.jsonl).")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="PNG path.")] = None,
+) -> None:
+    """Plot reward and timing curves of one or more runs into a PNG."""
+    from rlx.orchestrate.metrics import plot
+
+    path = plot(run_dirs, output or run_dirs[0] / "curves.png")
+    out.print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     _built.clear()

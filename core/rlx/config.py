@@ -134,6 +134,42 @@ class RolloutConfig(Section):
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
 
+class TrainConfig(Section):
+    """The Megatron trainer, its optimizer and the RL objective."""
+
+    tp: int = Field(1, ge=1)  # tensor parallel size
+    pp: int = Field(1, ge=1)  # pipeline parallel size (1 for now: see the README's status table)
+    world_size: int = Field(1, ge=1)  # trainer processes; data parallel size = world_size / (tp * pp)
+    num_steps: int = Field(100, ge=1)  # rollout + train steps
+    lr: float = Field(1e-6, gt=0)
+    min_lr: float = Field(0.0, ge=0)  # cosine decay floor (with lr_decay: cosine)
+    lr_decay: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = Field(1.0, ge=0)  # global gradient-norm clip (0: off)
+    max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
+    updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
+    advantage: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="grpo"))  # estimator
+    loss: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="ppo_clip"))  # policy loss
+    loss_norm: Literal["token", "sequence", "group"] = "token"  # what every unit of loss is averaged over
+    kl_coef: float = Field(0.0, ge=0)  # KL penalty against the initial policy (0: no reference model)
+    kl_type: Literal["k1", "k2", "k3", "low_var"] = "low_var"
+    entropy_coef: float = 0.0  # entropy bonus
+    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling between engine and trainer
+    balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
+    transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
+    save_interval: int = Field(0, ge=0)  # checkpoint every N steps (0: only at the end)
+    verify_weights: bool = True  # after each sync, check version and a checksum of a few tensors
+
+    @field_validator("advantage", "loss", "transport", "balancer", mode="before")
+    @classmethod
+    def _component(cls, v: Any) -> Any:
+        return ComponentSpec.coerce(v)
+
+
 class Config(Section):
     """The root of the tree: one field per subsystem."""
 
@@ -141,6 +177,7 @@ class Config(Section):
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
     #: Where the config came from (for relative paths); not part of the tree.
     _source: Path | None = None
@@ -160,6 +197,10 @@ class Config(Section):
 COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("rollout", "generator"), "generators"),
     (("rollout", "rewards"), "rewards"),
+    (("train", "advantage"), "losses"),
+    (("train", "loss"), "losses"),
+    (("train", "transport"), "transports"),
+    (("train", "balancer"), "balancers"),
 ]
 
 

@@ -26,7 +26,7 @@ def test_plugins_json_lists_builtins_with_the_documented_keys(capsys):
     rows = json.loads(out)
     builtin = next(r for r in rows if r["name"] == "rlx.builtins.rewards")
     assert set(builtin) == {"name", "distribution", "version", "registers"}
-    assert builtin["registers"]["rewards"] == ["exact_match"]
+    assert builtin["registers"]["rewards"] == ["exact_match", "digits"]
 
 
 def test_plugins_table(capsys):

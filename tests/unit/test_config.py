@@ -41,7 +41,7 @@ def test_unknown_wrong_type_and_missing_are_collected_with_lines():
 
 def test_unknown_top_level_section_lists_known_keys():
     (where, msg), = problems("model: {path: /m}\nzzz: 1\n")
-    assert where == "<config>:2: zzz" and "known keys: run, model, data, rollout" in msg
+    assert where == "<config>:2: zzz" and "known keys: run, model, data, rollout, train" in msg
 
 
 def test_override_sets_typed_values_and_list_items():

@@ -26,7 +26,7 @@ def test_builtins_are_ordinary_plugins_and_register_components():
     p = build_plugins(entry_points=False)
     assert "exact_match" in p.names("rewards")
     info = next(i for i in p.infos if i.name == "rlx.builtins.rewards")
-    assert info.distribution == "rlx" and info.registers == {"rewards": ["exact_match"]}
+    assert info.distribution == "rlx" and info.registers == {"rewards": ["exact_match", "digits"]}
 
 
 def test_extra_plugin_registers_and_is_found_by_name():

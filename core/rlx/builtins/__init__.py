@@ -5,4 +5,6 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.generators",
     "rlx.builtins.losses",
     "rlx.builtins.balancers",
+    "rlx.builtins.models",
+    "rlx.builtins.transports",
 )

@@ -1,4 +1,5 @@
-"""Built-in rewards that need nothing beyond the core: exact match against the dataset label."""
+"""Built-in rewards that need nothing beyond the core: exact match against the dataset label, and a
+dense digit-fraction reward that a randomly initialised policy can climb (used by the quickstart)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,23 @@ class ExactMatch:
         return RewardResult(score=float(got == want))
 
 
+class DigitFraction:
+    """Fraction of the response's non-space characters that are digits (0 for an empty response).
+
+    Dense partial credit: every sample gets a different score, so group-relative advantages are
+    informative even for a model that has never produced a right answer.
+    """
+
+    name = "digits"
+
+    def score(self, sample: Sample) -> RewardResult:
+        chars = [c for c in sample.response_text if not c.isspace()]
+        if not chars:
+            return RewardResult(0.0)
+        return RewardResult(sum(c.isdigit() for c in chars) / len(chars))
+
+
 @hookimpl
 def register_rewards(register):
     register(ExactMatch)
+    register(DigitFraction)

@@ -171,6 +171,7 @@ class RolloutManager:
             why = (f"{len(errors)} samples failed, e.g. {errors[0]}" if errors
                    else "loosen the filters or raise rollout.max_oversample_rounds")
             raise RLXError(f"rollout step {step}: every group was filtered out ({dropped} dropped); {why}")
+        kept.sort(key=lambda g: g.group_id)  # training order must not depend on which group finished first
         batch = RolloutBatch(step, kept, weight_version)
         batch.metrics.update(self._metrics(batch, dropped, time.monotonic() - t0))
         self.plugins.on_rollout_end(batch)

@@ -15,9 +15,10 @@ knows, for one HF architecture, the TransformerConfig to build and how each weig
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -70,6 +71,7 @@ class LlamaBridge:
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
     def transformer_config(self, shape: ModelShape, *, tp: int, pp: int, dtype: torch.dtype, **extra: Any):
+        import torch
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         return TransformerConfig(
@@ -93,6 +95,8 @@ class LlamaBridge:
     def to_megatron(self, hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_rank: int, tp: int,
                     layer_offset: int, num_layers: int, first: bool, last: bool) -> dict[str, torch.Tensor]:
         """The Megatron state dict of one (TP rank, PP stage) from a full HF state dict."""
+        import torch
+
         out: dict[str, torch.Tensor] = {}
 
         def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -124,6 +128,8 @@ class LlamaBridge:
         return out
 
     def _fuse_qkv(self, hf: dict[str, torch.Tensor], h: str, s: ModelShape, kind: str) -> torch.Tensor:
+        import torch
+
         q = hf[h + f"self_attn.q_proj.{kind}"]
         k = hf[h + f"self_attn.k_proj.{kind}"]
         v = hf[h + f"self_attn.v_proj.{kind}"]
@@ -138,6 +144,8 @@ class LlamaBridge:
     def to_hf(self, shards: list[dict[str, torch.Tensor]], shape: ModelShape, *, layer_offset: int,
               num_layers: int, first: bool, last: bool) -> dict[str, torch.Tensor]:
         """HF tensors of one PP stage from the state dicts of all its TP ranks (in rank order)."""
+        import torch
+
         out: dict[str, torch.Tensor] = {}
 
         def cat(name: str, dim: int) -> torch.Tensor:

@@ -81,7 +81,8 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         log.close()
 
     @property
@@ -114,6 +115,16 @@ class ManagedProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait(5)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 async def wait_healthy(url: str, process: ManagedProcess | None, timeout_s: float, what: str = "engine") -> None:

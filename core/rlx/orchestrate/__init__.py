@@ -1,0 +1,1 @@
+"""Running a whole job: the train loop, checkpoints, metrics, and (later) Ray placement."""

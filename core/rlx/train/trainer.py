@@ -1,0 +1,367 @@
+"""The Megatron trainer: one instance per rank, the same code on CPU (gloo) and GPU (NCCL).
+
+Choices:
+
+* The model is megatron-core's GPTModel with the local layer spec, built from an HF checkpoint by a
+  model bridge (`register_models`), wrapped in megatron's DDP with the DistributedOptimizer. On CPU
+  `rlx.train.megatron_cpu` redirects the CUDA-only calls first; fp32 on CPU, bf16 on GPU.
+* A step: advantages from the estimator, per-token loss weights for the whole global batch, samples
+  split across data-parallel ranks by the balancer, packed into micro-batches bounded by tokens,
+  forward/backward with gradients accumulated in megatron's buffers, one optimizer step per
+  mini-batch (``updates_per_step``). Because the weights already normalise over the global batch,
+  gradients are summed over ranks, not averaged (``calculate_per_token_loss``).
+* Old log-probs: with one update per step they equal the current ones (the ratio is exactly 1 at the
+  start), so no extra forward pass; with more updates they are computed before the first one.
+  Reference log-probs come from a frozen copy of the initial model, only when ``kl_coef > 0``.
+* Metrics are global: sums over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlx.config import Config
+from rlx.errors import RLXError
+from rlx.models.tiny import resolve_model_path
+from rlx.rollout.rewards import instantiate
+from rlx.train.balance import FlopsModel, micro_batches
+from rlx.train.bridge import ModelShape
+from rlx.train.losses import token_weights
+from rlx.train.objective import LossInputs, ObjectiveConfig, objective
+from rlx.train.packing import PackedBatch, pack, per_token
+from rlx.types import RolloutBatch, Sample
+
+
+@dataclass
+class ParallelState:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    dp_rank: int
+    tp_rank: int
+
+
+def init_distributed(cfg: Config) -> ParallelState:
+    """Join (or create, for one process) the default process group and megatron's model-parallel groups."""
+    import torch.distributed as dist
+
+    from rlx.train import megatron_cpu
+
+    megatron_cpu.enable()
+    tc = cfg.train
+    if tc.pp != 1:
+        raise RLXError("train.pp: pipeline parallelism is not supported yet; use tp and data parallelism")
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            from rlx.rollout.engines.launch import free_port
+
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if world != tc.world_size:
+        raise RLXError(f"train.world_size is {tc.world_size} but {world} trainer processes are running")
+    if world % (tc.tp * tc.pp):
+        raise RLXError(f"train.world_size {world} is not a multiple of tp*pp = {tc.tp * tc.pp}")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tc.tp, tc.pp)
+    model_parallel_cuda_manual_seed(cfg.run.seed)
+    return ParallelState(dist.get_rank(), world, tc.tp, tc.pp, ps.get_data_parallel_world_size(),
+                         ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank())
+
+
+class MegatronTrainer:
+    def __init__(self, cfg: Config, plugins: Any):
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        self.tc = cfg.train
+        self.par = init_distributed(cfg)
+        self.dtype = self._dtype()
+        self.model_path = resolve_model_path(cfg.model.path)
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.shape = ModelShape.from_hf(hf_config)
+        self.bridge = self._bridge(plugins)
+        self.flops = FlopsModel.from_shape(self.shape.hidden, self.shape.layers, self.shape.ffn,
+                                           self.shape.vocab_size, self.shape.kv_heads, self.shape.heads)
+        self.estimator = instantiate(plugins.get("losses", self.tc.advantage.name), self.tc.advantage.args)
+        self.policy_loss = instantiate(plugins.get("losses", self.tc.loss.name), self.tc.loss.args)
+        self.balancer = instantiate(plugins.get("balancers", self.tc.balancer.name), self.tc.balancer.args)
+        self.objective_cfg = ObjectiveConfig(self.tc.kl_coef, self.tc.kl_type, self.tc.entropy_coef, self.tc.tis_cap)
+        hf_state = self._load_hf_state()
+        self.model = self._build(hf_state)
+        self.ref_model = self._build(hf_state, frozen=True) if self.tc.kl_coef > 0 else None
+        del hf_state
+        self.ddp, self.optimizer, self.scheduler = self._wrap(self.model)
+        self.step = 0
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _dtype(self) -> torch.dtype:
+        d = self.cfg.model.dtype
+        if d == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return getattr(torch, d)
+
+    def _bridge(self, plugins: Any) -> Any:
+        for name in plugins.names("models"):
+            comp = plugins.get("models", name)
+            if self.shape.model_type in getattr(comp, "model_types", ()):
+                return comp() if isinstance(comp, type) else comp
+        raise RLXError(f"model.path: no model bridge for model_type {self.shape.model_type!r}; "
+                       f"install a model plugin that supports it (`rl plugins` lists bridges under models)")
+
+    def _load_hf_state(self) -> dict[str, torch.Tensor]:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.model_path).glob("*.safetensors"))
+        if not files:
+            raise RLXError(f"model.path: no *.safetensors in {self.model_path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+
+    def _build(self, hf_state: dict[str, torch.Tensor], frozen: bool = False):
+        from megatron.core.models.gpt import GPTModel
+
+        s = self.shape
+        config = self.bridge.transformer_config(s, tp=self.tc.tp, pp=self.tc.pp, dtype=self.dtype,
+                                                calculate_per_token_loss=True)
+        self.transformer_config = config
+        model = GPTModel(config, self.bridge.layer_spec(s), vocab_size=s.vocab_size,
+                         max_sequence_length=s.max_positions, position_embedding_type="rope",
+                         rotary_base=s.rope_theta, share_embeddings_and_output_weights=s.tied)
+        sd = self.bridge.to_megatron(hf_state, s, tp_rank=self.par.tp_rank, tp=self.tc.tp, layer_offset=0,
+                                     num_layers=s.layers, first=True, last=True)
+        sd = {k: v.to(self.dtype) for k, v in sd.items()}
+        model.load_state_dict(sd, strict=False)
+        missing = [k for k in model.state_dict() if k not in sd and not k.endswith("_extra_state")]
+        if missing:
+            raise RLXError(f"model bridge {self.bridge.name!r} left weights unset: {missing[:5]}")
+        if torch.cuda.is_available():
+            model.cuda()
+        if frozen:
+            model.eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+        return model
+
+    def _wrap(self, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        tc = self.tc
+        ddp = DistributedDataParallel(self.transformer_config,
+                                      DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                    grad_reduce_in_fp32=True), model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=tc.lr, min_lr=tc.min_lr, weight_decay=tc.weight_decay, adam_beta1=tc.adam_beta1,
+            adam_beta2=tc.adam_beta2, adam_eps=tc.adam_eps, clip_grad=tc.clip_grad, use_distributed_optimizer=True,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype), [ddp])
+        total = tc.num_steps * tc.updates_per_step
+        sched = OptimizerParamScheduler(opt, init_lr=0.0 if tc.lr_warmup_steps else tc.lr, max_lr=tc.lr,
+                                        min_lr=tc.min_lr, lr_warmup_steps=tc.lr_warmup_steps,
+                                        lr_decay_steps=max(total, tc.lr_warmup_steps + 1),
+                                        lr_decay_style=tc.lr_decay, start_wd=tc.weight_decay,
+                                        end_wd=tc.weight_decay, wd_incr_steps=max(total, 1), wd_incr_style="constant")
+        return ddp, opt, sched
+
+    # -- log-probs -------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _forward(self, model, mb: PackedBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the response tokens (and their entropy), vocab-parallel safe."""
+        from megatron.core import tensor_parallel
+
+        dev = self._device()
+        logits = model(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
+        pos = mb.response_positions.to(dev)
+        resp_logits = logits[0, pos].float()  # [T, V/tp]
+        targets = mb.targets.to(dev)[pos]
+        logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
+                                                                 targets[:, None])[:, 0]
+        ent = vocab_parallel_entropy(resp_logits) if entropy else None
+        return logprobs, ent
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample], model=None) -> dict[int, list[float]]:
+        """Per-token log-probs of each sample's response under `model` (default: the policy)."""
+        model = model or self.model
+        out: dict[int, list[float]] = {}
+        for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch):
+            mb = pack([samples[i] for i in idx])
+            lp, _ = self._forward(model, mb, entropy=False)
+            lp = lp.cpu().tolist()
+            start = 0
+            for s in mb.samples:
+                out[s.sample_id] = lp[start:start + len(s.response_ids)]
+                start += len(s.response_ids)
+        return out
+
+    # -- one training step -----------------------------------------------------------------------
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on every trainable sample of the batch; returns global metrics."""
+        import torch.distributed as dist
+
+        groups = [g for g in batch.groups if g.trainable]
+        adv = self.estimator.advantages(groups)
+        groups = [g for g in groups if any(s.sample_id in adv for s in g.trainable)]
+        samples = [s for g in groups for s in g.trainable if s.sample_id in adv]
+        if not samples:
+            raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
+        weights = token_weights(groups, self.tc.loss_norm)
+        mine = self._my_share(samples)
+        ref = self.logprobs(mine, self.ref_model) if self.ref_model is not None else None
+        old = self.logprobs(mine) if self.tc.updates_per_step > 1 else None
+
+        totals: dict[str, float] = {}
+        minis = [mine[i::self.tc.updates_per_step] for i in range(self.tc.updates_per_step)]
+        for mini in minis:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for idx in micro_batches([s.total_len for s in mini], self.tc.max_tokens_per_micro_batch):
+                mb = pack([mini[i] for i in idx])
+                m = self._micro_step(mb, adv, weights, old, ref)
+                for k, v in m.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            self.ddp.finish_grad_sync()
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise RLXError(f"step {batch.step}: the optimizer step failed (non-finite gradients)")
+            self.scheduler.step(increment=1)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm or 0.0) / self.par.world
+        self.step += 1
+
+        keys = sorted(totals)
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers
+        vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
+        vals["grad_norm"] = vals["grad_norm"] * self.par.tp / self.tc.updates_per_step
+        w = vals.pop("weight") or 1.0
+        # Losses are sums of weighted terms per update; the rest are weighted sums: make them means.
+        metrics = {k: vals[k] / self.tc.updates_per_step for k in ("loss", "pg_loss", "kl") if k in vals}
+        for k in ("clip_frac", "tis_weight", "train_rollout_logprob_diff", "entropy"):
+            if k in vals:
+                metrics[k] = vals[k] / w
+        metrics["grad_norm"] = vals["grad_norm"]
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["samples"] = float(len(samples))
+        metrics["tokens"] = float(sum(s.total_len for s in samples))
+        return metrics
+
+    def _my_share(self, samples: list[Sample]) -> list[Sample]:
+        parts = self.balancer.partition([s.total_len for s in samples], self.par.dp, self.flops)
+        return [samples[i] for i in parts[self.par.dp_rank]]
+
+    def _micro_step(self, mb: PackedBatch, adv, weights, old, ref) -> dict[str, float]:
+        dev = self._device()
+        logprobs, ent = self._forward(self.ddp, mb, entropy=True)
+        s = mb.samples
+        mask = torch.tensor([m for x in s for m in x.loss_mask], dtype=torch.float32, device=dev)
+        rollout = torch.tensor([lp for x in s for lp in x.rollout_logprobs], dtype=torch.float32, device=dev)
+        inp = LossInputs(
+            logprobs=logprobs,
+            old_logprobs=per_token(s, old).to(dev) if old is not None else logprobs.detach(),
+            rollout_logprobs=rollout,
+            advantages=per_token(s, adv).to(dev),
+            weights=per_token(s, weights).to(dev) * mask,
+            mask=mask,
+            seq_index=mb.seq_index.to(dev),
+            ref_logprobs=per_token(s, ref).to(dev) if ref is not None else None,
+            entropy=ent if self.tc.entropy_coef else ent.detach(),
+        )
+        loss, metrics = objective(inp, self.policy_loss, self.objective_cfg)
+        loss.backward()
+        return metrics
+
+    # -- weights out -----------------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights, gathered over tensor parallelism (every rank gets them)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        local = {k: v.detach() for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        if self.tc.tp == 1:
+            shards = [local]
+        else:
+            group = ps.get_tensor_model_parallel_group()
+            shards = [dict() for _ in range(self.tc.tp)]
+            for k, v in local.items():
+                parts = [torch.empty_like(v) for _ in range(self.tc.tp)]
+                dist.all_gather(parts, v.contiguous(), group=group)
+                for r in range(self.tc.tp):
+                    shards[r][k] = parts[r]
+        return self.bridge.to_hf(shards, self.shape, layer_offset=0, num_layers=self.shape.layers,
+                                 first=True, last=True)
+
+    # -- checkpoint ------------------------------------------------------------------------------
+
+    def save(self, folder) -> None:
+        """Model, optimizer (gathered to data-parallel rank 0), scheduler, step and RNG into `folder`."""
+        import torch.distributed as dist
+
+        # Every rank takes part in gathering the optimizer's sharded state; rank 0 writes it.
+        self.optimizer.save_parameter_state(str(folder / "optimizer_params.pt"))
+        if self.par.rank == 0:
+            torch.save({
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "step": self.step,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            }, folder / "trainer.pt")
+        dist.barrier()
+
+    def load(self, folder) -> None:
+        state = torch.load(folder / "trainer.pt", weights_only=False)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_parameter_state(str(folder / "optimizer_params.pt"))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the full vocabulary when its last dim is split over TP ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    m = logits.detach().max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    e = torch.exp(logits - m)
+    z = e.sum(-1)
+    s = (e * logits).sum(-1)
+    if tp > 1:
+        z = reduce_from_tensor_model_parallel_region(z)
+        s = reduce_from_tensor_model_parallel_region(s)
+    return torch.log(z) + m[:, 0] - s / z
+

@@ -1,0 +1,30 @@
+import torch
+
+from rlx.train.packing import pack, per_token
+from rlx.types import Sample
+
+
+def test_pack_layout_targets_and_block_diagonal_mask():
+    a = Sample([1, 2], [3, 4], sample_id=10)
+    b = Sample([5], [6, 7, 8], sample_id=11)
+    p = pack([a, b], pad_to_multiple=4)
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert p.targets.tolist() == [2, 3, 4, 0, 6, 7, 8, 0]
+    # a's response 3,4 is predicted at positions 1,2; b's 6,7,8 at 4,5,6
+    assert p.response_positions.tolist() == [1, 2, 4, 5, 6] and p.seq_index.tolist() == [0, 0, 1, 1, 1]
+    assert p.targets[p.response_positions].tolist() == [3, 4, 6, 7, 8]
+    allowed = ~p.attention_mask[0, 0]
+    assert allowed[5].tolist() == [False, False, False, False, True, True, False, False]
+    assert allowed[3].tolist() == [True, True, True, True, False, False, False, False]
+
+
+def test_pack_pads_to_a_multiple_with_isolated_tokens():
+    p = pack([Sample([1, 2], [3])], pad_to_multiple=4)
+    assert p.num_tokens == 4 and p.input_ids.tolist() == [[1, 2, 3, 0]]
+    assert (~p.attention_mask[0, 0])[3].tolist() == [False, False, False, True]
+
+
+def test_per_token_broadcasts_scalars_and_keeps_lists():
+    a, b = Sample([1], [2, 3], sample_id=0), Sample([1], [4], sample_id=1)
+    assert per_token([a, b], {0: 0.5, 1: -1.0}).tolist() == [0.5, 0.5, -1.0]
+    assert per_token([a, b], {0: [0.1, 0.2], 1: [0.3]}).tolist() == [torch.tensor(0.1).item(), torch.tensor(0.2).item(), torch.tensor(0.3).item()]
