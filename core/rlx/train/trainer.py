@@ -222,6 +222,7 @@ class MegatronTrainer:
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on every trainable sample of the batch; returns global metrics."""
         import torch.distributed as dist
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         groups = [g for g in batch.groups if g.trainable]
         adv = self.estimator.advantages(groups)
@@ -230,12 +231,15 @@ class MegatronTrainer:
         if not samples:
             raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
         weights = token_weights(groups, self.tc.loss_norm)
-        mine = self._my_share(samples)
+        # Mini-batches are cut from the global batch, then each is split over data-parallel ranks, so
+        # every update sees the same samples whatever the number of ranks.
+        updates = self.tc.updates_per_step
+        minis = [self._my_share(samples[i::updates]) for i in range(updates)]
+        mine = [s for m in minis for s in m]
         ref = self.logprobs(mine, self.ref_model) if self.ref_model is not None else None
-        old = self.logprobs(mine) if self.tc.updates_per_step > 1 else None
+        old = self.logprobs(mine) if updates > 1 else None
 
         totals: dict[str, float] = {}
-        minis = [mine[i::self.tc.updates_per_step] for i in range(self.tc.updates_per_step)]
         for mini in minis:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -244,7 +248,9 @@ class MegatronTrainer:
                 m = self._micro_step(mb, adv, weights, old, ref)
                 for k, v in m.items():
                     totals[k] = totals.get(k, 0.0) + v
-            self.ddp.finish_grad_sync()
+            # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
+            # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
+            finalize_model_grads([self.ddp])
             ok, grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise RLXError(f"step {batch.step}: the optimizer step failed (non-finite gradients)")
