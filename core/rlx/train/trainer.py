@@ -323,34 +323,53 @@ class MegatronTrainer:
 
     # -- checkpoint ------------------------------------------------------------------------------
 
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers over this rank's shard of main parameters, inside megatron's wrappers."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained]
+
     def save(self, folder) -> None:
-        """Model, optimizer (gathered to data-parallel rank 0), scheduler, step and RNG into `folder`."""
+        """Model, this rank's optimizer shard, scheduler, step and RNG into `folder`.
+
+        Optimizer state is saved per rank as torch's own state dict of the shard (megatron's
+        gather-to-rank-0 loader expects a fused Adam without a ``step`` entry), so a resume must use
+        the same parallel layout.
+        """
         import torch.distributed as dist
 
-        # Every rank takes part in gathering the optimizer's sharded state; rank 0 writes it.
-        self.optimizer.save_parameter_state(str(folder / "optimizer_params.pt"))
+        inner = self._inner_optimizers()
+        torch.save({
+            "inner": [o.state_dict() for o in inner],
+            "main": [[p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner],
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }, folder / f"optimizer_rank{self.par.rank}.pt")
+        if self.par.dp_rank == 0:
+            torch.save(self.model.state_dict(), folder / f"model_tp{self.par.tp_rank}.pt")
         if self.par.rank == 0:
-            torch.save({
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "step": self.step,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-            }, folder / "trainer.pt")
+            torch.save({"scheduler": self.scheduler.state_dict(), "step": self.step,
+                        "layout": [self.par.tp, self.par.pp, self.par.dp]}, folder / "trainer.pt")
         dist.barrier()
 
     def load(self, folder) -> None:
-        state = torch.load(folder / "trainer.pt", weights_only=False)
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.optimizer.load_parameter_state(str(folder / "optimizer_params.pt"))
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        meta = torch.load(folder / "trainer.pt", weights_only=False)
+        if meta["layout"] != [self.par.tp, self.par.pp, self.par.dp]:
+            raise RLXError(f"--resume: checkpoint {folder} was written with tp, pp, dp = {meta['layout']}; "
+                           f"this run has {[self.par.tp, self.par.pp, self.par.dp]}")
+        self.model.load_state_dict(torch.load(folder / f"model_tp{self.par.tp_rank}.pt", weights_only=False),
+                                   strict=False)
+        opt = torch.load(folder / f"optimizer_rank{self.par.rank}.pt", weights_only=False)
+        with torch.no_grad():
+            for o, sd, main in zip(self._inner_optimizers(), opt["inner"], opt["main"], strict=True):
+                o.load_state_dict(sd)
+                for p, v in zip((p for g in o.param_groups for p in g["params"]), main, strict=True):
+                    p.copy_(v)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step = meta["step"]
+        torch.set_rng_state(opt["rng"]["torch"])
+        random.setstate(opt["rng"]["python"])
+        if opt["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(opt["rng"]["cuda"])
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
