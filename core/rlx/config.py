@@ -170,6 +170,21 @@ class TrainConfig(Section):
         return ComponentSpec.coerce(v)
 
 
+class RayConfig(Section):
+    """Where the trainer ranks and engine servers run."""
+
+    enabled: bool = True  # false: trainer in this process (one rank), engines as local processes
+    address: str | None = None  # join this cluster (e.g. "auto" or "ray://host:10001"); None: start one
+    num_cpus: int | None = None  # CPUs of a cluster started here (None: all)
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"  # engines beside or apart from trainers
+    cpus_per_trainer: float = Field(1, gt=0)
+    gpus_per_trainer: float = Field(0, ge=0)  # 1 on GPU clusters
+    cpus_per_engine: float = Field(1, ge=0)
+    gpus_per_engine: float = Field(0, ge=0)  # disaggregated only; colocated engines use the trainers' GPUs
+    placement_timeout_s: float = Field(120, gt=0)  # how long to wait for Ray to place every bundle
+    log_to_driver: bool = False  # stream actors' output to this terminal
+
+
 class Config(Section):
     """The root of the tree: one field per subsystem."""
 
@@ -178,6 +193,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     #: Where the config came from (for relative paths); not part of the tree.
     _source: Path | None = None

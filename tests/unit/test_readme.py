@@ -24,7 +24,7 @@ def test_write_a_plugin_example_registers_and_scores():
 def test_quickstart_has_exactly_two_commands_and_ci_runs_the_second():
     quick = README[README.index("## Quickstart"):]
     blocks = re.findall(r"```[^\n]*\n(.*?)```", quick, re.S)
-    assert blocks[0].strip() == "scripts/setup && .venv/bin/rl plugins"
+    assert blocks[0].strip() == "scripts/setup && scripts/loopback .venv/bin/rl train examples/quickstart.yaml"
     assert blocks[1].strip() == "scripts/test"
     ci = (Path(__file__).parents[2] / ".ci" / "run").read_text()
     assert "scripts/test" in ci

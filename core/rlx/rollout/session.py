@@ -31,11 +31,12 @@ def load_tokenizer(cfg: Config) -> Any:
 
 
 class RolloutSession:
-    def __init__(self, cfg: Config, plugins: Any):
+    def __init__(self, cfg: Config, plugins: Any, spawn=None):
+        """`spawn`: how engine processes start (see `EngineFleet`); default local processes."""
         self.cfg = cfg
         self.plugins = plugins
         self.output_dir = cfg.resolve_path(cfg.run.output_dir)
-        self.fleet = EngineFleet(cfg, self.output_dir / "logs")
+        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn)
         self.manager: RolloutManager | None = None
 
     async def __aenter__(self) -> RolloutSession:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlx.config import Config, EngineGroupConfig
 from rlx.errors import RLXError
@@ -25,14 +26,16 @@ class Engine:
     group: str
     worker_type: str = "regular"
     update_weights: bool = True
-    process: ManagedProcess | None = None  # None: attached, not ours to stop
+    process: Any = None  # a ManagedProcess or alike; None: attached, not ours to stop
 
     def client(self, timeout_s: float = 600) -> EngineClient:
         return EngineClient(self.url, timeout_s=timeout_s)
 
 
 class EngineFleet:
-    def __init__(self, cfg: Config, log_dir: Path):
+    def __init__(self, cfg: Config, log_dir: Path, spawn=None):
+        """`spawn(cmd, log_path)` starts an engine process (default: a local `ManagedProcess`)."""
+        self.spawn = spawn or _spawn_local
         self.cfg = cfg
         self.rc = cfg.rollout
         self.log_dir = Path(log_dir)
@@ -75,8 +78,7 @@ class EngineFleet:
             for g in self.rc.engines:
                 for i in range(g.num_engines):
                     port = free_port()
-                    proc = ManagedProcess(self._command(g, port), self.log_dir / f"engine-{g.name}-{i}.log")
-                    proc.start()
+                    proc = self.spawn(self._command(g, port), self.log_dir / f"engine-{g.name}-{i}.log")
                     self.engines.append(Engine(f"http://{HOST}:{port}", g.name, g.worker_type, g.update_weights,
                                                proc))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
@@ -121,3 +123,9 @@ class EngineFleet:
             if e.process is not None:
                 e.process.stop()
         self.engines = []
+
+
+def _spawn_local(cmd: list[str], log_path: Path) -> ManagedProcess:
+    proc = ManagedProcess(cmd, log_path)
+    proc.start()
+    return proc

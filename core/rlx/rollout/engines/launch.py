@@ -89,6 +89,10 @@ class ManagedProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -127,13 +131,13 @@ def _die_with_parent() -> None:
         pass
 
 
-async def wait_healthy(url: str, process: ManagedProcess | None, timeout_s: float, what: str = "engine") -> None:
+async def wait_healthy(url: str, process: Any, timeout_s: float, what: str = "engine") -> None:
     """Poll ``/health`` until it answers 200; fail at once if the process dies."""
     deadline = time.monotonic() + timeout_s
     async with EngineClient(url, timeout_s=10) as client:
         while True:
             if process is not None and not process.alive():
-                code = process.proc.returncode if process.proc else None
+                code = process.returncode
                 raise EngineError(f"{what} at {url} exited with code {code} before it was healthy; "
                                   f"log {process.log_path}:\n{process.log_tail()}")
             if await client.health(timeout_s=5):

@@ -1,0 +1,324 @@
+"""The trainer side of a run as rank workers, and where engines and workers are placed.
+
+`TrainerWorker` is one Megatron rank with everything that must happen next to the weights: a training
+step, pushing weights into the engines through the transport (rank 0 talks to the engines; every rank
+takes part in gathering tensor-parallel shards), checkpoints and HF export. It is a plain class: the
+loop drives it in process when Ray is off, or as Ray actors placed with a placement group.
+
+Placement (``ray.placement``):
+
+* ``colocated``: engines share the trainers' bundles (and so their GPUs), as when actor and rollout
+  time-share devices.
+* ``disaggregated``: engines get bundles of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from rlx.config import Config, parse_config
+from rlx.errors import RLXError
+
+
+class TrainerWorker:
+    def __init__(self, cfg_json: str, rank: int, world: int, master_addr: str, master_port: int):
+        os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from rlx.plugins import build_plugins
+        from rlx.train.trainer import MegatronTrainer
+
+        self.cfg: Config = parse_config(cfg_json)
+        self.plugins = build_plugins()
+        self.trainer = MegatronTrainer(self.cfg, self.plugins)
+        self.rank = rank
+        self.transport: Any = None
+        self.engines: list[Any] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
+        if self.rank != 0:
+            return
+        from rlx.rollout.engines.fleet import Engine
+        from rlx.rollout.rewards import instantiate
+
+        spec = self.cfg.train.transport
+        self.engines = [Engine(url, "target") for url in engine_urls]
+        self.transport = instantiate(self.plugins.get("transports", spec.name), spec.args)
+        asyncio.run(self.transport.setup(self.engines, Path(output_dir)))
+
+    def push_weights(self, version: int) -> None:
+        """Every rank gathers its TP shards; rank 0 pushes to the engines and checks what they serve."""
+        from rlx.transport import verify
+
+        named = list(self.trainer.hf_state_dict().items())
+        if self.rank != 0:
+            return
+
+        async def go() -> None:
+            await self.transport.push(named, version, self.engines)
+            if self.cfg.train.verify_weights:
+                await verify(self.engines, named, version)
+
+        asyncio.run(go())
+
+    def save(self, folder: str) -> None:
+        self.trainer.save(Path(folder))
+
+    def load(self, folder: str) -> None:
+        self.trainer.load(Path(folder))
+
+    def export_hf(self, folder: str) -> None:
+        from rlx.orchestrate.loop import export_hf
+
+        state = self.trainer.hf_state_dict()
+        if self.rank == 0:
+            export_hf(self.trainer.model_path, state, Path(folder))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            asyncio.run(self.transport.close())
+
+
+class LocalTrainer:
+    """One rank in this process: the same calls as the Ray group, without Ray."""
+
+    def __init__(self, cfg: Config):
+        from rlx.rollout.engines.launch import free_port
+
+        if cfg.train.world_size != 1:
+            raise RLXError("train.world_size > 1 needs Ray (set ray.enabled: true)")
+        self.worker = TrainerWorker(cfg.model_dump_json(), 0, 1, "127.0.0.1", free_port())
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayTrainerGroup:
+    """`world_size` TrainerWorker actors in a placement group, called all at once."""
+
+    def __init__(self, cfg: Config, placement_group: Any, first_bundle: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlx.rollout.engines.launch import HOST, free_port
+
+        rc = cfg.ray
+        actor = ray.remote(num_cpus=rc.cpus_per_trainer, num_gpus=rc.gpus_per_trainer)(TrainerWorker)
+        port = free_port()
+        cfg_json = cfg.model_dump_json()
+        self.workers = [
+            actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=first_bundle + rank)).remote(
+                cfg_json, rank, cfg.train.world_size, HOST, port)
+            for rank in range(cfg.train.world_size)
+        ]
+        try:
+            ray.get([w.ready.remote() for w in self.workers])
+        except ray.exceptions.RayActorError as e:
+            raise RLXError(f"a trainer worker failed to start: {e}") from None
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), RLXError) else None
+            if cause is not None:
+                raise cause from None
+            raise
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+
+
+class RayPlacement:
+    """A Ray cluster (started here, or joined at ``ray.address``) and one placement group for the run."""
+
+    def __init__(self, cfg: Config):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        rc = cfg.ray
+        self.head = None
+        init = dict(log_to_driver=rc.log_to_driver,
+                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
+        if rc.address is None and not ray.is_initialized():
+            self.head = start_head(rc.num_cpus, cfg.resolve_path(cfg.run.output_dir) / "logs", init)
+        elif not ray.is_initialized():
+            ray.init(address=rc.address, **init)
+        self.trainer_bundles = cfg.train.world_size
+        engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+        self.colocated = rc.placement == "colocated"
+        bundle = {"CPU": rc.cpus_per_trainer}
+        if rc.gpus_per_trainer:
+            bundle["GPU"] = rc.gpus_per_trainer
+        bundles = [dict(bundle) for _ in range(self.trainer_bundles)]
+        if self.colocated:
+            # Engines share the trainers' bundles; each bundle gets room for one engine's CPU as well.
+            for i in range(engines):
+                bundles[i % len(bundles)]["CPU"] += rc.cpus_per_engine
+        else:
+            eb = {"CPU": rc.cpus_per_engine}
+            if rc.gpus_per_engine:
+                eb["GPU"] = rc.gpus_per_engine
+            bundles += [dict(eb) for _ in range(engines)]
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=rc.placement_timeout_s)
+        except Exception:
+            raise RLXError(f"Ray could not place the run's {len(bundles)} bundles {bundles} within "
+                           f"{rc.placement_timeout_s:.0f}s; available: {ray.available_resources()}") from None
+        self.engine_bundles = (
+            [i % self.trainer_bundles for i in range(engines)] if self.colocated
+            else list(range(self.trainer_bundles, self.trainer_bundles + engines))
+        )
+
+    def engine_spawner(self, cfg: Config):
+        """A function making engine processes inside Ray actors placed on the engine bundles."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        rc = cfg.ray
+        gpus = 0.0 if self.colocated else rc.gpus_per_engine
+        actor = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)
+        bundles = iter(self.engine_bundles)
+
+        def spawn(cmd: list[str], log_path: Path):
+            host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=next(bundles))).remote(cmd, str(log_path))
+            return RayProcess(host, log_path)
+
+        return spawn
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+        ray.shutdown()
+        if self.head is not None:
+            self.head.stop(grace_s=30)
+
+
+def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
+    """A Ray head for this run: ``ray start --head --block`` as a child that dies with this process.
+
+    Not ``ray.init()``'s built-in local cluster: if the driver is killed with SIGKILL, that cluster's
+    per-node agents outlive it. ``ray start --block`` stops everything it started when it gets SIGTERM,
+    which it does when this process dies (PR_SET_PDEATHSIG) or stops it. Returns the head process,
+    with this process connected to it (``ray.init(**init)``).
+    """
+    import shutil
+    import sys
+    import time
+
+    import ray
+
+    from rlx.rollout.engines.launch import HOST, ManagedProcess, free_port
+
+    port = free_port()
+    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={port}", f"--node-ip-address={HOST}",
+           "--include-dashboard=false", "--disable-usage-stats", f"--dashboard-agent-listen-port={free_port()}"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    head = ManagedProcess(cmd, log_dir / "ray-head.log")
+    head.start()
+    address = f"{HOST}:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if not head.alive():
+            raise RLXError(f"ray start exited with code {head.returncode}; log {head.log_path}:\n{head.log_tail()}")
+        try:
+            ray.init(address=address, **init)
+            return head
+        except (ConnectionError, RuntimeError):
+            if time.monotonic() > deadline:
+                head.stop()
+                raise RLXError(f"the Ray head at {address} did not come up in 120s; log {head.log_path}") from None
+            time.sleep(0.5)
+
+
+class EngineHost:
+    """A Ray actor owning one engine server process (so it runs where Ray placed it)."""
+
+    def __init__(self, cmd: list[str], log_path: str):
+        from rlx.rollout.engines.launch import ManagedProcess
+
+        self.process = ManagedProcess(cmd, Path(log_path))
+        self.process.start()
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def returncode(self) -> int | None:
+        return self.process.proc.returncode if self.process.proc else None
+
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def log_tail(self, n: int = 20) -> str:
+        return self.process.log_tail(n)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class RayProcess:
+    """The ManagedProcess interface, for an engine process that an `EngineHost` actor owns."""
+
+    def __init__(self, host: Any, log_path: Path):
+        self.host = host
+        self.log_path = log_path
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=30)
+
+    def alive(self) -> bool:
+        try:
+            return self._get(self.host.alive.remote())
+        except Exception:
+            return False
+
+    @property
+    def returncode(self) -> int | None:
+        try:
+            return self._get(self.host.returncode.remote())
+        except Exception:
+            return None
+
+    @property
+    def pid(self) -> int | None:
+        return self._get(self.host.pid.remote())
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return self._get(self.host.log_tail.remote(n))
+        except Exception:
+            return "(engine host unreachable)"
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            self._get(self.host.stop.remote())
+        finally:
+            ray.kill(self.host)
+
