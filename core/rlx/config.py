@@ -151,6 +151,7 @@ class TrainConfig(Section):
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, ge=0)  # global gradient-norm clip (0: off)
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
+    row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
     advantage: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="grpo"))  # estimator
     loss: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="ppo_clip"))  # policy loss

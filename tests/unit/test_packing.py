@@ -7,7 +7,7 @@ from rlx.types import Sample
 def test_pack_layout_targets_and_block_diagonal_mask():
     a = Sample([1, 2], [3, 4], sample_id=10)
     b = Sample([5], [6, 7, 8], sample_id=11)
-    p = pack([a, b], pad_to_multiple=4)
+    p = pack([a, b])
     assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
     assert p.targets.tolist() == [2, 3, 4, 0, 6, 7, 8, 0]
     # a's response 3,4 is predicted at positions 1,2; b's 6,7,8 at 4,5,6
@@ -18,10 +18,21 @@ def test_pack_layout_targets_and_block_diagonal_mask():
     assert allowed[3].tolist() == [True, True, True, True, False, False, False, False]
 
 
-def test_pack_pads_to_a_multiple_with_isolated_tokens():
-    p = pack([Sample([1, 2], [3])], pad_to_multiple=4)
-    assert p.num_tokens == 4 and p.input_ids.tolist() == [[1, 2, 3, 0]]
-    assert (~p.attention_mask[0, 0])[3].tolist() == [False, False, False, True]
+def test_pack_into_short_rows_pads_and_reorders():
+    a = Sample([1, 2], [3, 4, 5, 6], sample_id=0)  # 6 tokens
+    b = Sample([7], [8, 9], sample_id=1)  # 3 tokens
+    c = Sample([10], [11], sample_id=2)  # 2 tokens
+    p = pack([c, a, b], row_tokens=6)
+    # first-fit decreasing: row 0 = a (6), row 1 = c + b (5, in input order), padded to 6
+    assert p.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [10, 11, 7, 8, 9, 0]]
+    assert [s.sample_id for s in p.samples] == [0, 2, 1]
+    assert p.targets[p.response_positions].tolist() == [3, 4, 5, 6, 11, 8, 9]
+    assert p.seq_index.tolist() == [0, 0, 0, 0, 1, 2, 2]
+    assert p.position_ids.tolist()[1] == [0, 1, 2, 3, 4, 5]
+    row1 = ~p.attention_mask[1, 0]
+    assert row1[1].tolist() == [True, True, False, False, False, False]  # c sees only itself
+    assert row1[4].tolist() == [False, False, True, True, True, False]  # b sees only itself
+    assert row1[5].tolist() == [False] * 5 + [True]  # the pad token sees only itself
 
 
 def test_per_token_broadcasts_scalars_and_keeps_lists():

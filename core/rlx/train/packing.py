@@ -17,51 +17,63 @@ from rlx.types import Sample
 
 @dataclass
 class PackedBatch:
-    input_ids: torch.Tensor  # [1, S]
-    position_ids: torch.Tensor  # [1, S]
-    attention_mask: torch.Tensor  # [1, 1, S, S] bool, True where attention is NOT allowed (megatron)
-    targets: torch.Tensor  # [S] the next token at each position (0 where none)
-    response_positions: torch.Tensor  # [T] positions whose next token is a response token
-    seq_index: torch.Tensor  # [T] which sample (0..n-1) each response token belongs to
-    samples: list[Sample]
+    input_ids: torch.Tensor  # [R, L]: R rows of packed samples, padded to the longest row
+    position_ids: torch.Tensor  # [R, L]
+    attention_mask: torch.Tensor  # [R, 1, L, L] bool, True where attention is NOT allowed (megatron)
+    targets: torch.Tensor  # [R * L] the next token at each position (0 where none)
+    response_positions: torch.Tensor  # [T] flat positions (row * L + col) predicting a response token
+    seq_index: torch.Tensor  # [T] which sample (0..n-1, in `samples` order) each response token is from
+    samples: list[Sample]  # in packed order
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.numel())
 
 
-def pack(samples: list[Sample], pad_to_multiple: int = 1) -> PackedBatch:
-    """One packed row from samples (prompt + response each); response tokens are what the loss sees."""
-    ids: list[int] = []
-    seg: list[int] = []
-    targets: list[int] = []
+def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
+    """Samples (prompt + response each) packed into rows of at most `row_tokens` tokens.
+
+    One row holds everything when `row_tokens` is None. Shorter rows attend less: attention over a
+    row costs its length squared, so on dense (non-varlen) attention short rows are much cheaper than
+    one long row, for a little padding at the ends of rows.
+    """
+    from rlx.train.balance import micro_batches
+
+    lengths = [s.total_len for s in samples]
+    rows = [list(range(len(samples)))] if row_tokens is None else micro_batches(lengths, row_tokens)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    seg = torch.full((len(rows), width), -1, dtype=torch.long)
+    targets = torch.zeros(len(rows), width, dtype=torch.long)
     resp_pos: list[int] = []
     seq_index: list[int] = []
-    for i, s in enumerate(samples):
-        full = s.prompt_ids + s.response_ids
-        start = len(ids)
-        ids += full
-        seg += [i] * len(full)
-        targets += full[1:] + [0]
-        # logits at position p predict token p + 1: response token j is predicted at prompt_len + j - 1
-        first = start + len(s.prompt_ids) - 1
-        resp_pos += range(first, first + len(s.response_ids))
-        seq_index += [i] * len(s.response_ids)
-    pad = (-len(ids)) % pad_to_multiple
-    ids += [0] * pad
-    seg += [-1 - k for k in range(pad)]  # each pad token alone in its own block
-    targets += [0] * pad
-    n = len(ids)
-    seg_t = torch.tensor(seg)
-    allowed = (seg_t[:, None] == seg_t[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    ordered: list[Sample] = []
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            s = samples[i]
+            full = s.prompt_ids + s.response_ids
+            ids[r, col:col + len(full)] = torch.tensor(full)
+            seg[r, col:col + len(full)] = len(ordered)
+            targets[r, col:col + len(full) - 1] = torch.tensor(full[1:], dtype=torch.long)
+            # logits at position p predict token p + 1: response token j is predicted at prompt_len + j - 1
+            first = r * width + col + len(s.prompt_ids) - 1
+            resp_pos += range(first, first + len(s.response_ids))
+            seq_index += [len(ordered)] * len(s.response_ids)
+            ordered.append(s)
+            col += len(full)
+    pad = seg < 0
+    seg[pad] = -2 - torch.arange(int(pad.sum()))  # each pad token alone in its own block
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal
     return PackedBatch(
-        input_ids=torch.tensor([ids]),
-        position_ids=torch.arange(n)[None],
-        attention_mask=~allowed[None, None],
-        targets=torch.tensor(targets),
+        input_ids=ids,
+        position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
+        attention_mask=~allowed[:, None],
+        targets=targets.flatten(),
         response_positions=torch.tensor(resp_pos, dtype=torch.long),
         seq_index=torch.tensor(seq_index, dtype=torch.long),
-        samples=samples,
+        samples=ordered,
     )
 
 

@@ -195,7 +195,7 @@ class MegatronTrainer:
         dev = self._device()
         logits = model(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
         pos = mb.response_positions.to(dev)
-        resp_logits = logits[0, pos].float()  # [T, V/tp]
+        resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float()  # [T, V/tp]
         targets = mb.targets.to(dev)[pos]
         logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
                                                                  targets[:, None])[:, 0]
@@ -208,7 +208,7 @@ class MegatronTrainer:
         model = model or self.model
         out: dict[int, list[float]] = {}
         for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch):
-            mb = pack([samples[i] for i in idx])
+            mb = pack([samples[i] for i in idx], self.tc.row_tokens)
             lp, _ = self._forward(model, mb, entropy=False)
             lp = lp.cpu().tolist()
             start = 0
@@ -244,7 +244,7 @@ class MegatronTrainer:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             for idx in micro_batches([s.total_len for s in mini], self.tc.max_tokens_per_micro_batch):
-                mb = pack([mini[i] for i in idx])
+                mb = pack([mini[i] for i in idx], self.tc.row_tokens)
                 m = self._micro_step(mb, adv, weights, old, ref)
                 for k, v in m.items():
                     totals[k] = totals.get(k, 0.0) + v
