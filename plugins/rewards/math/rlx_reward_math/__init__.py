@@ -17,7 +17,8 @@ from rlx import hookimpl
 from rlx.types import RewardResult, Sample
 
 # math-verify warns on every call that its own timeouts are off; that is this plugin's choice.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
+for _name in ("math_verify", "math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
