@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent("""
     print("packed_err", max((packed[:len(a)] - ra).abs().max().item(), (packed[len(a):] - rc).abs().max().item()))
     back = b.to_hf([m.state_dict()], shape, layer_offset=0, num_layers=shape.layers, first=True, last=True)
     ref = hf.state_dict()
+    assert set(back) == set(ref) - ({"lm_head.weight"} if shape.tied else set()), set(ref) ^ set(back)
     print("roundtrip_err", max((back[k] - ref[k]).abs().max().item() for k in back))
 
     ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), m)
@@ -63,12 +64,32 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_gpt_model_matches_hf_and_trains_with_the_distributed_optimizer(tiny_model_path, tmp_path):
+def other_family(kind: str, folder) -> str:
+    """A small random Qwen2 (qkv bias, tied) or Llama (untied lm_head) checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **shape))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **shape))
+    for p in model.parameters():  # make biases and norms non-trivial so that a wrong mapping shows
+        torch.nn.init.normal_(p, std=0.1)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_gpt_model_matches_hf_and_trains_with_the_distributed_optimizer(tiny_model_path, tmp_path, family):
     from rlx.rollout.engines.launch import free_port
 
+    path = tiny_model_path if family == "qwen3" else other_family(family, tmp_path / family)
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), tiny_model_path, str(free_port())], capture_output=True,
+    r = subprocess.run([sys.executable, str(script), path, str(free_port())], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)

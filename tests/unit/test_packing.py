@@ -39,3 +39,4 @@ def test_per_token_broadcasts_scalars_and_keeps_lists():
     a, b = Sample([1], [2, 3], sample_id=0), Sample([1], [4], sample_id=1)
     assert per_token([a, b], {0: 0.5, 1: -1.0}).tolist() == [0.5, 0.5, -1.0]
     assert per_token([a, b], {0: [0.1, 0.2], 1: [0.3]}).tolist() == [torch.tensor(0.1).item(), torch.tensor(0.2).item(), torch.tensor(0.3).item()]
+

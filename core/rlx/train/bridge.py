@@ -154,21 +154,21 @@ class LlamaBridge:
         if first:
             out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight", 0)
         if last:
-            out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"]
+            out["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
             if not shape.tied:
                 out["lm_head.weight"] = cat("output_layer.weight", 0)
             elif not first:
                 out["model.embed_tokens.weight"] = cat("output_layer.weight", 0)
         for local in range(num_layers):
             h, m = f"model.layers.{layer_offset + local}.", f"decoder.layers.{local}."
-            out[h + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"]
-            out[h + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"]
+            out[h + "input_layernorm.weight"] = shards[0][m + "input_layernorm.weight"].clone()
+            out[h + "post_attention_layernorm.weight"] = shards[0][m + "pre_mlp_layernorm.weight"].clone()
             self._split_qkv(cat(m + "self_attention.linear_qkv.weight", 0), h, shape, "weight", out)
             if shape.qkv_bias:
                 self._split_qkv(cat(m + "self_attention.linear_qkv.bias", 0), h, shape, "bias", out)
             if shape.qk_norm:
-                out[h + "self_attn.q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"]
-                out[h + "self_attn.k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"]
+                out[h + "self_attn.q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"].clone()
+                out[h + "self_attn.k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"].clone()
             out[h + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
             gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, 0) for s in shards), strict=True)
             out[h + "mlp.gate_proj.weight"] = torch.cat(gates, 0)

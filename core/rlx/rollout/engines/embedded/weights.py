@@ -64,7 +64,15 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
         import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions)
 
         return base64.b64encode(ForkingPickler.dumps(named)).decode()
-    return base64.b64encode(pickle.dumps([(n, t.detach().cpu()) for n, t in named])).decode()
+    return base64.b64encode(pickle.dumps([(n, _own_storage(t.detach().cpu())) for n, t in named])).decode()
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy when it is a view into a larger storage: pickle writes a view's whole storage, and
+    megatron's parameters are views into one buffer holding the entire model."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
