@@ -150,8 +150,12 @@ class RayPlacement:
     """A Ray cluster (started here, or joined at ``ray.address``) and one placement group for the run."""
 
     def __init__(self, cfg: Config):
-        import ray
-        from ray.util.placement_group import placement_group
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+        except ImportError:
+            raise RLXError("ray.enabled is true but Ray is not installed: pip install 'rlx[train]' "
+                           "(or set ray.enabled: false to train in this process)") from None
 
         rc = cfg.ray
         self.head = None
