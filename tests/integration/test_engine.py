@@ -34,11 +34,11 @@ def call(url, fn):
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path, tmp_path_factory):
-    cfg = parse_config(f"""
-model: {{path: builtin://tiny-qwen3}}
+    cfg = parse_config("""
+model: {path: builtin://tiny-qwen3}
 rollout:
-  engines: [{{num_engines: 2, server_args: {{num_threads: 1}}}}]
-  router: {{policy: round_robin}}
+  engines: [{num_engines: 2, server_args: {num_threads: 1}}]
+  router: {policy: round_robin}
 """)
     f = EngineFleet(cfg, tmp_path_factory.mktemp("logs"))
     run(f.start())

@@ -8,7 +8,7 @@ import pytest
 from rlx.config import parse_config
 from rlx.errors import RLXError
 from rlx.rollout.engines.fleet import EngineFleet
-from rlx.rollout.engines.launch import ManagedProcess, flags, sglang_command, wait_healthy
+from rlx.rollout.engines.launch import ManagedProcess, flags, wait_healthy
 from rlx.rollout.engines.protocol import EngineError
 from rlx.rollout.router import router_command
 
