@@ -138,7 +138,7 @@ class TrainConfig(Section):
     """The Megatron trainer, its optimizer and the RL objective."""
 
     tp: int = Field(1, ge=1)  # tensor parallel size
-    pp: int = Field(1, ge=1)  # pipeline parallel size (1 for now: see the README's status table)
+    pp: int = Field(1, ge=1)  # pipeline parallel size (stages split the layers evenly)
     world_size: int = Field(1, ge=1)  # trainer processes; data parallel size = world_size / (tp * pp)
     num_steps: int = Field(100, ge=1)  # rollout + train steps
     lr: float = Field(1e-6, gt=0)

@@ -1,5 +1,5 @@
-"""Multi-process Megatron on CPU (gloo, under torchrun): TP=2, DP=2 and TP=2 x DP=2 train exactly like
-one process: the same losses, entropy and updated weights, within 1e-5."""
+"""Multi-process Megatron on CPU (gloo, under torchrun): TP=2, DP=2, PP=2 and their products train exactly
+like one process: the same losses, entropy and updated weights, within 1e-5."""
 
 import json
 import subprocess
@@ -19,10 +19,10 @@ WORKER = textwrap.dedent("""
     from rlx.train.trainer import MegatronTrainer
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
-    tp, world, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    tp, pp, world, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cfg = parse_config(json.dumps({
         "model": {"path": "builtin://tiny-qwen3"},
-        "train": {"tp": tp, "world_size": world, "lr": 1e-2, "updates_per_step": 2, "kl_coef": 0.1,
+        "train": {"tp": tp, "pp": pp, "world_size": world, "lr": 1e-2, "updates_per_step": 2, "kl_coef": 0.1,
                   "entropy_coef": 0.01, "loss_norm": "group", "max_tokens_per_micro_batch": 40,
                   # Adam divides by sqrt(v) + eps: with a tiny eps, a gradient element that is ~0 takes
                   # a full +-lr step whose sign is float noise. A moderate eps keeps the comparison of
@@ -51,15 +51,15 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def run(tmp_path, nproc, tp):
+def run(tmp_path, nproc, tp, pp=1):
     from rlx.rollout.engines.launch import free_port
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    out = tmp_path / f"out-{nproc}-{tp}.json"
+    out = tmp_path / f"out-{nproc}-{tp}-{pp}.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                         f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), str(tp),
-                        str(nproc), str(out)], capture_output=True, text=True, timeout=600,
+                        str(pp), str(nproc), str(out)], capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
@@ -70,9 +70,10 @@ def single(tiny_model_path, tmp_path_factory):
     return run(tmp_path_factory.mktemp("single"), 1, 1)
 
 
-@pytest.mark.parametrize("nproc,tp", [(2, 2), (2, 1), (4, 2)], ids=["tp2", "dp2", "tp2-dp2"])
-def test_parallel_matches_one_process(single, tmp_path, nproc, tp):
-    got = run(tmp_path, nproc, tp)
+@pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 1), (4, 2, 1), (2, 1, 2), (4, 1, 2), (4, 2, 2)],
+                         ids=["tp2", "dp2", "tp2-dp2", "pp2", "pp2-dp2", "tp2-pp2"])
+def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp):
+    got = run(tmp_path, nproc, tp, pp)
     for step in ("m1", "m2"):
         for key in ("loss", "pg_loss", "entropy", "kl", "samples", "tokens"):
             assert got[step][key] == pytest.approx(single[step][key], abs=1e-5), (step, key)

@@ -130,3 +130,27 @@ def test_save_hf_exports_what_transformers_loads(uninterrupted, tiny_model_path)
     assert max(diffs) > 1e-4  # it trained
     ids = torch.tensor([[1, 264, 263, 201]])
     assert torch.isfinite(trained(ids).logits).all()
+
+
+def test_pipeline_parallel_run_trains_checkpoints_and_resumes(tiny_model_path, tmp_path):
+    """Two Ray trainer ranks as two pipeline stages: train, push weights, checkpoint, resume."""
+    cfg = write_config(tmp_path, "pp")
+    sets = ["--set", "train.world_size=2", "--set", "train.pp=2", "--set", "train.save_interval=0",
+            "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5"]  # this machine has 2 cores
+    tag = uuid.uuid4().hex
+    p = rl("train", cfg, *sets, "--set", "train.num_steps=2", tag=tag)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    ckpt = tmp_path / "pp" / "checkpoints" / "step_2"
+    assert sorted(f.name for f in ckpt.glob("model_*.pt")) == ["model_tp0_pp0.pt", "model_tp0_pp1.pt"]
+    p = rl("train", cfg, *sets, "--set", "train.num_steps=3", "--resume", tag=tag)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert [step for step, _ in sample_order(tmp_path / "pp")] == [1, 2, 3]
+    assert wait_gone(tag) == [], "rl train left processes behind"
+
+
+def test_a_run_bigger_than_the_cluster_it_starts_fails_at_once(tiny_model_path, tmp_path):
+    p = rl("train", write_config(tmp_path, "big"), "--set", "ray.cpus_per_trainer=64", tag=uuid.uuid4().hex)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "needs 65 CPU" in err and "Traceback" not in err, err[-2000:]

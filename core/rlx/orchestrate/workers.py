@@ -181,6 +181,15 @@ class RayPlacement:
             if rc.gpus_per_engine:
                 eb["GPU"] = rc.gpus_per_engine
             bundles += [dict(eb) for _ in range(engines)]
+        if self.head is not None:  # a cluster started here cannot grow: say so now rather than after the timeout
+            total = ray.cluster_resources()
+            for res in ("CPU", "GPU"):
+                need = sum(b.get(res, 0) for b in bundles)
+                if need > total.get(res, 0):
+                    raise RLXError(
+                        f"the run needs {need:g} {res} for its bundles {bundles} but this Ray cluster has "
+                        f"{total.get(res, 0):g}; lower ray.cpus_per_trainer / ray.cpus_per_engine (fractions are "
+                        f"fine), set ray.num_cpus, or use ray.placement: colocated")
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=rc.placement_timeout_s)

@@ -7,17 +7,22 @@ Choices:
   `rlx.train.megatron_cpu` redirects the CUDA-only calls first; fp32 on CPU, bf16 on GPU.
 * A step: advantages from the estimator, per-token loss weights for the whole global batch, samples
   split across data-parallel ranks by the balancer, packed into micro-batches bounded by tokens,
-  forward/backward with gradients accumulated in megatron's buffers, one optimizer step per
-  mini-batch (``updates_per_step``). Because the weights already normalise over the global batch,
+  forward/backward through megatron's own schedule (``get_forward_backward_func``: no pipelining, or
+  1F1B across pipeline stages with ``variable_seq_lengths`` so packed micro-batches may differ in
+  shape), gradients accumulated in megatron's buffers, one optimizer step per mini-batch
+  (``updates_per_step``). Because the weights already normalise over the global batch,
   gradients are summed over ranks, not averaged (``calculate_per_token_loss``).
 * Old log-probs: with one update per step they equal the current ones (the ratio is exactly 1 at the
   start), so no extra forward pass; with more updates they are computed before the first one.
   Reference log-probs come from a frozen copy of the initial model, only when ``kl_coef > 0``.
+* Pipeline parallelism: every rank of a stage holds the whole batch and cuts the same micro-batches, so
+  all stages agree on their number and order; only the last stage computes losses and log-probs.
 * Metrics are global: sums over data-parallel ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from dataclasses import dataclass
@@ -46,6 +51,15 @@ class ParallelState:
     dp: int
     dp_rank: int
     tp_rank: int
+    pp_rank: int = 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
 
 def init_distributed(cfg: Config) -> ParallelState:
@@ -56,8 +70,6 @@ def init_distributed(cfg: Config) -> ParallelState:
 
     megatron_cpu.enable()
     tc = cfg.train
-    if tc.pp != 1:
-        raise RLXError("train.pp: pipeline parallelism is not supported yet; use tp and data parallelism")
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             from rlx.rollout.engines.launch import free_port
@@ -80,7 +92,8 @@ def init_distributed(cfg: Config) -> ParallelState:
         ps.initialize_model_parallel(tc.tp, tc.pp)
     model_parallel_cuda_manual_seed(cfg.run.seed)
     return ParallelState(dist.get_rank(), world, tc.tp, tc.pp, ps.get_data_parallel_world_size(),
-                         ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank())
+                         ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                         ps.get_pipeline_model_parallel_rank())
 
 
 class MegatronTrainer:
@@ -94,6 +107,9 @@ class MegatronTrainer:
         self.model_path = resolve_model_path(cfg.model.path)
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape = ModelShape.from_hf(hf_config)
+        if self.shape.layers % self.tc.pp:
+            raise RLXError(f"train.pp: {self.tc.pp} pipeline stages cannot split the model's "
+                           f"{self.shape.layers} layers evenly")
         self.bridge = self._bridge(plugins)
         self.flops = FlopsModel.from_shape(self.shape.hidden, self.shape.layers, self.shape.ffn,
                                            self.shape.vocab_size, self.shape.kv_heads, self.shape.heads)
@@ -142,13 +158,16 @@ class MegatronTrainer:
 
         s = self.shape
         config = self.bridge.transformer_config(s, tp=self.tc.tp, pp=self.tc.pp, dtype=self.dtype,
-                                                calculate_per_token_loss=True)
+                                                calculate_per_token_loss=True, variable_seq_lengths=True,
+                                                # megatron refuses variable lengths with the (MoE-only)
+                                                # allgather dispatcher, even for a dense model
+                                                moe_token_dispatcher_type="alltoall")
         self.transformer_config = config
         model = GPTModel(config, self.bridge.layer_spec(s), vocab_size=s.vocab_size,
                          max_sequence_length=s.max_positions, position_embedding_type="rope",
-                         rotary_base=s.rope_theta, share_embeddings_and_output_weights=s.tied)
-        sd = self.bridge.to_megatron(hf_state, s, tp_rank=self.par.tp_rank, tp=self.tc.tp, layer_offset=0,
-                                     num_layers=s.layers, first=True, last=True)
+                         rotary_base=s.rope_theta, share_embeddings_and_output_weights=s.tied,
+                         pre_process=self.par.first_stage, post_process=self.par.last_stage)
+        sd = self.bridge.to_megatron(hf_state, s, tp_rank=self.par.tp_rank, tp=self.tc.tp, **self._stage())
         sd = {k: v.to(self.dtype) for k, v in sd.items()}
         model.load_state_dict(sd, strict=False)
         missing = [k for k in model.state_dict() if k not in sd and not k.endswith("_extra_state")]
@@ -161,6 +180,12 @@ class MegatronTrainer:
             for p in model.parameters():
                 p.requires_grad_(False)
         return model
+
+    def _stage(self) -> dict[str, Any]:
+        """Which layers this pipeline stage holds, in the bridge's terms."""
+        n = self.shape.layers // self.tc.pp
+        return {"layer_offset": self.par.pp_rank * n, "num_layers": n, "first": self.par.first_stage,
+                "last": self.par.last_stage}
 
     def _wrap(self, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -188,12 +213,41 @@ class MegatronTrainer:
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def _forward(self, model, mb: PackedBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the response tokens (and their entropy), vocab-parallel safe."""
-        from megatron.core import tensor_parallel
+    def _schedule(self, model, batches: list[PackedBatch], loss_fn, forward_only: bool) -> list[Any]:
+        """Run megatron's forward(-backward) schedule over packed micro-batches.
+
+        ``loss_fn(mb, logits)`` runs on the last stage only and returns ``(loss, metrics)``, or, when
+        ``forward_only``, any data to collect. Returns what the last stage collected ([] elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dev = self._device()
-        logits = model(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
+        it = iter(batches)
+
+        def forward_step(data_iterator, m):
+            mb = next(data_iterator)
+            out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
+
+            def reduce(logits, non_loss_data=False):
+                if non_loss_data:
+                    return loss_fn(mb, logits)
+                loss, metrics = loss_fn(mb, logits)
+                return loss, torch.tensor(1, dtype=torch.int), metrics
+
+            return out, reduce
+
+        if not batches:
+            return []
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(batches),
+            seq_length=max(b.input_ids.shape[1] for b in batches), micro_batch_size=1,
+            forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def _response_logprobs(self, mb: PackedBatch, logits: torch.Tensor, entropy: bool):
+        """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel safe."""
+        from megatron.core import tensor_parallel
+
+        dev = logits.device
         pos = mb.response_positions.to(dev)
         resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float()  # [T, V/tp]
         targets = mb.targets.to(dev)[pos]
@@ -202,19 +256,34 @@ class MegatronTrainer:
         ent = vocab_parallel_entropy(resp_logits) if entropy else None
         return logprobs, ent
 
+    def _packed(self, samples: list[Sample]) -> list[PackedBatch]:
+        return [pack([samples[i] for i in idx], self.tc.row_tokens)
+                for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch)]
+
     @torch.no_grad()
     def logprobs(self, samples: list[Sample], model=None) -> dict[int, list[float]]:
-        """Per-token log-probs of each sample's response under `model` (default: the policy)."""
+        """Per-token log-probs of each sample's response under `model` (default: the policy), on every rank."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
         model = model or self.model
-        out: dict[int, list[float]] = {}
-        for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch):
-            mb = pack([samples[i] for i in idx], self.tc.row_tokens)
-            lp, _ = self._forward(model, mb, entropy=False)
-            lp = lp.cpu().tolist()
-            start = 0
+
+        def collect(mb: PackedBatch, logits: torch.Tensor):
+            lp = self._response_logprobs(mb, logits, entropy=False)[0].cpu().tolist()
+            out, start = {}, 0
             for s in mb.samples:
                 out[s.sample_id] = lp[start:start + len(s.response_ids)]
                 start += len(s.response_ids)
+            return out
+
+        out: dict[int, list[float]] = {}
+        for part in self._schedule(model, self._packed(samples), collect, forward_only=True):
+            out.update(part)
+        if self.tc.pp > 1:  # the last stage computed them; every stage gets them
+            box = [out]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            out = box[0]
         return out
 
     # -- one training step -----------------------------------------------------------------------
@@ -239,15 +308,17 @@ class MegatronTrainer:
         ref = self.logprobs(mine, self.ref_model) if self.ref_model is not None else None
         old = self.logprobs(mine) if updates > 1 else None
 
-        totals: dict[str, float] = {}
+        # Every rank reduces the same keys, whether or not its stage computes losses.
+        keys = ["loss", "pg_loss", "clip_frac", "tis_weight", "train_rollout_logprob_diff", "weight", "entropy",
+                "grad_norm"] + (["kl"] if ref is not None else [])
+        totals = dict.fromkeys(keys, 0.0)
         for mini in minis:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-            for idx in micro_batches([s.total_len for s in mini], self.tc.max_tokens_per_micro_batch):
-                mb = pack([mini[i] for i in idx], self.tc.row_tokens)
-                m = self._micro_step(mb, adv, weights, old, ref)
+            loss_fn = functools.partial(self._micro_loss, adv=adv, weights=weights, old=old, ref=ref)
+            for m in self._schedule(self.ddp, self._packed(mini), loss_fn, forward_only=False):
                 for k, v in m.items():
-                    totals[k] = totals.get(k, 0.0) + v
+                    totals[k] += v
             # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
             # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
             finalize_model_grads([self.ddp])
@@ -255,12 +326,11 @@ class MegatronTrainer:
             if not ok:
                 raise RLXError(f"step {batch.step}: the optimizer step failed (non-finite gradients)")
             self.scheduler.step(increment=1)
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm or 0.0) / self.par.world
+            totals["grad_norm"] += float(grad_norm or 0.0) / self.par.world
         self.step += 1
 
-        keys = sorted(totals)
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers
+        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers, other stages add zeros
         vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
         vals["grad_norm"] = vals["grad_norm"] * self.par.tp / self.tc.updates_per_step
         w = vals.pop("weight") or 1.0
@@ -279,9 +349,9 @@ class MegatronTrainer:
         parts = self.balancer.partition([s.total_len for s in samples], self.par.dp, self.flops)
         return [samples[i] for i in parts[self.par.dp_rank]]
 
-    def _micro_step(self, mb: PackedBatch, adv, weights, old, ref) -> dict[str, float]:
-        dev = self._device()
-        logprobs, ent = self._forward(self.ddp, mb, entropy=True)
+    def _micro_loss(self, mb: PackedBatch, logits: torch.Tensor, *, adv, weights, old, ref):
+        dev = logits.device
+        logprobs, ent = self._response_logprobs(mb, logits, entropy=True)
         s = mb.samples
         mask = torch.tensor([m for x in s for m in x.loss_mask], dtype=torch.float32, device=dev)
         rollout = torch.tensor([lp for x in s for lp in x.rollout_logprobs], dtype=torch.float32, device=dev)
@@ -296,14 +366,12 @@ class MegatronTrainer:
             ref_logprobs=per_token(s, ref).to(dev) if ref is not None else None,
             entropy=ent if self.tc.entropy_coef else ent.detach(),
         )
-        loss, metrics = objective(inp, self.policy_loss, self.objective_cfg)
-        loss.backward()
-        return metrics
+        return objective(inp, self.policy_loss, self.objective_cfg)
 
     # -- weights out -----------------------------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights, gathered over tensor parallelism (every rank gets them)."""
+        """Full HF-named weights, gathered over tensor and pipeline parallelism (every rank gets them)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -318,8 +386,13 @@ class MegatronTrainer:
                 dist.all_gather(parts, v.contiguous(), group=group)
                 for r in range(self.tc.tp):
                     shards[r][k] = parts[r]
-        return self.bridge.to_hf(shards, self.shape, layer_offset=0, num_layers=self.shape.layers,
-                                 first=True, last=True)
+        hf = self.bridge.to_hf(shards, self.shape, **self._stage())
+        if self.tc.pp == 1:
+            return hf
+        stages: list[Any] = [None] * self.tc.pp
+        dist.all_gather_object(stages, {k: v.cpu() for k, v in hf.items()},
+                               group=ps.get_pipeline_model_parallel_group())
+        return {k: v for stage in stages for k, v in stage.items()}
 
     # -- checkpoint ------------------------------------------------------------------------------
 
@@ -345,7 +418,7 @@ class MegatronTrainer:
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }, folder / f"optimizer_rank{self.par.rank}.pt")
         if self.par.dp_rank == 0:
-            torch.save(self.model.state_dict(), folder / f"model_tp{self.par.tp_rank}.pt")
+            torch.save(self.model.state_dict(), folder / f"model_tp{self.par.tp_rank}_pp{self.par.pp_rank}.pt")
         if self.par.rank == 0:
             torch.save({"scheduler": self.scheduler.state_dict(), "step": self.step,
                         "layout": [self.par.tp, self.par.pp, self.par.dp]}, folder / "trainer.pt")
@@ -356,8 +429,8 @@ class MegatronTrainer:
         if meta["layout"] != [self.par.tp, self.par.pp, self.par.dp]:
             raise RLXError(f"--resume: checkpoint {folder} was written with tp, pp, dp = {meta['layout']}; "
                            f"this run has {[self.par.tp, self.par.pp, self.par.dp]}")
-        self.model.load_state_dict(torch.load(folder / f"model_tp{self.par.tp_rank}.pt", weights_only=False),
-                                   strict=False)
+        shard = folder / f"model_tp{self.par.tp_rank}_pp{self.par.pp_rank}.pt"
+        self.model.load_state_dict(torch.load(shard, weights_only=False), strict=False)
         opt = torch.load(folder / f"optimizer_rank{self.par.rank}.pt", weights_only=False)
         with torch.no_grad():
             for o, sd, main in zip(self._inner_optimizers(), opt["inner"], opt["main"], strict=True):
