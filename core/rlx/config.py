@@ -118,8 +118,10 @@ class RolloutConfig(Section):
     reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
-    partial_rollout: bool = False  # abort in-flight requests at a step boundary, resume them next step
+    partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step
     over_sampling: float = Field(1.0, ge=1.0)  # with partial_rollout: start this many x n_prompts groups
+    offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
+    #                                           ray.placement is colocated on GPUs; sync mode only)
     output: str | None = None  # rl rollout: where to write groups (default <output_dir>/rollout.jsonl)
     num_steps: int = Field(1, ge=1)  # rl rollout: how many rollout steps to run
 
@@ -159,7 +161,15 @@ class TrainConfig(Section):
     kl_coef: float = Field(0.0, ge=0)  # KL penalty against the initial policy (0: no reference model)
     kl_type: Literal["k1", "k2", "k3", "low_var"] = "low_var"
     entropy_coef: float = 0.0  # entropy bonus
-    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling between engine and trainer
+    tis_cap: float | None = Field(None, gt=0)  # importance sampling between engine and trainer log-probs (None: off)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # weights above tis_cap: cap them, or drop those tokens
+    mode: Literal["sync", "async"] = "sync"  # async: rollout keeps generating while the trainer trains
+    update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
+    max_staleness: int = Field(1, ge=0)  # async: a group may lag the trainer by at most this many weight versions
+    stale_groups: Literal["regenerate", "drop"] = "regenerate"  # async: what happens to a group past max_staleness
+    mask_stale_tokens: bool = False  # async: mask tokens past max_staleness instead of handling their whole group
+    swap: Literal["pause", "drain"] = "pause"  # async weight push: pause generation only for the swap (in-flight
+    #                                            requests go on with the new weights), or let them finish first
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
     save_interval: int = Field(0, ge=0)  # checkpoint every N steps (0: only at the end)
@@ -281,6 +291,8 @@ def parse_config(
         for err in e.errors():
             loc = tuple(err["loc"])
             problems.append((locate(loc), _describe(err, loc)))
+    if cfg is not None:
+        problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
     if cfg is not None and plugins is not None:
         problems += [(locate(loc), msg) for loc, msg in check_components(cfg, plugins)]
     if problems:
@@ -288,6 +300,30 @@ def parse_config(
     assert cfg is not None
     cfg._source = source.resolve() if source else None
     return cfg
+
+
+def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
+    """Settings that only mean something in one training mode: set in the other, they are errors."""
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    if cfg.train.mode == "async":
+        if cfg.rollout.partial_rollout:
+            problems.append((("rollout", "partial_rollout"), "applies to sync mode; async mode always carries "
+                             "in-flight samples over (see train.swap)"))
+        if cfg.rollout.offload_during_train:
+            problems.append((("rollout", "offload_during_train"), "async mode generates while it trains, so "
+                             "engines cannot release their memory"))
+        if cfg.rollout.over_sampling != 1.0:
+            problems.append((("rollout", "over_sampling"), "applies to sync partial rollout; in async mode "
+                             "train.max_staleness sets how many groups run ahead"))
+        if cfg.train.max_staleness < cfg.train.update_interval:
+            problems.append((("train", "max_staleness"), f"must be at least train.update_interval "
+                             f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
+                             f"that many versions old"))
+    else:
+        for key in ("max_staleness", "stale_groups", "mask_stale_tokens", "swap"):
+            if getattr(cfg.train, key) != TrainConfig.model_fields[key].default:  # a dumped config has defaults
+                problems.append((("train", key), "applies to train.mode: async only"))
+    return problems
 
 
 def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:

@@ -96,6 +96,20 @@ class Group:
     def trainable(self) -> list[Sample]:
         return [s for s in self.samples if s.status.trainable]
 
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version behind any model token of the group (None: no tokens yet)."""
+        versions = [v for s in self.samples for v in (s.token_versions or [s.weight_version] * bool(s.response_ids))]
+        return min(versions) if versions else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "prompt_index": self.prompt_index, "metadata": self.metadata,
+                "samples": [s.to_dict() for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(d["group_id"], [Sample.from_dict(s) for s in d["samples"]], d["prompt_index"], d["metadata"])
+
 
 @dataclass
 class RolloutBatch:

@@ -154,3 +154,39 @@ def test_a_run_bigger_than_the_cluster_it_starts_fails_at_once(tiny_model_path, 
     p = rl("train", write_config(tmp_path, "big"), "--set", "ray.cpus_per_trainer=64", tag=uuid.uuid4().hex)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 1 and "needs 65 CPU" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_async_kill_9_then_resume_loses_and_repeats_no_sample(tiny_model_path, tmp_path):
+    """Async mode: queued groups and in-flight partial rollouts saved at the last checkpoint are trained
+    after the resume; no sample id is trained twice."""
+    steps = 8
+    cfg = write_config(tmp_path, "async")
+    sets = ["--set", "train.mode=async", "--set", f"train.num_steps={steps}", "--set", "ray.enabled=false"]
+    kill_at = random.Random().randint(2, steps - 3)
+    tag = uuid.uuid4().hex
+    p = rl("train", cfg, *sets, tag=tag)
+    metrics = tmp_path / "async" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert wait_gone(tag) == [], "engines outlived the killed driver"
+    ckpt = tmp_path / "async" / "checkpoints"
+    folder = ckpt / (ckpt / "latest").read_text().strip()
+    saved_at = json.loads((folder / "meta.json").read_text())["step"]
+    state = json.loads((folder / "rollout.json").read_text())
+    saved = {s["sample_id"] for g in state["queued"] + state["pending"] for s in g["samples"]}
+
+    p = rl("train", cfg, *sets, "--resume", tag=tag)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    order = sample_order(tmp_path / "async")
+    assert [step for step, _ in order] == list(range(1, steps + 1))
+    ids = [i for _, step_ids in order for i in step_ids]
+    assert len(ids) == len(set(ids)) == steps * 6, f"killed after step {kill_at}: a sample trained twice"
+    after = {i for step, step_ids in order if step > saved_at for i in step_ids}
+    assert saved <= after, f"saved at step {saved_at}, lost {sorted(saved - after)}"
+    assert wait_gone(tag) == []

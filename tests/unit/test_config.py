@@ -122,3 +122,17 @@ def test_format_path():
 def test_override_into_a_component_given_by_name():
     cfg = parse("model: {path: /m}\nrollout: {generator: single_turn}", ["rollout.generator.args.x=1"])
     assert cfg.rollout.generator.name == "single_turn" and cfg.rollout.generator.args == {"x": 1}
+
+
+def test_settings_of_the_other_training_mode_are_errors():
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain:\n  swap: drain\n")
+    assert "<config>:3: train.swap: applies to train.mode: async only" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\nrollout: {partial_rollout: true}\ntrain: {mode: async}\n")
+    assert "rollout.partial_rollout: applies to sync mode" in str(e.value)
+    cfg = parse_config("model: {path: /m}\ntrain: {mode: async, swap: drain, max_staleness: 3}\n")
+    assert cfg.train.swap == "drain" and cfg.train.max_staleness == 3
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain: {mode: async, update_interval: 2}\n")
+    assert "train.max_staleness: must be at least train.update_interval (2)" in str(e.value)

@@ -87,6 +87,9 @@ def test_kl_estimators():
 
 def test_tis_and_entropy():
     assert tis_weights(torch.log(T([3.0, 0.5])), torch.zeros(2), cap=2.0).tolist() == pytest.approx([2.0, 0.5])
+    # masked: a ratio above the cap drops the token, one below keeps its ratio
+    assert tis_weights(torch.log(T([3.0, 0.5])), torch.zeros(2), cap=2.0, mode="mask").tolist() == pytest.approx(
+        [0.0, 0.5])
     assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
 
 
@@ -103,6 +106,9 @@ def test_objective_combines_terms_with_weights():
     assert m["pg_loss"] == pytest.approx(1.25) and m["kl"] == pytest.approx(0.25)
     assert m["entropy"] == pytest.approx(1.25)
     assert loss.item() == pytest.approx(1.25 + 0.5 * 0.25 - 0.1 * 1.25)
+    # masked importance sampling: the second token's ratio 3 is over the cap, so it drops out
+    _, m = objective(inp, policy, ObjectiveConfig(tis_cap=2.0, tis_mode="mask"))
+    assert m["pg_loss"] == pytest.approx(-0.25) and m["tis_masked"] == pytest.approx(0.75)
 
 
 def test_loss_components_are_registered_with_their_configs():

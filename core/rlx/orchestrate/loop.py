@@ -1,8 +1,13 @@
-"""The synchronous RL loop: rollout, train, push weights, log, checkpoint. Reads top to bottom.
+"""The RL loop: rollout, train, push weights, log, checkpoint. Reads top to bottom.
 
 Trainer ranks are Ray actors in a placement group (or, with ``ray.enabled: false``, one rank in this
 process); engines are server processes behind the router, reached over SGLang's HTTP API. Weights go
 from trainer rank 0 straight into the engines through the configured transport.
+
+Sync and async training are this same loop: `rlx.rollout.batches` decides whether a step's batch is
+generated after the previous train step (sync) or streamed while it ran (async), and how the
+engines' requests behave during a weight swap. The trainer is called off the event loop, so in async
+mode the rollout stream keeps generating while it trains.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 from rlx.config import Config
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.metrics import MetricsLog
+from rlx.rollout.batches import batch_source
 from rlx.rollout.session import RolloutSession
 
 
@@ -29,37 +35,31 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
         async with RolloutSession(cfg, plugins, spawn) as session:
             urls = [e.url for e in session.fleet.weight_targets]
             await call(trainer, "setup_transport", urls, str(out))
+            batches = batch_source(cfg, session.manager, session.fleet)
             start, version = 1, 0
             if resume:
                 folder, rollout_state, meta = checkpoint.load_latest(ckpt_root)
                 await call(trainer, "load", str(folder))
-                session.manager.load_state_dict(rollout_state)
+                batches.load_state_dict(rollout_state)
                 start, version = meta["step"] + 1, meta["version"]
                 await call(trainer, "push_weights", version)  # the engines started from the original weights
             log = MetricsLog(out, resume_step=start - 1 if resume else None)
+            batches.start()
 
-            for step in range(start, cfg.train.num_steps + 1):
-                t0 = time.monotonic()
-                batch = await session.manager.next_batch(step, version)
-                t1 = time.monotonic()
-                train_metrics = (await call(trainer, "train_step", batch))[0]
-                t2 = time.monotonic()
-                version += 1
-                await call(trainer, "push_weights", version)
-                t3 = time.monotonic()
-
-                record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics}
-                record.setdefault("kl", None)  # null: no reference model (train.kl_coef is 0)
-                record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
-                               "time/step_s": time.monotonic() - t0})
-                plugins.on_train_step_end(step, record)
-                log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
-                if progress is not None:
-                    progress(step, record)
-                every = cfg.train.save_interval
-                if (every and step % every == 0) or step == cfg.train.num_steps:
-                    checkpoint.save(ckpt_root, step, _Saver(trainer), session.manager.state_dict(),
-                                    {"version": version})
+            try:
+                for step in range(start, cfg.train.num_steps + 1):
+                    batch, record = await one_step(cfg, batches, trainer, step, version)
+                    version = record["weight_version"]
+                    plugins.on_train_step_end(step, record)
+                    log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
+                    if progress is not None:
+                        progress(step, record)
+                    every = cfg.train.save_interval
+                    if (every and step % every == 0) or step == cfg.train.num_steps:
+                        checkpoint.save(ckpt_root, step, _Saver(trainer), await batches.state_dict(),
+                                        {"version": version})
+            finally:
+                await batches.close()
             if save_hf is not None:
                 await call(trainer, "export_hf", str(save_hf))
             await call(trainer, "close")
@@ -68,6 +68,26 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
         if placement is not None:
             placement.shutdown()
     return out
+
+
+async def one_step(cfg: Config, batches: Any, trainer: Any, step: int, version: int) -> tuple[Any, dict[str, Any]]:
+    """Get a batch, train on it, push weights when it is time; the batch and the step's metrics."""
+    t0 = time.monotonic()
+    batch = await batches.next_batch(step, version)
+    t1 = time.monotonic()
+    await batches.before_train()
+    train_metrics = (await call(trainer, "train_step", batch))[0]
+    await batches.after_train()
+    t2 = time.monotonic()
+    version += 1  # the trainer's policy version; the engines get it every update_interval steps
+    if step % cfg.train.update_interval == 0:
+        await batches.swap(lambda: call(trainer, "push_weights", version))
+    t3 = time.monotonic()
+    record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics}
+    record.setdefault("kl", None)  # null: no reference model (train.kl_coef is 0)
+    record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
+                   "time/step_s": time.monotonic() - t0})
+    return batch, record
 
 
 def start_trainers(cfg: Config):

@@ -50,15 +50,23 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_r, ax_w, ax_t) = plt.subplots(1, 3, figsize=(17, 4.5))
     for run in run_dirs:
         rows = read(run)
         steps = [r["step"] for r in rows]
         label = Path(run).name
-        ax_r.plot(steps, [r["reward/mean"] for r in rows], label=label)
+        rewards = [r["reward/mean"] for r in rows]
+        ax_r.plot(steps, rewards, label=label)
+        wall, t = [], 0.0
+        for r in rows:
+            t += r.get("time/step_s") or 0.0
+            wall.append(t)
+        ax_w.plot(wall, rewards, label=label)
         for key, style in (("time/rollout_s", "-"), ("time/train_s", "--"), ("time/weight_sync_s", ":")):
             ax_t.plot(steps, [r.get(key) or 0.0 for r in rows], style, label=f"{label} {key[5:-2]}")
     ax_r.set(title="mean reward", xlabel="step")
+    ax_w.set(title="mean reward", xlabel="seconds (sum of step times)")
+    ax_w.legend()
     ax_t.set(title="seconds per step", xlabel="step")
     ax_r.legend()
     ax_t.legend(fontsize=7)

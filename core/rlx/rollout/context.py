@@ -10,6 +10,7 @@ Rewards are scored by the manager afterwards unless the generator has already se
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +22,43 @@ from rlx.types import Sample, SampleStatus
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
+class RequestGate:
+    """Lets generate requests through, or holds new ones while those in flight finish (an async weight
+    swap with ``train.swap: drain``)."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.in_flight = 0
+
+    async def __aenter__(self) -> None:
+        await self._open.wait()
+        self.in_flight += 1
+        self._idle.clear()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Stop admitting requests and wait until none is in flight."""
+        self._open.clear()
+        await self._idle.wait()
+
+    def reopen(self) -> None:
+        self._open.set()
+
+
 @dataclass
 class GenerateContext:
     client: EngineClient  # the router, or the single engine
     tokenizer: Any
     sampling: SamplingConfig
     retries: int = 0  # retries of a request that failed on a dead or unreachable engine
+    gate: RequestGate = field(default_factory=RequestGate)
     _rids: Any = field(default_factory=itertools.count)
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
@@ -41,7 +73,8 @@ class GenerateContext:
         return f"s{sample.sample_id}-{next(self._rids)}"
 
     async def generate(self, input_ids: list[int], params: dict[str, Any], rid: str | None = None) -> GenerateResult:
-        (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
+        async with self.gate:
+            (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
         return res
 
 

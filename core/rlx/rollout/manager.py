@@ -14,7 +14,7 @@ Choices:
   groups; once the batch is full it aborts what is still running and keeps those samples, with the
   tokens they already have, to resume first in the next step.
 * `next_batch` returns one step's batch (sync); `run_stream` keeps a bounded queue of finished groups
-  filled (async). Both use the same group runner.
+  filled (async, see `rlx.rollout.batches`). Both use the same group runner.
 * `state_dict` holds the dataset cursor, id counters and unfinished groups, so resume is exact.
 """
 
@@ -54,6 +54,7 @@ class RolloutManager:
         self.next_group_id = 0
         self.next_sample_id = 0
         self.pending: list[Group] = []  # partial groups to resume first
+        self.stream_filtered = 0  # groups run_stream's filters dropped (async metrics)
         self._prompt_cache: dict[int, list[int]] = {}
 
     # -- building groups -------------------------------------------------------------------------
@@ -207,18 +208,34 @@ class RolloutManager:
 
     # -- streaming (async) -----------------------------------------------------------------------
 
-    async def run_stream(self, queue: asyncio.Queue, stop: asyncio.Event) -> None:
-        """Keep `queue` (bounded) filled with kept groups until `stop` is set."""
+    async def run_stream(self, queue: asyncio.Queue, stop: asyncio.Event, in_flight: int | None = None,
+                         room: asyncio.Event | None = None) -> None:
+        """Keep `queue` filled with kept groups until `stop` is set.
+
+        At most `in_flight` groups run at once; given `room`, which the consumer sets when it takes a
+        group, queued groups count too (admission control for async training's staleness bound).
+        On stop, what still runs is aborted and kept in `pending` with the tokens it has (partial rollout).
+        """
         running: set[asyncio.Task] = set()
+        in_flight = in_flight or self.rc.n_prompts
+        count_queued = room is not None
+        room = room or asyncio.Event()
         try:
             while not stop.is_set():
-                while len(running) < self.rc.n_prompts and not stop.is_set():
+                while len(running) + (queue.qsize() if count_queued else 0) < in_flight and not stop.is_set():
                     g = self.pending.pop(0) if self.pending else self.new_group()
                     running.add(asyncio.create_task(self.run_group(g)))
-                finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
+                room.clear()
+                wake = {asyncio.ensure_future(room.wait()), asyncio.ensure_future(stop.wait())}
+                finished, _ = await asyncio.wait(running | wake, return_when=asyncio.FIRST_COMPLETED)
+                for w in wake:
+                    w.cancel()
+                for task in finished & running:
+                    running.discard(task)
                     group = task.result()
-                    if self.keep(group) and not await self._put_unless_stopped(queue, group, stop):
+                    if not self.keep(group):
+                        self.stream_filtered += 1
+                    elif not await self._put_unless_stopped(queue, group, stop):
                         self.pending.append(group)
         finally:
             if running:
@@ -239,6 +256,16 @@ class RolloutManager:
         put.cancel()
         return False
 
+    def regenerate(self, group: Group) -> None:
+        """Run `group` again from its prompt, first in line: the same group and sample ids, no tokens."""
+        fresh: dict[int, Sample] = {}
+        for s in group.samples:  # one sample per index: a branching generator's extra outputs go
+            fresh.setdefault(s.index, Sample(prompt_ids=s.prompt_ids, prompt_text=s.prompt_text, label=s.label,
+                                             group_id=s.group_id, sample_id=s.sample_id, index=s.index,
+                                             metadata={k: v for k, v in s.metadata.items()}))
+        group.samples = [fresh[i] for i in sorted(fresh)]
+        self.pending.insert(0, group)
+
     # -- checkpoint ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -246,13 +273,11 @@ class RolloutManager:
             "dataset": self.dataset.state_dict(),
             "next_group_id": self.next_group_id,
             "next_sample_id": self.next_sample_id,
-            "pending": [{"group_id": g.group_id, "prompt_index": g.prompt_index, "metadata": g.metadata,
-                         "samples": [s.to_dict() for s in g.samples]} for g in self.pending],
+            "pending": [g.to_dict() for g in self.pending],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state["dataset"])
         self.next_group_id = state["next_group_id"]
         self.next_sample_id = state["next_sample_id"]
-        self.pending = [Group(g["group_id"], [Sample.from_dict(s) for s in g["samples"]], g["prompt_index"],
-                              g["metadata"]) for g in state["pending"]]
+        self.pending = [Group.from_dict(g) for g in state["pending"]]

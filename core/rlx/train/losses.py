@@ -103,9 +103,20 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
     raise ValueError(f"unknown KL type {kind!r}")
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights between the trainer's and the engine's log-probs (no gradient)."""
-    return torch.exp(old_logprobs - rollout_logprobs).clamp(max=cap).detach()
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float,
+                mode: str = "truncate") -> torch.Tensor:
+    """Importance weights between the trainer's and the engine's log-probs (no gradient).
+
+    ``truncate``: the ratio, capped at `cap` (TIS). ``mask``: the ratio where it is at most `cap`, 0
+    where it is above (masked importance sampling: tokens the engine sampled far off the trainer's
+    policy, such as stale ones in async training, add nothing).
+    """
+    ratio = torch.exp(old_logprobs - rollout_logprobs).detach()
+    if mode == "truncate":
+        return ratio.clamp(max=cap)
+    if mode == "mask":
+        return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    raise ValueError(f"tis mode must be truncate or mask, not {mode!r}")
 
 
 @dataclass

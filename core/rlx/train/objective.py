@@ -31,7 +31,8 @@ class ObjectiveConfig:
     kl_coef: float = 0.0  # weight of the KL penalty against the reference policy (0: off)
     kl_type: KLType = "low_var"
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    tis_cap: float | None = None  # truncated importance sampling cap (None: off)
+    tis_cap: float | None = None  # importance sampling cap (None: off)
+    tis_mode: str = "truncate"  # "truncate": cap the weights; "mask": zero the tokens above the cap
 
 
 def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -39,7 +40,7 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[
     w = inp.weights
     per_token, clipped = policy_loss(inp)
     if cfg.tis_cap is not None:
-        tis = tis_weights(inp.old_logprobs, inp.rollout_logprobs, cfg.tis_cap)
+        tis = tis_weights(inp.old_logprobs, inp.rollout_logprobs, cfg.tis_cap, cfg.tis_mode)
         per_token = per_token * tis
     else:
         tis = torch.ones_like(per_token)
@@ -49,6 +50,7 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[
         "pg_loss": float(pg.detach()),
         "clip_frac": float((clipped.float() * w).sum()),
         "tis_weight": float((tis * w).sum()),
+        "tis_masked": float(((tis == 0).float() * w).sum()),
         "train_rollout_logprob_diff": float(((inp.old_logprobs - inp.rollout_logprobs).abs() * w).sum()),
         "weight": float(w.sum()),
     }

@@ -116,7 +116,8 @@ class MegatronTrainer:
         self.estimator = instantiate(plugins.get("losses", self.tc.advantage.name), self.tc.advantage.args)
         self.policy_loss = instantiate(plugins.get("losses", self.tc.loss.name), self.tc.loss.args)
         self.balancer = instantiate(plugins.get("balancers", self.tc.balancer.name), self.tc.balancer.args)
-        self.objective_cfg = ObjectiveConfig(self.tc.kl_coef, self.tc.kl_type, self.tc.entropy_coef, self.tc.tis_cap)
+        self.objective_cfg = ObjectiveConfig(self.tc.kl_coef, self.tc.kl_type, self.tc.entropy_coef, self.tc.tis_cap,
+                                             self.tc.tis_mode)
         hf_state = self._load_hf_state()
         self.model = self._build(hf_state)
         self.ref_model = self._build(hf_state, frozen=True) if self.tc.kl_coef > 0 else None
@@ -309,8 +310,8 @@ class MegatronTrainer:
         old = self.logprobs(mine) if updates > 1 else None
 
         # Every rank reduces the same keys, whether or not its stage computes losses.
-        keys = ["loss", "pg_loss", "clip_frac", "tis_weight", "train_rollout_logprob_diff", "weight", "entropy",
-                "grad_norm"] + (["kl"] if ref is not None else [])
+        keys = ["loss", "pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "weight",
+                "entropy", "grad_norm"] + (["kl"] if ref is not None else [])
         totals = dict.fromkeys(keys, 0.0)
         for mini in minis:
             self.ddp.zero_grad_buffer()
@@ -336,7 +337,7 @@ class MegatronTrainer:
         w = vals.pop("weight") or 1.0
         # Losses are sums of weighted terms per update; the rest are weighted sums: make them means.
         metrics = {k: vals[k] / self.tc.updates_per_step for k in ("loss", "pg_loss", "kl") if k in vals}
-        for k in ("clip_frac", "tis_weight", "train_rollout_logprob_diff", "entropy"):
+        for k in ("clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "entropy"):
             if k in vals:
                 metrics[k] = vals[k] / w
         metrics["grad_norm"] = vals["grad_norm"]

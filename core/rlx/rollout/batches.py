@@ -1,0 +1,207 @@
+"""Where the training loop gets its batches and how it swaps weights: one interface, two modes.
+
+``train.mode: sync`` (`SyncBatches`): each step generates its batch, then the trainer trains while the
+engines idle (or release their memory, ``rollout.offload_during_train``), then weights are pushed.
+
+``train.mode: async`` (`AsyncBatches`): the rollout manager streams finished groups into a queue the
+whole time while the trainer trains on groups already finished. Choices:
+
+* Staleness is counted in weight versions: a group's lag is the trainer's version minus the oldest
+  version behind any of its tokens. Admission keeps lags within bound: at most
+  ``(max_staleness - update_interval + 1) × n_prompts`` groups are running or queued at once (with
+  ``max_staleness: 1`` the next batch generates while the trainer trains on this one). A group that
+  still lags too far (a long tail of generation time) is regenerated from its prompt (same ids, first
+  in line) or dropped (``train.stale_groups``); with ``train.mask_stale_tokens`` only the tokens past
+  the bound lose their loss mask instead.
+* Weight swaps (every ``train.update_interval`` steps): ``swap: pause`` pauses generation only for
+  the push; requests in flight then go on with the new weights, so one sample may hold tokens of
+  several versions, each tagged (partial rollout). ``swap: drain`` holds new requests and lets those in
+  flight finish on the old weights first, so no sample mixes versions.
+* A checkpoint stops the stream: what runs is aborted and kept with its tokens, what is queued is
+  saved in order, and both come back first on resume (nothing lost, nothing twice), then the stream
+  restarts.
+* Rollout errors (a dead engine) surface in `next_batch`, not silently in a background task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rlx.config import Config
+from rlx.errors import RLXError
+from rlx.rollout.manager import RolloutManager
+from rlx.types import Group, RolloutBatch
+
+Push = Callable[[], Awaitable[Any]]
+log = logging.getLogger(__name__)
+
+
+class SyncBatches:
+    def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
+        self.manager = manager
+        self.fleet = fleet
+        offload = cfg.rollout.offload_during_train
+        if offload is None:
+            offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+        self.offload = bool(offload) and not cfg.rollout.external_engines
+
+    def start(self) -> None:
+        pass
+
+    async def next_batch(self, step: int, version: int) -> RolloutBatch:
+        return await self.manager.next_batch(step, version)
+
+    async def before_train(self) -> None:
+        if self.offload:
+            await self.fleet.for_each(lambda c: c.release_memory())
+
+    async def after_train(self) -> None:
+        if self.offload:
+            await self.fleet.for_each(lambda c: c.resume_memory())
+
+    async def swap(self, push: Push) -> None:
+        await push()
+
+    async def state_dict(self) -> dict[str, Any]:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+
+    async def close(self) -> None:
+        pass
+
+
+class AsyncBatches:
+    def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
+        self.cfg = cfg
+        self.tc = cfg.train
+        self.rc = cfg.rollout
+        self.manager = manager
+        self.fleet = fleet
+        self.queue: asyncio.Queue[Group] = asyncio.Queue()  # bounded by admission, not by size
+        self.queued: list[Group] = []  # restored from a checkpoint: served before the queue
+        self.stop: asyncio.Event | None = None
+        self.room = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.capacity = (self.tc.max_staleness - self.tc.update_interval + 1) * self.rc.n_prompts
+
+    def start(self) -> None:
+        self.stop = asyncio.Event()
+        self.task = asyncio.create_task(self.manager.run_stream(self.queue, self.stop, self.capacity, self.room))
+
+    async def _halt(self) -> None:
+        """Stop the stream: in-flight groups are aborted into `manager.pending`, queued ones into `queued`."""
+        if self.task is None:
+            return
+        self.stop.set()
+        task, self.task = self.task, None
+        try:
+            await task
+        finally:
+            while not self.queue.empty():
+                self.queued.append(self.queue.get_nowait())
+
+    async def _get(self) -> Group:
+        if self.queued:
+            return self.queued.pop(0)
+        get = asyncio.ensure_future(self.queue.get())
+        await asyncio.wait({get, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            self.room.set()
+            return get.result()
+        get.cancel()
+        self.task.result()  # raises what stopped the stream (e.g. a dead engine)
+        raise RLXError("the rollout stream stopped without an error")
+
+    async def next_batch(self, step: int, version: int) -> RolloutBatch:
+        t0 = time.monotonic()
+        kept: list[Group] = []
+        lags: list[int] = []
+        stale = masked = 0
+        filtered_before = self.manager.stream_filtered
+        while len(kept) < self.rc.n_prompts:
+            group = await self._get()
+            oldest = group.oldest_version
+            lag = 0 if oldest is None else version - oldest
+            too_old = lag > self.tc.max_staleness
+            if too_old and self.tc.mask_stale_tokens:
+                masked += self._mask_stale(group, version)
+                too_old = not any(any(s.loss_mask) for s in group.trainable)  # nothing left to learn from
+            if too_old:
+                stale += 1
+                if self.tc.stale_groups == "regenerate":
+                    self.manager.regenerate(group)
+                continue
+            kept.append(group)
+            lags.append(lag)
+        kept.sort(key=lambda g: g.group_id)
+        batch = RolloutBatch(step, kept, version)
+        batch.metrics.update(self.manager._metrics(batch, self.manager.stream_filtered - filtered_before,
+                                                   time.monotonic() - t0))
+        batch.metrics.update({
+            "async/staleness_mean": sum(lags) / len(lags),
+            "async/staleness_max": float(max(lags)),
+            "async/stale_groups": float(stale),
+            "async/masked_tokens": float(masked),
+            "async/queued_groups": float(self.queue.qsize() + len(self.queued)),
+        })
+        self.manager.plugins.on_rollout_end(batch)
+        return batch
+
+    def _mask_stale(self, group: Group, version: int) -> int:
+        """Zero the loss mask of tokens older than the staleness bound; returns how many were masked."""
+        oldest_ok = version - self.tc.max_staleness
+        n = 0
+        for s in group.samples:
+            for i, v in enumerate(s.token_versions):
+                if v < oldest_ok and s.loss_mask[i]:
+                    s.loss_mask[i] = 0
+                    n += 1
+        return n
+
+    async def before_train(self) -> None:
+        pass
+
+    async def after_train(self) -> None:
+        pass
+
+    async def swap(self, push: Push) -> None:
+        if self.tc.swap == "pause":
+            await self.fleet.for_each(lambda c: c.pause(mode="retract"))
+            try:
+                await push()
+            finally:
+                await self.fleet.for_each(lambda c: c.resume())
+        else:
+            gate = self.manager.ctx.gate
+            await gate.drain()
+            try:
+                await push()
+            finally:
+                gate.reopen()
+
+    async def state_dict(self) -> dict[str, Any]:
+        await self._halt()
+        state = self.manager.state_dict()
+        state["queued"] = [g.to_dict() for g in self.queued]
+        self.start()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+        self.queued = [Group.from_dict(g) for g in state.get("queued", [])]
+
+    async def close(self) -> None:
+        try:
+            await self._halt()
+        except Exception as e:  # the run is over (or failing for its own reason): say so, do not mask it
+            log.warning("stopping the rollout stream: %s", e)
+
+
+def batch_source(cfg: Config, manager: RolloutManager, fleet: Any) -> SyncBatches | AsyncBatches:
+    return AsyncBatches(cfg, manager, fleet) if cfg.train.mode == "async" else SyncBatches(cfg, manager, fleet)
