@@ -59,7 +59,7 @@ class Sample:
     sample_id: int = -1  # unique within a run; the order training sees samples in is checked by it
     index: int = 0  # position within its group
     weight_version: int = 0  # policy version that generated it (lowest, for a resumed partial rollout)
-    token_versions: list[int] = field(default_factory=list)  # per response token, when versions are mixed
+    token_versions: list[int] = field(default_factory=list)  # per response token: the weights that sampled it
     metadata: dict[str, Any] = field(default_factory=dict)  # dataset metadata and generator notes
 
     @property
@@ -98,8 +98,13 @@ class Group:
 
     @property
     def oldest_version(self) -> int | None:
-        """The oldest weight version behind any model token of the group (None: no tokens yet)."""
-        versions = [v for s in self.samples for v in (s.token_versions or [s.weight_version] * bool(s.response_ids))]
+        """The oldest weight version behind any model-sampled token of the group (None: none yet)."""
+        versions: list[int] = []
+        for s in self.samples:
+            if s.token_versions:
+                versions += [v for v, m in zip(s.token_versions, s.loss_mask, strict=False) if m]
+            elif s.response_ids:
+                versions.append(s.weight_version)
         return min(versions) if versions else None
 
     def to_dict(self) -> dict[str, Any]:

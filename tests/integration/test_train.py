@@ -133,10 +133,12 @@ def test_save_hf_exports_what_transformers_loads(uninterrupted, tiny_model_path)
 
 
 def test_pipeline_parallel_run_trains_checkpoints_and_resumes(tiny_model_path, tmp_path):
-    """Two Ray trainer ranks as two pipeline stages: train, push weights, checkpoint, resume."""
+    """Two Ray trainer ranks as two pipeline stages: train (engines offloaded meanwhile), push weights,
+    checkpoint, resume."""
     cfg = write_config(tmp_path, "pp")
     sets = ["--set", "train.world_size=2", "--set", "train.pp=2", "--set", "train.save_interval=0",
-            "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5"]  # this machine has 2 cores
+            "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5",  # this machine has 2 cores
+            "--set", "rollout.offload_during_train=true"]  # engines release memory while trainers step
     tag = uuid.uuid4().hex
     p = rl("train", cfg, *sets, "--set", "train.num_steps=2", tag=tag)
     _, err = p.communicate(timeout=600)

@@ -237,3 +237,27 @@ def test_a_checkpoint_keeps_queued_and_in_flight_groups_and_loses_none(tmp_path)
     assert set(saved) <= {g.group_id for b in after for g in b.groups}, "a saved group was lost"
     left = {g.group_id for g in manager2.pending} | {g.group_id for g in batches2.queued}
     assert set(trained) | left == set(range(manager2.next_group_id))
+
+
+def test_sync_batches_release_engine_memory_around_train_steps_when_asked(tmp_path):
+    cfg, manager, _ = setup(tmp_path)
+    cfg.train.mode = "sync"
+    calls = []
+
+    class Fleet:
+        async def for_each(self, fn):
+            client = types.SimpleNamespace(release_memory=lambda: asyncio.sleep(0, calls.append("release")),
+                                           resume_memory=lambda: asyncio.sleep(0, calls.append("resume")))
+            return [await fn(client)]
+
+    assert not batch_source(cfg, manager, Fleet()).offload  # CPU, disaggregated: off by default
+    cfg.rollout.offload_during_train = True
+    batches = batch_source(cfg, manager, Fleet())
+
+    async def go():
+        await batches.before_train()
+        calls.append("train")
+        await batches.after_train()
+
+    asyncio.run(go())
+    assert calls == ["release", "train", "resume"]

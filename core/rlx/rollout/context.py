@@ -91,6 +91,17 @@ def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
     sample.status = _FINISH_STATUS.get(res.finish_reason, SampleStatus.COMPLETED)
 
 
+def append_env_tokens(sample: Sample, ids: list[int]) -> None:
+    """Append tokens the model did not sample (a tool result, a user turn): mask 0, logprob 0.
+
+    They carry the version of the model token before them, so that per-token lists stay aligned.
+    """
+    sample.response_ids += ids
+    sample.rollout_logprobs += [0.0] * len(ids)
+    sample.loss_mask += [0] * len(ids)
+    sample.token_versions += [sample.token_versions[-1] if sample.token_versions else sample.weight_version] * len(ids)
+
+
 def _int_version(v: str) -> int:
     try:
         return int(v)
