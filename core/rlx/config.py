@@ -79,6 +79,7 @@ class SamplingConfig(Section):
     max_new_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list)  # stop strings (not included in the output)
     stop_token_ids: list[int] = Field(default_factory=list)  # extra stop ids beside the tokenizer's EOS
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model samples (benchmarks, tests)
 
 
 class EngineGroupConfig(Section):

@@ -58,6 +58,7 @@ class Sample:
     group_id: int = -1  # which prompt group this sample belongs to
     sample_id: int = -1  # unique within a run; the order training sees samples in is checked by it
     index: int = 0  # position within its group
+    trajectory_id: int | None = None  # samples branched from one trajectory share it (None: its own)
     weight_version: int = 0  # policy version that generated it (lowest, for a resumed partial rollout)
     token_versions: list[int] = field(default_factory=list)  # per response token: the weights that sampled it
     metadata: dict[str, Any] = field(default_factory=dict)  # dataset metadata and generator notes

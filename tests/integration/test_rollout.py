@@ -80,7 +80,7 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny
 
 
 def test_killing_the_engine_mid_rollout_is_a_clear_error(tiny_model_path, tmp_path):
-    cfg = config(tmp_path, sampling={"max_new_tokens": 1500}, n_prompts=4)
+    cfg = config(tmp_path, sampling={"max_new_tokens": 1500, "ignore_eos": True}, n_prompts=4)
 
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:

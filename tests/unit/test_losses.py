@@ -118,3 +118,14 @@ def test_loss_components_are_registered_with_their_configs():
     assert component_config(gspo, {}).eps_high == 4e-4
     grpo = p.get("losses", "grpo")(component_config(p.get("losses", "grpo"), {"normalize_std": False}))
     assert list(grpo.advantages([group(0, [1.0, 0.0])]).values()) == [0.5, -0.5]
+
+
+def test_branches_of_one_trajectory_count_once():
+    # trajectory A (reward 1) branched into samples 0 and 1 (2 and 1 tokens); B (reward 0) is sample 2 (2 tokens)
+    g = group(0, [1.0, 1.0, 0.0], masks=[[1, 1], [1], [1, 1]])
+    g.samples[0].trajectory_id = g.samples[1].trajectory_id = 0
+    # over trajectories: mean 0.5, std 0.5 -> A's samples +1 each, B -1 (not a 3-sample mean of 2/3)
+    assert grpo_advantages([g]) == pytest.approx({0: 1.0, 1: 1.0, 2: -1.0}, abs=1e-5)
+    # group norm: each trajectory gets half the group; A's half spread over its 3 tokens, B's over 2
+    assert token_weights([g], "group") == pytest.approx({0: 1 / 6, 1: 1 / 6, 2: 1 / 4})
+    assert token_weights([g], "sequence") == pytest.approx({0: 1 / 6, 1: 1 / 6, 2: 1 / 4})

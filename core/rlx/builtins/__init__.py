@@ -3,6 +3,7 @@
 BUILTIN_PLUGINS = (
     "rlx.builtins.rewards",
     "rlx.builtins.generators",
+    "rlx.builtins.agents",
     "rlx.builtins.losses",
     "rlx.builtins.balancers",
     "rlx.builtins.models",

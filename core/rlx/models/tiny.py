@@ -20,10 +20,20 @@ from pathlib import Path
 from rlx.errors import RLXError
 
 SCHEME = "builtin://"
-VERSION = "1"  # bump when the recipe changes, so caches rebuild
+VERSION = "2"  # bump when the recipe changes, so caches rebuild (2: tools in the chat template)
 
+# ChatML, with tools (Qwen/Hermes style): a system block lists them, assistant turns carry
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results come back in "tool" turns.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for tc in (m.tool_calls or []) %}<tool_call>\n{\"name\": {{ tc.function.name | tojson }}, \"arguments\": "
+    "{% if tc.function.arguments is string %}{{ tc.function.arguments }}{% else %}{{ tc.function.arguments | tojson }}"
+    "{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -67,6 +67,8 @@ class GenerateContext:
         params = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
                   "max_new_tokens": max(s.max_new_tokens - already, 0), "stop": list(s.stop),
                   "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": True}
+        if s.ignore_eos:
+            params["ignore_eos"] = True
         return params | overrides
 
     def new_rid(self, sample: Sample) -> str:

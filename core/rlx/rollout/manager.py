@@ -95,6 +95,13 @@ class RolloutManager:
                 return [sample]
         if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
             raise RLXError(f"generator {self.rc.generator.name!r} must return a list of Sample, got {type(out).__name__}")
+        seen: set[int] = set()
+        for s in out:  # branches (subagents, compaction): fresh ids, one trajectory
+            if s.sample_id < 0 or s.sample_id in seen:
+                s.sample_id, self.next_sample_id = self.next_sample_id, self.next_sample_id + 1
+            seen.add(s.sample_id)
+            if len(out) > 1 and s.trajectory_id is None:
+                s.trajectory_id = sample.sample_id
         for s in out:
             if s.status.trainable and s.reward is None:
                 await score_sample(s, self.rewards, self.rc.reward_timeout_s)

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from rlx.types import Group
+from rlx.types import Group, Sample
 
 Norm = Literal["token", "sequence", "group"]
 KLType = Literal["k1", "k2", "k3", "low_var"]
@@ -31,22 +31,34 @@ KLType = Literal["k1", "k2", "k3", "low_var"]
 # -- advantages (per sample; broadcast over its tokens) -----------------------------------------
 
 
+def trajectories(samples: list[Sample]) -> dict[int, list[Sample]]:
+    """Samples by trajectory: an agent's branches (subagents, context compaction) are several samples
+    with one ``trajectory_id``, sharing its reward; any other sample is a trajectory of its own."""
+    out: dict[int, list[Sample]] = {}
+    for s in samples:
+        out.setdefault(s.trajectory_id if s.trajectory_id is not None else s.sample_id, []).append(s)
+    return out
+
+
 def grpo_advantages(groups: list[Group], normalize_std: bool = True, eps: float = 1e-6) -> dict[int, float]:
     """``(r - mean_group) / (std_group + eps)``, or without the std when `normalize_std` is off.
 
-    The std is the population std of the group's rewards (a group of identical rewards gets 0).
-    Returns sample_id -> advantage for the trainable samples.
+    Statistics are over the group's trajectories, each counted once however many samples it branched
+    into; every sample of a trajectory gets its advantage. The std is the population std (a group of
+    identical rewards gets 0). Returns sample_id -> advantage for the trainable samples.
     """
     out: dict[int, float] = {}
     for g in groups:
-        samples = [s for s in g.trainable if s.reward is not None]
-        if not samples:
+        trajs = trajectories([s for s in g.trainable if s.reward is not None])
+        if not trajs:
             continue
-        rewards = [s.reward for s in samples]
-        mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        for s in samples:
-            out[s.sample_id] = (s.reward - mean) / (std + eps) if normalize_std else s.reward - mean
+        rewards = {i: ss[0].reward for i, ss in trajs.items()}
+        mean = sum(rewards.values()) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards.values()) / len(rewards))
+        for i, ss in trajs.items():
+            adv = (rewards[i] - mean) / (std + eps) if normalize_std else rewards[i] - mean
+            for s in ss:
+                out[s.sample_id] = adv
     return out
 
 
@@ -65,24 +77,26 @@ def reinforce_pp_advantages(groups: list[Group], eps: float = 1e-6) -> dict[int,
 
 
 def token_weights(groups: list[Group], norm: Norm) -> dict[int, float]:
-    """The weight of each loss-masked token of each trainable sample (sample_id -> weight per token)."""
-    samples = [(g, s) for g in groups for s in g.trainable]
-    counts = {s.sample_id: max(sum(s.loss_mask), 1) for _, s in samples}
+    """The weight of each loss-masked token of each trainable sample (sample_id -> weight per token).
+
+    ``sequence`` and ``group`` count a trajectory once: the samples it branched into share its weight
+    by their tokens, as if they were one sequence.
+    """
     if norm == "token":
-        total = sum(counts.values())
-        return {sid: 1.0 / total for sid in counts}
-    if norm == "sequence":
-        n = len(samples)
-        return {sid: 1.0 / (n * c) for sid, c in counts.items()}
-    if norm == "group":
-        live = [g for g in groups if g.trainable]
-        w: dict[int, float] = {}
-        for g in live:
-            k = len(g.trainable)
-            for s in g.trainable:
-                w[s.sample_id] = 1.0 / (len(live) * k * counts[s.sample_id])
-        return w
-    raise ValueError(f"unknown loss normalisation {norm!r}")
+        total = sum(max(sum(s.loss_mask), 1) for g in groups for s in g.trainable)
+        return {s.sample_id: 1.0 / total for g in groups for s in g.trainable}
+    if norm not in ("sequence", "group"):
+        raise ValueError(f"unknown loss normalisation {norm!r}")
+    live = [(g, trajectories(g.trainable)) for g in groups if g.trainable]
+    n_trajs = sum(len(t) for _, t in live)
+    w: dict[int, float] = {}
+    for _, trajs in live:
+        for ss in trajs.values():
+            tokens = max(sum(sum(s.loss_mask) for s in ss), 1)
+            share = 1.0 / n_trajs if norm == "sequence" else 1.0 / (len(live) * len(trajs))
+            for s in ss:
+                w[s.sample_id] = share / tokens
+    return w
 
 
 # -- per-token terms -----------------------------------------------------------------------------

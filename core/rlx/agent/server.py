@@ -1,0 +1,242 @@
+"""The adapter server: OpenAI- and Anthropic-compatible endpoints in front of rlx's engines.
+
+An unmodified harness (an agent SDK, a coding CLI, a user's loop) talks to it as to a hosted API; each
+request is served by the engines through the same `GenerateContext` as any generator, and recorded
+token-in-token-out in a `Session` (`rlx.agent.tito`), which becomes training samples.
+
+* Endpoints: ``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``,
+  ``/v1/messages/count_tokens``; ``GET /v1/models``, ``/health``. rlx's own: ``POST /rlx/sessions``
+  (a new session and its key), ``GET /rlx/sessions/{id}`` (its turns and mismatch counts).
+* Auth: ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; KEY is the server's key or a session's.
+  A missing or wrong key gets 401 in the API's own error shape.
+* The session of a request: the session key it was made with, else an ``x-rlx-session`` header, else
+  request metadata (``metadata.session_id``, OpenAI ``user``, Anthropic ``metadata.user_id``), else a
+  throwaway one.
+* Streaming: the reply is generated whole, then sent as the SSE events each SDK parses (the point is
+  compatibility with harnesses, not time to first token).
+* Overhead (time in the handler minus time in the engine) is kept per request for the benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from aiohttp import web
+
+from rlx.agent import wire
+from rlx.agent.parsers import parser_for
+from rlx.agent.tito import Renderer, Session
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.engines.protocol import EngineError
+
+
+class AgentAdapter:
+    def __init__(self, ctx: GenerateContext, *, model_name: str = "rlx", api_key: str | None = None,
+                 parser: str = "auto", model_type: str | None = None, compare: bool = True):
+        self.ctx = ctx
+        self.model_name = model_name
+        self.api_key = api_key or f"rlx-{secrets.token_hex(16)}"
+        self.parse = parser_for(parser, model_type)
+        self.renderer = Renderer(ctx.tokenizer)
+        self.eos_id = getattr(ctx.tokenizer, "eos_token_id", None)
+        self.compare = compare
+        self.sessions: dict[str, Session] = {}
+        self.keys: dict[str, str] = {}  # session key -> session id
+        self.history: dict[str, list[dict]] = {}  # Responses API: response id -> conversation after it
+        self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per request, engine time excluded
+        self.runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str | None = None) -> tuple[Session, str]:
+        """A new session and the API key that routes requests to it."""
+        sid = session_id or uuid.uuid4().hex
+        session = self.sessions[sid] = Session(sid, self.renderer, self.compare)
+        key = f"rlx-s-{secrets.token_hex(16)}"
+        self.keys[key] = sid
+        return session, key
+
+    def close_session(self, session: Session) -> None:
+        self.sessions.pop(session.id, None)
+        for k in [k for k, v in self.keys.items() if v == session.id]:
+            del self.keys[k]
+
+    # -- server ----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        for path, api in (("/v1/chat/completions", "chat"), ("/v1/responses", "responses"),
+                          ("/v1/messages", "messages")):
+            app.router.add_post(path, self._route(api))
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/rlx/sessions", self.new_session)
+        app.router.add_get("/rlx/sessions/{sid}", self.get_session)
+        return app
+
+    def _route(self, api: str):
+        async def route(request: web.Request) -> web.StreamResponse:
+            return await self.handle(request, api)
+
+        return route
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self.runner = web.AppRunner(self.app(), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _auth(self, request: web.Request) -> Session | None:
+        header = request.headers.get("Authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if key and key in self.keys:
+            return self.sessions.get(self.keys[key])
+        if key and secrets.compare_digest(key, self.api_key):
+            return None
+        raise wire.WireError(401, "missing or invalid API key" if key else "no API key: send Authorization: Bearer "
+                             "KEY or x-api-key: KEY", "authentication_error")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            raise wire.WireError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise wire.WireError(400, "the request body must be a JSON object")
+        return body
+
+    def _session(self, request: web.Request, req: wire.Request) -> Session:
+        hint = request.headers.get("x-rlx-session") or req.session_hint
+        if hint is None:
+            return Session("ephemeral", self.renderer, compare=False)
+        if hint not in self.sessions:
+            self.sessions[hint] = Session(hint, self.renderer, self.compare)
+        return self.sessions[hint]
+
+    async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            session = self._auth(request)
+            body = await self._body(request)
+            if api == "chat":
+                req = wire.parse_chat(body)
+            elif api == "responses":
+                req = wire.parse_responses(body, self.history)
+            else:
+                req = wire.parse_messages(body)
+            session = session or self._session(request, req)
+            chain, ids, turn = session.prepare(req.messages, req.tools)
+            overrides: dict[str, Any] = {"stop": list(self.ctx.sampling.stop) + req.stop}
+            if req.max_tokens is not None:
+                overrides["max_new_tokens"] = req.max_tokens
+            if req.temperature is not None:
+                overrides["temperature"] = float(req.temperature)
+            if req.top_p is not None:
+                overrides["top_p"] = float(req.top_p)
+            t_engine = time.perf_counter()
+            res = await self.ctx.generate(ids, self.ctx.sampling_params(**overrides), f"{session.id}-{uuid.uuid4().hex[:8]}")
+            engine_s = time.perf_counter() - t_engine
+            text = self.ctx.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            matched = res.matched_stop if isinstance(res.matched_stop, str) else None
+            if res.finish_reason == "stop" and matched and matched in text:
+                text = text[:text.find(matched)]
+            reply = wire.Reply(self.parse(text), res.finish_reason, matched, len(ids), len(res.output_ids))
+            session.record(chain, turn, res, reply.message(), self.eos_id)
+            if api == "responses":
+                self.history[f"resp_{reply.id}"] = req.messages + [reply.message()]
+            if req.stream:
+                out = await self._stream(request, api, req, reply)
+            elif api == "chat":
+                out = web.json_response(wire.chat_response(req, reply))
+            elif api == "responses":
+                out = web.json_response(wire.responses_response(req, reply))
+            else:
+                out = web.json_response(wire.messages_response(req, reply))
+            self.overheads.append(time.perf_counter() - t0 - engine_s)
+            return out
+        except wire.WireError as e:
+            return web.json_response(wire.error_body(api, e), status=e.status)
+        except EngineError as e:
+            return web.json_response(wire.error_body(api, wire.WireError(503, f"engine error: {e}", "api_error")),
+                                     status=503)
+
+    async def _stream(self, request: web.Request, api: str, req: wire.Request, reply: wire.Reply) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        events = {"chat": wire.chat_stream, "responses": wire.responses_stream, "messages": wire.messages_stream}[api]
+        for chunk in events(req, reply):
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+            req = wire.parse_messages(await self._body(request), count_only=True)
+            n = len(self.renderer.prompt(req.messages, req.tools))
+            return web.json_response({"input_tokens": n})
+        except wire.WireError as e:
+            return web.json_response(wire.error_body("messages", e), status=e.status)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except wire.WireError as e:
+            return web.json_response(wire.error_body("chat", e), status=e.status)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlx",
+             "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}]})
+
+    async def new_session(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except wire.WireError as e:
+            return web.json_response(wire.error_body("chat", e), status=e.status)
+        session, key = self.open_session()
+        return web.json_response({"session_id": session.id, "api_key": key})
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        try:
+            self._auth(request)
+        except wire.WireError as e:
+            return web.json_response(wire.error_body("chat", e), status=e.status)
+        s = self.sessions.get(request.match_info["sid"])
+        if s is None:
+            return web.json_response(wire.error_body("chat", wire.WireError(404, "no such session")), status=404)
+        return web.json_response({
+            "session_id": s.id, "chains": len(s.chains), "mismatches": s.mismatch_counts(),
+            "turns": [{"kind": t.kind, "chain": t.chain, "new_tokens": t.new_tokens, "sampled": t.sampled,
+                       "mismatches": t.mismatches} for t in s.turns],
+            "samples": [json.loads(json.dumps(x.to_dict())) for x in s.samples()]})
+
+
+async def serve_forever(adapter: AgentAdapter, host: str, port: int, on_ready=None) -> None:
+    """Run the adapter until cancelled (Ctrl-C in `rl serve`)."""
+    url = await adapter.start(host, port)
+    if on_ready is not None:
+        on_ready(url)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await adapter.stop()
