@@ -102,6 +102,41 @@ def rollout_cmd(
     out.print(f"wrote {path}")
 
 
+@app.command("serve")
+def serve_cmd(
+    file: ConfigArg,
+    set_: SetOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to bind (0: any free port).")] = 8000,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key clients must send "
+                                                "(default: a random one, printed).")] = None,
+    parser: Annotated[str, typer.Option("--parser", help="Tool-call parser (auto: by model family).")] = "auto",
+) -> None:
+    """Serve the policy over OpenAI- and Anthropic-compatible APIs: engines, router and adapter."""
+    import asyncio
+
+    from rlx.agent.server import AgentAdapter, serve_forever
+    from rlx.config import load_config
+    from rlx.rollout.session import RolloutSession
+
+    cfg = load_config(file, set_ or [], plugins=_plugins())
+
+    async def main() -> None:
+        async with RolloutSession(cfg, _plugins(), with_data=False) as session:
+            adapter = AgentAdapter(session.ctx, model_name=cfg.run.name, api_key=api_key, parser=parser)
+
+            def ready(url: str) -> None:
+                out.print(f"serving {cfg.model.path} at {url}/v1 (OpenAI) and {url} (Anthropic)", soft_wrap=True)
+                out.print(f"base_url {url}/v1 api_key {adapter.api_key}", soft_wrap=True)
+
+            await serve_forever(adapter, host, port, ready)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        out.print("stopped")
+
+
 @app.command("train")
 def train_cmd(
     file: ConfigArg,

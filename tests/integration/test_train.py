@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.testing.processes import wait_gone
 
 pytestmark = pytest.mark.integration
 
@@ -43,25 +44,6 @@ def rl(*args, tag):
     env = {**os.environ, "RLX_TEST_TAG": tag}
     return subprocess.Popen([sys.executable, "-m", "rlx_cli.main", *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def processes_tagged(tag: str) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if f"RLX_TEST_TAG={tag}".encode() in (p / "environ").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
-def wait_gone(tag: str, timeout: float = 20) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := processes_tagged(tag)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
 
 
 def sample_order(run_dir: Path) -> list[tuple[int, list[int]]]:

@@ -31,30 +31,35 @@ def load_tokenizer(cfg: Config) -> Any:
 
 
 class RolloutSession:
-    def __init__(self, cfg: Config, plugins: Any, spawn=None):
-        """`spawn`: how engine processes start (see `EngineFleet`); default local processes."""
+    def __init__(self, cfg: Config, plugins: Any, spawn=None, with_data: bool = True):
+        """`spawn`: how engine processes start (see `EngineFleet`); default local processes.
+        `with_data`: build the dataset and the rollout manager (`rl serve` needs only the engines)."""
         self.cfg = cfg
         self.plugins = plugins
+        self.with_data = with_data
         self.output_dir = cfg.resolve_path(cfg.run.output_dir)
         self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn)
+        self.ctx: GenerateContext | None = None
         self.manager: RolloutManager | None = None
 
     async def __aenter__(self) -> RolloutSession:
-        if self.cfg.data.path is None:
+        if self.with_data and self.cfg.data.path is None:
             raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
-        dataset = PromptDataset(self.cfg.data, self.cfg.resolve_path(self.cfg.data.path), self.cfg.run.seed)
+        dataset = (PromptDataset(self.cfg.data, self.cfg.resolve_path(self.cfg.data.path), self.cfg.run.seed)
+                   if self.with_data else None)
         await self.fleet.start()
-        ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries)
-        self.manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all)
+        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries)
+        if dataset is not None:
+            self.manager = RolloutManager(self.cfg, self.plugins, dataset, self.ctx, abort_all=self.abort_all)
         return self
 
     async def abort_all(self) -> None:
         await self.fleet.for_each(lambda c: c.abort())
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self.manager is not None:
-            await self.manager.ctx.client.close()
+        if self.ctx is not None:
+            await self.ctx.client.close()
         await self.fleet.stop()
 
 
