@@ -123,6 +123,9 @@ class RolloutConfig(Section):
     over_sampling: float = Field(1.0, ge=1.0)  # with partial_rollout: start this many x n_prompts groups
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
+    source: Literal["generate", "buffer"] = "generate"  # buffer: train on trajectories POSTed by external agents
+    buffer_port: int = Field(0, ge=0, le=65535)  # source: buffer: the port on 127.0.0.1 (0: any free port)
+    buffer_api_key: str | None = None  # source: buffer: the bearer key clients send (None: a random one, printed)
     output: str | None = None  # rl rollout: where to write groups (default <output_dir>/rollout.jsonl)
     num_steps: int = Field(1, ge=1)  # rl rollout: how many rollout steps to run
 
@@ -306,6 +309,9 @@ def parse_config(
 def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     """Settings that only mean something in one training mode: set in the other, they are errors."""
     problems: list[tuple[tuple[Any, ...], str]] = []
+    if cfg.rollout.source == "buffer" and cfg.train.mode == "async":
+        problems.append((("train", "mode"), "async mode overlaps generation with training; with rollout.source: "
+                         "buffer the trajectories come from outside, so use sync"))
     if cfg.train.mode == "async":
         if cfg.rollout.partial_rollout:
             problems.append((("rollout", "partial_rollout"), "applies to sync mode; async mode always carries "

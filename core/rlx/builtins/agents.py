@@ -38,8 +38,27 @@ class AgentArgs(BaseModel):
 
 
 def load_function(spec: str) -> Any:
+    """The agent function from "module:name", "file.py:name", or the name of a registered agent (a class
+    with ``name`` and ``async def run(self, base_url, api_key, task)``, from ``register_agents``)."""
     if ":" not in spec:
-        raise RLXError(f"rollout.generator.args.function: {spec!r} must look like module:name or file.py:name")
+        from rlx.plugins import build_plugins
+
+        plugins = build_plugins()
+        if spec not in plugins.names("agents"):
+            known = ", ".join(plugins.names("agents")) or "none installed"
+            raise RLXError(f"rollout.generator.args.function: {spec!r} is neither module:name, file.py:name nor "
+                           f"a registered agent (registered: {known})")
+        comp = plugins.get("agents", spec)
+        fn = getattr(comp() if isinstance(comp, type) else comp, "run", None)
+    else:
+        fn = _import(spec)
+    if not asyncio.iscoroutinefunction(fn):
+        raise RLXError(f"rollout.generator.args.function: {spec!r} must be an async function "
+                       f"(async def agent(base_url, api_key, task))")
+    return fn
+
+
+def _import(spec: str) -> Any:
     where, name = spec.rsplit(":", 1)
     try:
         if where.endswith(".py"):
@@ -51,13 +70,9 @@ def load_function(spec: str) -> Any:
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-        fn = getattr(module, name)
+        return getattr(module, name)
     except (ImportError, FileNotFoundError, AttributeError) as e:
         raise RLXError(f"rollout.generator.args.function: cannot load {spec!r}: {e}") from None
-    if not asyncio.iscoroutinefunction(fn):
-        raise RLXError(f"rollout.generator.args.function: {spec!r} must be an async function "
-                       f"(async def agent(base_url, api_key, task))")
-    return fn
 
 
 class AgentGenerator:

@@ -32,10 +32,10 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
     placement, trainer = await asyncio.to_thread(start_trainers, absolute_paths(cfg))
     try:
         spawn = placement.engine_spawner(cfg) if placement else None
-        async with RolloutSession(cfg, plugins, spawn) as session:
+        async with RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate") as session:
             urls = [e.url for e in session.fleet.weight_targets]
             await call(trainer, "setup_transport", urls, str(out))
-            batches = batch_source(cfg, session.manager, session.fleet)
+            batches = await make_batches(cfg, session, plugins)
             start, version = 1, 0
             if resume:
                 folder, rollout_state, meta = checkpoint.load_latest(ckpt_root)
@@ -68,6 +68,20 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
         if placement is not None:
             placement.shutdown()
     return out
+
+
+async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> Any:
+    """Where batches come from: generated (sync or async), or POSTed to the rollout buffer service."""
+    if cfg.rollout.source == "generate":
+        return batch_source(cfg, session.manager, session.fleet)
+    import sys
+
+    from rlx.data.buffer import BufferBatches, TrajectoryBuffer
+
+    batches = BufferBatches(cfg, TrajectoryBuffer(cfg, session.ctx.tokenizer, plugins), session.fleet,
+                            announce=lambda msg: print(msg, file=sys.stderr, flush=True))
+    await batches.open()
+    return batches
 
 
 async def one_step(cfg: Config, batches: Any, trainer: Any, step: int, version: int) -> tuple[Any, dict[str, Any]]:
