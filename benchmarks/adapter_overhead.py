@@ -15,9 +15,7 @@ decoding and parsing the reply, building the response. Two figures per API:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import threading
 import time
 
 
@@ -52,23 +50,14 @@ def main() -> None:
     from rlx.config import SamplingConfig
     from rlx.models.tiny import resolve_model_path
     from rlx.rollout.context import GenerateContext
+    from rlx.testing.background import BackgroundLoop
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin://tiny-qwen3"))
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}\n</tool_call>'
     ids = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
     adapter = AgentAdapter(GenerateContext(InstantEngine(ids), tok, SamplingConfig()), api_key="k",
                            compare=not args.no_compare)
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(adapter.start())
-        started.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    started.wait(30)
+    server = BackgroundLoop(adapter.start, adapter.stop).__enter__()
     tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
                                                "parameters": {"type": "object",
                                                               "properties": {"expression": {"type": "string"}}}}}]
@@ -109,7 +98,7 @@ def main() -> None:
             adapter.close_session(session)
         server = list(adapter.overheads)
         results[api] = (server, rtt)
-    asyncio.run_coroutine_threadsafe(adapter.stop(), loop).result(10)
+    server.__exit__(None, None, None)
 
     n = args.sessions * args.turns
     print(f"\n{args.sessions} sessions x {args.turns} turns per API (tool call -> tool result -> ...), "

@@ -6,9 +6,7 @@ engine. A property test drives many multi-turn sessions with random sampled ids 
 training sample id for id against an independent rendering of ChatML.
 """
 
-import asyncio
 import json
-import threading
 from collections import deque
 
 import anthropic
@@ -22,6 +20,7 @@ from rlx.agent.server import AgentAdapter
 from rlx.config import SamplingConfig
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.protocol import GenerateResult
+from rlx.testing.background import BackgroundLoop
 
 pytestmark = pytest.mark.integration
 
@@ -49,22 +48,8 @@ def server(tiny_model_path):
     engine = ScriptedEngine()
     ctx = GenerateContext(engine, tok, SamplingConfig(max_new_tokens=64))
     adapter = AgentAdapter(ctx, api_key="test-key", model_name="tiny")
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(adapter.start("127.0.0.1", 0))
-        ready.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    ready.wait(10)
-    yield adapter, engine, tok
-    asyncio.run_coroutine_threadsafe(adapter.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(10)
+    with BackgroundLoop(adapter.start, adapter.stop):
+        yield adapter, engine, tok
 
 
 def say(engine, tok, text, finish="stop"):

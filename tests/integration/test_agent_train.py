@@ -13,10 +13,12 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_calculator_agent_trains_through_the_openai_adapter(tiny_model_path, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_calculator_agent_trains_through_the_openai_adapter(tiny_model_path, tmp_path, mode):
     out = tmp_path / "agent"
     r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", "examples/agent.yaml", "--set",
-                        "train.num_steps=2", "--set", f"run.output_dir={out}"], cwd=ROOT, capture_output=True,
+                        "train.num_steps=2", "--set", f"run.output_dir={out}", "--set", f"train.mode={mode}"],
+                       cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env={**os.environ})
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

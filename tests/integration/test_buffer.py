@@ -1,12 +1,10 @@
 """The rollout buffer service: validation with reasons, exact tokens, messages with assistant-only masks,
 group filters, and `rl train` with `rollout.source: buffer` training on POSTed trajectories."""
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -16,6 +14,7 @@ from rlx.config import parse_config
 from rlx.data.buffer import TrajectoryBuffer
 from rlx.plugins import build_plugins
 from rlx.rollout.engines.launch import free_port
+from rlx.testing.background import BackgroundLoop
 
 pytestmark = pytest.mark.integration
 KEY = {"Authorization": "Bearer bk"}
@@ -30,20 +29,8 @@ def buffer(tiny_model_path):
                                                "filter_zero_variance": True}}))
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     buf = TrajectoryBuffer(cfg, tok, build_plugins(entry_points=False), max_len=200)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run():
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(buf.start())
-        ready.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait(10)
-    yield buf, tok
-    asyncio.run_coroutine_threadsafe(buf.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
+    with BackgroundLoop(buf.start, buf.stop):
+        yield buf, tok
 
 
 def post(buf, body, headers=KEY):

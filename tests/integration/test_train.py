@@ -46,6 +46,18 @@ def rl(*args, tag):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def kill_after_steps(p: subprocess.Popen, metrics: Path, steps: int, tag: str) -> None:
+    """SIGKILL the driver once `metrics` has `steps` rows; its engines and workers must go with it."""
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert wait_gone(tag) == [], "engines outlived the killed driver"
+
+
 def sample_order(run_dir: Path) -> list[tuple[int, list[int]]]:
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     return [(r["step"], r["sample_ids"]) for r in rows]
@@ -81,14 +93,7 @@ def test_kill_9_then_resume_trains_on_the_same_samples_in_the_same_order(uninter
     tag = uuid.uuid4().hex
     p = rl("train", cfg, tag=tag)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    assert wait_gone(tag) == [], "engines outlived the killed driver"
+    kill_after_steps(p, metrics, kill_at, tag)
 
     p = rl("train", cfg, "--resume", tag=tag)
     _, err = p.communicate(timeout=600)
@@ -150,14 +155,7 @@ def test_async_kill_9_then_resume_loses_and_repeats_no_sample(tiny_model_path, t
     tag = uuid.uuid4().hex
     p = rl("train", cfg, *sets, tag=tag)
     metrics = tmp_path / "async" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= kill_at):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    assert wait_gone(tag) == [], "engines outlived the killed driver"
+    kill_after_steps(p, metrics, kill_at, tag)
     ckpt = tmp_path / "async" / "checkpoints"
     folder = ckpt / (ckpt / "latest").read_text().strip()
     saved_at = json.loads((folder / "meta.json").read_text())["step"]

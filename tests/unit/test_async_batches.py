@@ -134,6 +134,13 @@ def test_admission_keeps_every_group_within_the_staleness_bound(tmp_path, stalen
     assert len(ids) == len(set(ids)) == 6 * 3 * 2
 
 
+async def one_batch(batches, version):
+    batches.start()
+    batch = await batches.next_batch(1, version)
+    await batches.close()
+    return batch
+
+
 def old_group(gid, versions):
     samples = [Sample([1], [7] * len(v), [1] * len(v), [-1.0] * len(v), status=SampleStatus.COMPLETED,
                       reward=float(i), group_id=gid, sample_id=100 + 10 * gid + i, index=i, token_versions=list(v))
@@ -147,13 +154,7 @@ def test_a_group_past_the_bound_is_regenerated_or_dropped(tmp_path, policy):
     batches.queued = [old_group(90, [[0, 0], [0, 5]]), old_group(91, [[4], [5]]), old_group(92, [[5], [4]]),
                       old_group(93, [[5], [5]])]
 
-    async def go():
-        batches.start()
-        batch = await batches.next_batch(1, version=5)
-        await batches.close()
-        return batch
-
-    batch = asyncio.run(go())
+    batch = asyncio.run(one_batch(batches, version=5))
     assert [g.group_id for g in batch.groups] == [91, 92, 93] and batch.metrics["async/stale_groups"] == 1
     regenerated = [g for g in manager.pending if g.group_id == 90]
     if policy == "regenerate":  # back first in line, with its ids and no tokens
@@ -169,13 +170,7 @@ def test_mask_stale_tokens_masks_only_tokens_past_the_bound(tmp_path):
     batches.queued = [old_group(90, [[0, 5], [4, 4]]), old_group(91, [[0], [2]]), old_group(92, [[5], [5]]),
                       old_group(93, [[5], [5]])]
 
-    async def go():
-        batches.start()
-        batch = await batches.next_batch(1, version=5)
-        await batches.close()
-        return batch
-
-    batch = asyncio.run(go())
+    batch = asyncio.run(one_batch(batches, version=5))
     g90 = batch.groups[0]
     assert g90.group_id == 90 and [s.loss_mask for s in g90.samples] == [[0, 1], [1, 1]]
     assert [g.group_id for g in batch.groups] == [90, 92, 93]  # 91 had nothing left: regenerated
