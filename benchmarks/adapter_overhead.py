@@ -57,7 +57,7 @@ def main() -> None:
     ids = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
     adapter = AgentAdapter(GenerateContext(InstantEngine(ids), tok, SamplingConfig()), api_key="k",
                            compare=not args.no_compare)
-    server = BackgroundLoop(adapter.start, adapter.stop).__enter__()
+    background = BackgroundLoop(adapter.start, adapter.stop).__enter__()
     tools = [{"type": "function", "function": {"name": "calculator", "description": "evaluate arithmetic",
                                                "parameters": {"type": "object",
                                                               "properties": {"expression": {"type": "string"}}}}}]
@@ -98,7 +98,7 @@ def main() -> None:
             adapter.close_session(session)
         server = list(adapter.overheads)
         results[api] = (server, rtt)
-    server.__exit__(None, None, None)
+    background.__exit__(None, None, None)
 
     n = args.sessions * args.turns
     print(f"\n{args.sessions} sessions x {args.turns} turns per API (tool call -> tool result -> ...), "
