@@ -101,6 +101,11 @@ def register_kernels(register: Register) -> None:
 def register_agents(register: Register) -> None:
     """Register agent harnesses that the agent generator runs against the API adapters.
 
+    An agent is a class with ``name`` and ``async def run(self, base_url, api_key, task) -> float | None``:
+    it talks to the OpenAI/Anthropic-compatible adapter at `base_url` with `api_key` (which routes to
+    the sample's own session) and returns the reward, or None to leave scoring to ``rollout.rewards``.
+    Select it with ``rollout.generator: {name: agent, args: {function: <its name>}}``.
+
     :param register: call once per agent class.
     """
 
