@@ -269,3 +269,22 @@ def test_sessions_hold_exactly_the_sampled_ids_plus_rendered_non_model_tokens(se
     assert sample.loss_mask == want_mask and len(sample.prompt_ids) == prompt_len
     assert all(k == "append" for k in (t.kind for t in session.turns[1:]))
     adapter.close_session(session)
+
+
+def test_header_sessions_and_stored_responses_are_bounded(server):
+    adapter, engine, tok = server
+    adapter.max_hinted_sessions, adapter.max_history = 2, 2
+    try:
+        for name in ("h1", "h2", "h3"):
+            say(engine, tok, "ok")
+            openai.OpenAI(base_url=adapter.base_url + "/v1", api_key="test-key", max_retries=0,
+                          default_headers={"x-rlx-session": name}).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}])
+        assert "h1" not in adapter.sessions and {"h2", "h3"} <= set(adapter.sessions)
+        assert adapter.sessions["h3"].turns[0].kind == "start"
+        for _ in range(3):
+            say(engine, tok, "ok")
+            oa(server).responses.create(model="tiny", input="x")
+        assert len(adapter.history) == 2
+    finally:
+        adapter.max_hinted_sessions = adapter.max_history = 10_000

@@ -24,7 +24,7 @@ import json
 import secrets
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from aiohttp import web
@@ -38,7 +38,10 @@ from rlx.rollout.engines.protocol import EngineError
 
 class AgentAdapter:
     def __init__(self, ctx: GenerateContext, *, model_name: str = "rlx", api_key: str | None = None,
-                 parser: str = "auto", model_type: str | None = None, compare: bool = True):
+                 parser: str = "auto", model_type: str | None = None, compare: bool = True,
+                 max_history: int = 10_000, max_hinted_sessions: int = 10_000):
+        """`max_history` stored Responses conversations and `max_hinted_sessions` sessions named by a
+        header or metadata are kept, the oldest dropped first (a long-running `rl serve` does not grow)."""
         self.ctx = ctx
         self.model_name = model_name
         self.api_key = api_key or f"rlx-{secrets.token_hex(16)}"
@@ -48,7 +51,11 @@ class AgentAdapter:
         self.compare = compare
         self.sessions: dict[str, Session] = {}
         self.keys: dict[str, str] = {}  # session key -> session id
-        self.history: dict[str, list[dict]] = {}  # Responses API: response id -> conversation after it
+        # Responses API: response id -> conversation after it, for previous_response_id (the newest kept)
+        self.history: OrderedDict[str, list[dict]] = OrderedDict()
+        self.max_history = max_history
+        self.max_hinted_sessions = max_hinted_sessions
+        self._hinted: OrderedDict[str, None] = OrderedDict()  # sessions made from headers/metadata, oldest first
         self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per request, engine time excluded
         self.runner: web.AppRunner | None = None
         self.base_url = ""
@@ -132,6 +139,9 @@ class AgentAdapter:
             return Session("ephemeral", self.renderer, compare=False)
         if hint not in self.sessions:
             self.sessions[hint] = Session(hint, self.renderer, self.compare)
+            self._hinted[hint] = None
+            while len(self._hinted) > self.max_hinted_sessions:
+                self.sessions.pop(self._hinted.popitem(last=False)[0], None)
         return self.sessions[hint]
 
     async def handle(self, request: web.Request, api: str) -> web.StreamResponse:
@@ -165,6 +175,8 @@ class AgentAdapter:
             session.record(chain, turn, res, reply.message(), self.eos_id)
             if api == "responses":
                 self.history[f"resp_{reply.id}"] = req.messages + [reply.message()]
+                while len(self.history) > self.max_history:
+                    self.history.popitem(last=False)
             if req.stream:
                 out = await self._stream(request, api, req, reply)
             elif api == "chat":
