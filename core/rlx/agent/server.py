@@ -165,7 +165,8 @@ class AgentAdapter:
             if req.top_p is not None:
                 overrides["top_p"] = float(req.top_p)
             t_engine = time.perf_counter()
-            res = await self.ctx.generate(ids, self.ctx.sampling_params(**overrides), f"{session.id}-{uuid.uuid4().hex[:8]}")
+            rid = f"{session.id}-{uuid.uuid4().hex[:8]}"
+            res = await self.ctx.generate(ids, self.ctx.sampling_params(**overrides), rid)
             engine_s = time.perf_counter() - t_engine
             text = self.ctx.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             matched = res.matched_stop if isinstance(res.matched_stop, str) else None

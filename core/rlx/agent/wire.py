@@ -411,9 +411,9 @@ def parse_messages(body: dict, count_only: bool = False) -> Request:
                               "function": {"name": _need(b, "name", str, f"{where}.content.{j}."),
                                            "arguments": json.dumps(b.get("input") or {})}})
             elif kind == "tool_result" and m["role"] == "user":
-                res = b.get("content")
-                results.append({"role": "tool", "tool_call_id": _need(b, "tool_use_id", str, f"{where}.content.{j}."),
-                                "content": res if isinstance(res, str) else _anthropic_text(res, f"{where}.content.{j}")})
+                res, at = b.get("content"), f"{where}.content.{j}"
+                results.append({"role": "tool", "tool_call_id": _need(b, "tool_use_id", str, f"{at}."),
+                                "content": res if isinstance(res, str) else _anthropic_text(res, at)})
             elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
                 continue
             else:
@@ -481,7 +481,8 @@ def messages_stream(req: Request, r: Reply) -> Iterator[bytes]:
             for piece in _pieces(b["text"]):
                 yield ev("content_block_delta", index=i, delta={"type": "text_delta", "text": piece})
         elif b["type"] == "thinking":
-            yield ev("content_block_start", index=i, content_block={"type": "thinking", "thinking": "", "signature": ""})
+            yield ev("content_block_start", index=i,
+                     content_block={"type": "thinking", "thinking": "", "signature": ""})
             for piece in _pieces(b["thinking"]):
                 yield ev("content_block_delta", index=i, delta={"type": "thinking_delta", "thinking": piece})
             yield ev("content_block_delta", index=i, delta={"type": "signature_delta", "signature": ""})

@@ -21,7 +21,7 @@ from typing import Any
 from rlx.config import Config
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.metrics import MetricsLog
-from rlx.rollout.batches import batch_source
+from rlx.rollout.batches import BatchSource, batch_source
 from rlx.rollout.session import RolloutSession
 
 
@@ -70,7 +70,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
     return out
 
 
-async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> Any:
+async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> BatchSource:
     """Where batches come from: generated (sync or async), or POSTed to the rollout buffer service."""
     if cfg.rollout.source == "generate":
         return batch_source(cfg, session.manager, session.fleet)
@@ -84,7 +84,8 @@ async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> An
     return batches
 
 
-async def one_step(cfg: Config, batches: Any, trainer: Any, step: int, version: int) -> tuple[Any, dict[str, Any]]:
+async def one_step(cfg: Config, batches: BatchSource, trainer: Any, step: int,
+                   version: int) -> tuple[Any, dict[str, Any]]:
     """Get a batch, train on it, push weights when it is time; the batch and the step's metrics."""
     t0 = time.monotonic()
     batch = await batches.next_batch(step, version)

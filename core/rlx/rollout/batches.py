@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rlx.config import Config
 from rlx.errors import RLXError
@@ -38,6 +38,20 @@ from rlx.types import Group, RolloutBatch
 
 Push = Callable[[], Awaitable[Any]]
 log = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """What the training loop needs from a source of batches (`SyncBatches`, `AsyncBatches`, and the
+    rollout buffer's `rlx.data.buffer.BufferBatches`)."""
+
+    def start(self) -> None: ...  # begin producing (after any checkpoint state is loaded)
+    async def next_batch(self, step: int, version: int) -> RolloutBatch: ...
+    async def before_train(self) -> None: ...
+    async def after_train(self) -> None: ...
+    async def swap(self, push: Push) -> None: ...  # push weights, handling requests in flight
+    async def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    async def close(self) -> None: ...
 
 
 class SyncBatches:
@@ -141,7 +155,7 @@ class AsyncBatches:
             lags.append(lag)
         kept.sort(key=lambda g: g.group_id)
         batch = RolloutBatch(step, kept, version)
-        batch.metrics.update(self.manager._metrics(batch, self.manager.stream_filtered - filtered_before,
+        batch.metrics.update(self.manager.batch_metrics(batch, self.manager.stream_filtered - filtered_before,
                                                    time.monotonic() - t0))
         batch.metrics.update({
             "async/staleness_mean": sum(lags) / len(lags),
@@ -203,5 +217,5 @@ class AsyncBatches:
             log.warning("stopping the rollout stream: %s", e)
 
 
-def batch_source(cfg: Config, manager: RolloutManager, fleet: Any) -> SyncBatches | AsyncBatches:
+def batch_source(cfg: Config, manager: RolloutManager, fleet: Any) -> BatchSource:
     return AsyncBatches(cfg, manager, fleet) if cfg.train.mode == "async" else SyncBatches(cfg, manager, fleet)

@@ -180,7 +180,7 @@ class RolloutManager:
             raise RLXError(f"rollout step {step}: every group was filtered out ({dropped} dropped); {why}")
         kept.sort(key=lambda g: g.group_id)  # training order must not depend on which group finished first
         batch = RolloutBatch(step, kept, weight_version)
-        batch.metrics.update(self._metrics(batch, dropped, time.monotonic() - t0))
+        batch.metrics.update(self.batch_metrics(batch, dropped, time.monotonic() - t0))
         self.plugins.on_rollout_end(batch)
         return batch
 
@@ -191,7 +191,8 @@ class RolloutManager:
         groups = await asyncio.gather(*running)
         self.pending.extend(groups)
 
-    def _metrics(self, batch: RolloutBatch, dropped: int, seconds: float) -> dict[str, float]:
+    def batch_metrics(self, batch: RolloutBatch, dropped: int, seconds: float) -> dict[str, float]:
+        """Reward, length, status and timing metrics of a batch (sync and async alike)."""
         samples = batch.samples
         trainable = [s for s in samples if s.status.trainable]
         rewards = [s.reward for s in trainable if s.reward is not None]
