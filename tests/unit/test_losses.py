@@ -10,7 +10,7 @@ from rlx.config import component_config
 from rlx.plugins import build_plugins
 from rlx.train.losses import (ClipConfig, entropy_from_logits, gspo_loss, grpo_advantages, kl_penalty,
                               ppo_clip_loss, reinforce_pp_advantages, tis_weights, token_weights)
-from rlx.train.objective import LossInputs, ObjectiveConfig, objective
+from rlx.train.objective import LossInputs, ObjectiveConfig, metric_keys, objective
 from rlx.types import Group, Sample, SampleStatus
 
 T = torch.tensor
@@ -106,6 +106,7 @@ def test_objective_combines_terms_with_weights():
     assert m["pg_loss"] == pytest.approx(1.25) and m["kl"] == pytest.approx(0.25)
     assert m["entropy"] == pytest.approx(1.25)
     assert loss.item() == pytest.approx(1.25 + 0.5 * 0.25 - 0.1 * 1.25)
+    assert set(m) == set(metric_keys(kl=True, entropy=True))  # what every pipeline stage reduces
     # masked importance sampling: the second token's ratio 3 is over the cap, so it drops out
     _, m = objective(inp, policy, ObjectiveConfig(tis_cap=2.0, tis_mode="mask"))
     assert m["pg_loss"] == pytest.approx(-0.25) and m["tis_masked"] == pytest.approx(0.75)

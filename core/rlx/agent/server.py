@@ -32,6 +32,7 @@ from aiohttp import web
 from rlx.agent import wire
 from rlx.agent.parsers import parser_for
 from rlx.agent.tito import Renderer, Session
+from rlx.http import bearer_key, serve_local
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.protocol import EngineError
 
@@ -99,12 +100,7 @@ class AgentAdapter:
         return web.json_response({"status": "ok"})
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        self.runner = web.AppRunner(self.app(), access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # the real port when 0 was asked for
-        self.base_url = f"http://{host}:{port}"
+        self.runner, self.base_url = await serve_local(self.app(), host, port)
         return self.base_url
 
     async def stop(self) -> None:
@@ -115,8 +111,7 @@ class AgentAdapter:
     # -- requests --------------------------------------------------------------------------------
 
     def _auth(self, request: web.Request) -> Session | None:
-        header = request.headers.get("Authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        key = bearer_key(request) or request.headers.get("x-api-key", "")
         if key and key in self.keys:
             return self.sessions.get(self.keys[key])
         if key and secrets.compare_digest(key, self.api_key):

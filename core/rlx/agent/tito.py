@@ -94,10 +94,9 @@ def normalise(m: dict[str, Any], *, assistant_text: bool = True) -> tuple:
 class Chain:
     """One linear buffer: a prompt, then model and non-model tokens, append-only."""
 
-    prompt_ids: list[int]
+    sample: Sample  # its prompt_ids, then response_ids with mask, logprobs and versions
     tools: list | None
     messages: list[dict] = field(default_factory=list)  # the conversation up to our last reply, inclusive
-    sample: Sample = field(default_factory=lambda: Sample(prompt_ids=[]))
     ended_on_eos: bool = False
 
     @property
@@ -123,7 +122,6 @@ class Session:
         self.compare = compare
         self.chains: list[Chain] = []
         self.turns: list[Turn] = []
-        self.reward: float | None = None
 
     def prepare(self, messages: list[dict], tools: list | None) -> tuple[int, list[int], Turn]:
         """Choose or start the chain for this request; returns (chain index, input ids, the turn)."""
@@ -144,7 +142,7 @@ class Session:
             c.messages = list(messages)
             return i, c.ids, turn
         ids = self.r.prompt(messages, tools)
-        chain = Chain(ids, tools, list(messages), Sample(prompt_ids=list(ids)))
+        chain = Chain(Sample(prompt_ids=list(ids)), tools, list(messages))
         self.chains.append(chain)
         turn = Turn("start" if len(self.chains) == 1 else "fork", len(self.chains) - 1, 0, 0)
         return len(self.chains) - 1, list(ids), turn

@@ -114,9 +114,10 @@ class AgentGenerator:
         if not out:
             return [_failed(sample, f"agent {self.config.function} made no model call")]
         out[0].sample_id = sample.sample_id
+        mismatches = session.mismatch_counts()
         for s in out:
             s.metadata["agent_turns"] = len(session.turns)
-            s.metadata["tito_mismatches"] = session.mismatch_counts()
+            s.metadata["tito_mismatches"] = dict(mismatches)
             last = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
             s.response_text = ctx.tokenizer.decode(last, skip_special_tokens=True)
             if reward is not None:

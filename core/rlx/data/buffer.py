@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from rlx.config import Config
+from rlx.http import bearer_key, serve_local
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 
@@ -61,11 +62,7 @@ class TrajectoryBuffer:
         app = web.Application(client_max_size=256 * 2**20)
         app.router.add_post("/rlx/trajectories", self.post)
         app.router.add_get("/rlx/trajectories/stats", self.stats)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.cfg.rollout.buffer_port)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.runner, self.url = await serve_local(app, "127.0.0.1", self.cfg.rollout.buffer_port)
         return self.url
 
     async def stop(self) -> None:
@@ -74,8 +71,7 @@ class TrajectoryBuffer:
             self.runner = None
 
     def _authorised(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        return header.lower().startswith("bearer ") and secrets.compare_digest(header[7:].strip(), self.api_key)
+        return secrets.compare_digest(bearer_key(request), self.api_key)
 
     async def stats(self, request: web.Request) -> web.Response:
         if not self._authorised(request):

@@ -155,8 +155,8 @@ class AsyncBatches:
             lags.append(lag)
         kept.sort(key=lambda g: g.group_id)
         batch = RolloutBatch(step, kept, version)
-        batch.metrics.update(self.manager.batch_metrics(batch, self.manager.stream_filtered - filtered_before,
-                                                   time.monotonic() - t0))
+        filtered = self.manager.stream_filtered - filtered_before
+        batch.metrics.update(self.manager.batch_metrics(batch, filtered, time.monotonic() - t0))
         batch.metrics.update({
             "async/staleness_mean": sum(lags) / len(lags),
             "async/staleness_max": float(max(lags)),

@@ -270,7 +270,7 @@ class RolloutManager:
         for s in group.samples:  # one sample per index: a branching generator's extra outputs go
             fresh.setdefault(s.index, Sample(prompt_ids=s.prompt_ids, prompt_text=s.prompt_text, label=s.label,
                                              group_id=s.group_id, sample_id=s.sample_id, index=s.index,
-                                             metadata={k: v for k, v in s.metadata.items()}))
+                                             metadata=dict(s.metadata)))
         group.samples = [fresh[i] for i in sorted(fresh)]
         self.pending.insert(0, group)
 

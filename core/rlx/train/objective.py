@@ -35,6 +35,12 @@ class ObjectiveConfig:
     tis_mode: str = "truncate"  # "truncate": cap the weights; "mask": zero the tokens above the cap
 
 
+def metric_keys(kl: bool, entropy: bool) -> list[str]:
+    """The metrics `objective` returns, given whether reference log-probs and entropy are passed in."""
+    return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "weight", "loss"]
+            + (["kl"] if kl else []) + (["entropy"] if entropy else []))
+
+
 def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss to back-propagate and weighted metric sums (divide by the weight sum to average)."""
     w = inp.weights

@@ -37,7 +37,7 @@ from rlx.rollout.rewards import instantiate
 from rlx.train.balance import FlopsModel, micro_batches
 from rlx.train.bridge import ModelShape
 from rlx.train.losses import token_weights
-from rlx.train.objective import LossInputs, ObjectiveConfig, objective
+from rlx.train.objective import LossInputs, ObjectiveConfig, metric_keys, objective
 from rlx.train.packing import PackedBatch, pack, per_token
 from rlx.types import RolloutBatch, Sample
 
@@ -263,10 +263,10 @@ class MegatronTrainer:
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample], model=None) -> dict[int, list[float]]:
-        """Per-token log-probs of each sample's response under `model` (default: the policy), on every rank."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+        """Per-token log-probs of each sample's response under `model` (default: the policy).
 
+        Only the last pipeline stage has logits, and only it computes losses: other stages get {}.
+        """
         model = model or self.model
 
         def collect(mb: PackedBatch, logits: torch.Tensor):
@@ -280,11 +280,6 @@ class MegatronTrainer:
         out: dict[int, list[float]] = {}
         for part in self._schedule(model, self._packed(samples), collect, forward_only=True):
             out.update(part)
-        if self.tc.pp > 1:  # the last stage computed them; every stage gets them
-            box = [out]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-            out = box[0]
         return out
 
     # -- one training step -----------------------------------------------------------------------
@@ -310,8 +305,7 @@ class MegatronTrainer:
         old = self.logprobs(mine) if updates > 1 else None
 
         # Every rank reduces the same keys, whether or not its stage computes losses.
-        keys = ["loss", "pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "weight",
-                "entropy", "grad_norm"] + (["kl"] if ref is not None else [])
+        keys = [*metric_keys(kl=ref is not None, entropy=True), "grad_norm"]
         totals = dict.fromkeys(keys, 0.0)
         for mini in minis:
             self.ddp.zero_grad_buffer()
