@@ -70,9 +70,9 @@ def run(mode: str, data: Path, out: Path, steps: int) -> list[dict]:
     from rlx.orchestrate.loop import train
     from rlx.orchestrate.metrics import read
 
-    train_cfg = {"num_steps": steps, "lr": 1e-3, "save_interval": 0, "mode": mode}
+    train_cfg = {"num_steps": steps, "optim": {"lr": 1e-3}, "checkpoint": {"interval": 0}, "mode": mode}
     if mode == "async":
-        train_cfg["max_staleness"] = STALENESS
+        train_cfg["async"] = {"max_staleness": STALENESS}
     cfg = parse_config(json.dumps({
         "run": {"output_dir": str(out), "seed": 1},
         "model": {"path": "builtin://tiny-qwen3"},

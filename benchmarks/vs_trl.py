@@ -41,7 +41,7 @@ def run_rlx(data: Path, out: Path, steps: int) -> list[dict]:
         "rollout": {"n_prompts": PROMPTS, "n_samples_per_prompt": GROUP, "rewards": ["digits"],
                     "sampling": {"max_new_tokens": TOKENS, "temperature": 1.0},
                     "engines": [{"server_args": {"num_threads": 1}}]},
-        "train": {"num_steps": steps, "lr": LR, "save_interval": 0},
+        "train": {"num_steps": steps, "optim": {"lr": LR}, "checkpoint": {"interval": 0}},
     }))
     asyncio.run(train(cfg, build_plugins()))
     return read(out)

@@ -52,6 +52,12 @@ class RunConfig(Section):
     name: str = "rlx"  # run name, used in logs and the default output directory
     output_dir: str = "runs/rlx"  # checkpoints, metrics.jsonl and plots go here
     seed: int = 1234  # seeds python, numpy and torch; data order and sampling follow from it
+    loggers: list[ComponentSpec] = Field(default_factory=list)  # experiment trackers (`rl plugins`: loggers)
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _loggers(cls, v: Any) -> Any:
+        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
 
 class ModelConfig(Section):
@@ -103,6 +109,13 @@ class RouterConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict)  # passed through to sglang-router as --key value
 
 
+class BufferConfig(Section):
+    """The rollout buffer service (``rollout.source: buffer``)."""
+
+    port: int = Field(0, ge=0, le=65535)  # the port on 127.0.0.1 (0: any free port)
+    api_key: str | None = None  # the bearer key clients send (None: a random one, printed)
+
+
 class RolloutConfig(Section):
     n_prompts: int = Field(8, ge=1)  # prompts per rollout step
     n_samples_per_prompt: int = Field(4, ge=1)  # samples per prompt (the GRPO group size)
@@ -124,8 +137,7 @@ class RolloutConfig(Section):
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
     source: Literal["generate", "buffer"] = "generate"  # buffer: train on trajectories POSTed by external agents
-    buffer_port: int = Field(0, ge=0, le=65535)  # source: buffer: the port on 127.0.0.1 (0: any free port)
-    buffer_api_key: str | None = None  # source: buffer: the bearer key clients send (None: a random one, printed)
+    buffer: BufferConfig = Field(default_factory=lambda: BufferConfig())  # source: buffer: the service
     output: str | None = None  # rl rollout: where to write groups (default <output_dir>/rollout.jsonl)
     num_steps: int = Field(1, ge=1)  # rl rollout: how many rollout steps to run
 
@@ -140,13 +152,27 @@ class RolloutConfig(Section):
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
 
-class TrainConfig(Section):
-    """The Megatron trainer, its optimizer and the RL objective."""
+class ParallelConfig(Section):
+    """How a model's ranks split the work (Megatron's layout)."""
 
+    world_size: int = Field(1, ge=1)  # trainer processes; data parallel size = world_size / (tp * pp)
     tp: int = Field(1, ge=1)  # tensor parallel size
     pp: int = Field(1, ge=1)  # pipeline parallel size (stages split the layers evenly)
-    world_size: int = Field(1, ge=1)  # trainer processes; data parallel size = world_size / (tp * pp)
-    num_steps: int = Field(100, ge=1)  # rollout + train steps
+    ep: int = Field(1, ge=1)  # expert parallel size (MoE models): each rank holds 1/ep of the experts
+    etp: int | None = Field(None, ge=1)  # expert tensor parallel size (None: the same as tp)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp
+
+
+class OptimConfig(Section):
+    """Adam with Megatron's distributed optimizer, and its learning-rate schedule."""
+
     lr: float = Field(1e-6, gt=0)
     min_lr: float = Field(0.0, ge=0)  # cosine decay floor (with lr_decay: cosine)
     lr_decay: Literal["constant", "cosine"] = "constant"
@@ -156,9 +182,11 @@ class TrainConfig(Section):
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = Field(1.0, ge=0)  # global gradient-norm clip (0: off)
-    max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
-    row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
-    updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
+
+
+class ObjectiveConfig(Section):
+    """What the policy optimises: advantages, the policy loss and the terms added to it."""
+
     advantage: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="grpo"))  # estimator
     loss: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="ppo_clip"))  # policy loss
     loss_norm: Literal["token", "sequence", "group"] = "token"  # what every unit of loss is averaged over
@@ -167,19 +195,53 @@ class TrainConfig(Section):
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float | None = Field(None, gt=0)  # importance sampling between engine and trainer log-probs (None: off)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # weights above tis_cap: cap them, or drop those tokens
-    mode: Literal["sync", "async"] = "sync"  # async: rollout keeps generating while the trainer trains
-    update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
-    max_staleness: int = Field(1, ge=0)  # async: a group may lag the trainer by at most this many weight versions
-    stale_groups: Literal["regenerate", "drop"] = "regenerate"  # async: what happens to a group past max_staleness
-    mask_stale_tokens: bool = False  # async: mask tokens past max_staleness instead of handling their whole group
-    swap: Literal["pause", "drain"] = "pause"  # async weight push: pause generation only for the swap (in-flight
+
+    @field_validator("advantage", "loss", mode="before")
+    @classmethod
+    def _component(cls, v: Any) -> Any:
+        return ComponentSpec.coerce(v)
+
+
+class AsyncConfig(Section):
+    """train.mode: async only: how far generation may run ahead of training."""
+
+    max_staleness: int = Field(1, ge=0)  # a group may lag the trainer by at most this many weight versions
+    stale_groups: Literal["regenerate", "drop"] = "regenerate"  # what happens to a group past max_staleness
+    mask_stale_tokens: bool = False  # mask tokens past max_staleness instead of handling their whole group
+    swap: Literal["pause", "drain"] = "pause"  # weight push: pause generation only for the swap (in-flight
     #                                            requests go on with the new weights), or let them finish first
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0)  # checkpoint every N steps (0: only at the end)
+    keep: int = Field(2, ge=1)  # newest checkpoints kept on disk
+
+
+class TrainConfig(Section):
+    """The Megatron trainer (the actor role), its optimizer and the RL objective.
+
+    ``parallel`` and ``optim`` are the actor's; the reference model (with ``objective.kl_coef > 0``) lives
+    in the actor's ranks with the actor's layout.
+    """
+
+    mode: Literal["sync", "async"] = "sync"  # async: rollout keeps generating while the trainer trains
+    num_steps: int = Field(100, ge=1)  # rollout + train steps
+    updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
+    update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
+    max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
+    row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
-    save_interval: int = Field(0, ge=0)  # checkpoint every N steps (0: only at the end)
     verify_weights: bool = True  # after each sync, check version and a checksum of a few tensors
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
-    @field_validator("advantage", "loss", "transport", "balancer", mode="before")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    @field_validator("transport", "balancer", mode="before")
     @classmethod
     def _component(cls, v: Any) -> Any:
         return ComponentSpec.coerce(v)
@@ -210,28 +272,45 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
-    #: Where the config came from (for relative paths); not part of the tree.
-    _source: Path | None = None
-
-    def resolve_path(self, p: str) -> Path:
-        """A path from the config, taken relative to the config file's folder."""
-        path = Path(p).expanduser()
-        if path.is_absolute() or self._source is None:
-            return path
-        return (self._source.parent / path).resolve()
-
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.to_data(), sort_keys=False)
+
+    def to_data(self) -> dict[str, Any]:
+        """The tree as plain data, with the YAML spelling of every key (``train.async``)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_json(self) -> str:
+        """The tree as JSON; `parse_config` reads it back to the same tree (paths already absolute)."""
+        return self.model_dump_json(by_alias=True)
 
 
 # Components selected by name in the tree: (key path, kind).
 COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("rollout", "generator"), "generators"),
     (("rollout", "rewards"), "rewards"),
-    (("train", "advantage"), "losses"),
-    (("train", "loss"), "losses"),
+    (("train", "objective", "advantage"), "advantages"),
+    (("train", "objective", "loss"), "losses"),
     (("train", "transport"), "transports"),
     (("train", "balancer"), "balancers"),
+    (("run", "loggers"), "loggers"),
+]
+
+# Keys that moved when the train and rollout sections were nested: the old spelling gets an error
+# naming the new one rather than a bare "unknown key".
+MOVED: dict[tuple[str, ...], str] = {
+    **{("train", k): f"train.parallel.{k}" for k in ("tp", "pp", "world_size")},
+    **{("train", k): f"train.optim.{k}" for k in OptimConfig.model_fields},
+    **{("train", k): f"train.objective.{k}" for k in ObjectiveConfig.model_fields},
+    **{("train", k): f"train.async.{k}" for k in AsyncConfig.model_fields},
+    ("train", "save_interval"): "train.checkpoint.interval",
+    ("rollout", "buffer_port"): "rollout.buffer.port",
+    ("rollout", "buffer_api_key"): "rollout.buffer.api_key",
+}
+
+# File paths in the tree, made absolute when the config is loaded (relative to the config file), so that
+# workers and engines in other folders or on other hosts never re-parse or guess.
+PATH_FIELDS: list[tuple[str, ...]] = [
+    ("model", "path"), ("model", "tokenizer"), ("data", "path"), ("run", "output_dir"), ("rollout", "output"),
 ]
 
 
@@ -302,8 +381,22 @@ def parse_config(
     if problems:
         raise ConfigError(problems, source=where)
     assert cfg is not None
-    cfg._source = source.resolve() if source else None
+    resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
     return cfg
+
+
+def resolve_paths(cfg: Config, base: Path) -> None:
+    """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay)."""
+    for keys in PATH_FIELDS:
+        node: Any = cfg
+        for k in keys[:-1]:
+            node = getattr(node, k)
+        value = getattr(node, keys[-1])
+        if value and "://" not in value:
+            setattr(node, keys[-1], str((base / Path(value).expanduser()).resolve()))
+    for g in cfg.rollout.engines:
+        if g.model_path and "://" not in g.model_path:
+            g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
 
 
 def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
@@ -315,21 +408,21 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     if cfg.train.mode == "async":
         if cfg.rollout.partial_rollout:
             problems.append((("rollout", "partial_rollout"), "applies to sync mode; async mode always carries "
-                             "in-flight samples over (see train.swap)"))
+                             "in-flight samples over (see train.async.swap)"))
         if cfg.rollout.offload_during_train:
             problems.append((("rollout", "offload_during_train"), "async mode generates while it trains, so "
                              "engines cannot release their memory"))
         if cfg.rollout.over_sampling != 1.0:
             problems.append((("rollout", "over_sampling"), "applies to sync partial rollout; in async mode "
-                             "train.max_staleness sets how many groups run ahead"))
-        if cfg.train.max_staleness < cfg.train.update_interval:
-            problems.append((("train", "max_staleness"), f"must be at least train.update_interval "
+                             "train.async.max_staleness sets how many groups run ahead"))
+        if cfg.train.async_.max_staleness < cfg.train.update_interval:
+            problems.append((("train", "async", "max_staleness"), f"must be at least train.update_interval "
                              f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))
     else:
-        for key in ("max_staleness", "stale_groups", "mask_stale_tokens", "swap"):
-            if getattr(cfg.train, key) != TrainConfig.model_fields[key].default:  # a dumped config has defaults
-                problems.append((("train", key), "applies to train.mode: async only"))
+        for key, field in AsyncConfig.model_fields.items():
+            if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults
+                problems.append((("train", "async", key), "applies to train.mode: async only"))
     return problems
 
 
@@ -418,6 +511,9 @@ def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
 def _describe(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
+        moved = MOVED.get(tuple(k for k in loc if not isinstance(k, int)))
+        if moved:
+            return f"moved: this is now {moved}"
         msg = "unknown key"
         known = _known_keys(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1) if known else []
@@ -437,11 +533,16 @@ def _known_keys(loc: tuple[Any, ...]) -> list[str]:
     for key in loc:
         if isinstance(key, int):
             continue
-        fields = getattr(model, "model_fields", None)
+        fields = _fields_by_key(model)
         if not fields or key not in fields:
             return []
         model = _model_of(fields[key].annotation)
-    return list(getattr(model, "model_fields", {}) or [])
+    return list(_fields_by_key(model))
+
+
+def _fields_by_key(model: Any) -> dict[str, Any]:
+    """A section's fields under the names YAML uses (the alias where there is one)."""
+    return {f.alias or name: f for name, f in (getattr(model, "model_fields", None) or {}).items()}
 
 
 def _model_of(annotation: Any) -> Any:

@@ -5,7 +5,9 @@ Two families:
 * Registration hooks, ``register_<kind>(register)``: a plugin calls ``register(component)`` once per
   component it provides. A component is a class (or object) with a string attribute ``name``; config
   selects components by that name. Two components of one kind with one name is an error naming both
-  plugins. Called once, when the plugin manager is built.
+  plugins. Called once, when the plugin manager is built. Each kind has a typed contract
+  (`rlx.protocols`) checked at registration: a missing or mis-shaped method fails the load, naming
+  plugin, component and method.
 * Lifecycle hooks: few and typed; called by the train loop and the rollout manager.
 
 A plugin is any module or object with functions marked ``@rlx.hookimpl`` whose names and arguments
@@ -31,7 +33,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 Register = Callable[[Any], None]
 
 #: The registration kinds, in the order `rl plugins` shows them. Each has a `register_<kind>` hook.
-KINDS = ("rewards", "losses", "balancers", "transports", "generators", "models", "kernels", "agents")
+KINDS = ("rewards", "advantages", "losses", "balancers", "transports", "generators", "models", "kernels", "agents",
+         "loggers")
 
 
 @hookspec
@@ -47,16 +50,29 @@ def register_rewards(register: Register) -> None:
 
 
 @hookspec
-def register_losses(register: Register) -> None:
-    """Register policy losses and advantage estimators (GRPO, PPO-clip, GSPO, REINFORCE++, ...).
+def register_advantages(register: Register) -> None:
+    """Register advantage estimators (GRPO, REINFORCE++, ...), selected by ``train.objective.advantage``.
 
-    :param register: call once per loss or estimator class.
+    An estimator has ``advantages(groups) -> {sample_id: float | per-token sequence}``.
+
+    :param register: call once per estimator class.
+    """
+
+
+@hookspec
+def register_losses(register: Register) -> None:
+    """Register policy losses (PPO-clip, GSPO, ...), selected by ``train.objective.loss``.
+
+    A policy loss has ``loss(inputs: LossInputs) -> (per_token_loss, clipped)``.
+
+    :param register: call once per loss class.
     """
 
 
 @hookspec
 def register_balancers(register: Register) -> None:
-    """Register data balancers, which partition a step's samples across data-parallel ranks.
+    """Register data balancers, which partition a step's samples across data-parallel ranks:
+    ``partition(lengths, k, flops) -> [indices per rank]``.
 
     :param register: call once per balancer class.
     """
@@ -65,7 +81,8 @@ def register_balancers(register: Register) -> None:
 @hookspec
 def register_transports(register: Register) -> None:
     """Register weight transports, which move trainer weights into the engines (tensor, broadcast,
-    disk, delta).
+    disk, delta): ``async setup(ctx)``, ``async send(named, version, ctx)`` on every sending rank,
+    ``async commit(version, ctx)`` once all have sent, ``async close()``. See `rlx.transport`.
 
     :param register: call once per transport class.
     """
@@ -82,8 +99,9 @@ def register_generators(register: Register) -> None:
 
 @hookspec
 def register_models(register: Register) -> None:
-    """Register model bridges, which build a Megatron model from an HF checkpoint and convert weights
-    both ways.
+    """Register model bridges: a class with ``name``, ``model_types`` (the HF ``model_type`` values it
+    claims) and ``spec(hf_config) -> rlx.train.spec.ModelSpec``. A checkpoint selects its bridge by its
+    ``model_type``; two bridges claiming one type is an error naming both.
 
     :param register: call once per model bridge class.
     """
@@ -91,7 +109,8 @@ def register_models(register: Register) -> None:
 
 @hookspec
 def register_kernels(register: Register) -> None:
-    """Register optional kernels (e.g. gated delta net) that model bridges may select by name.
+    """Register optional kernels (e.g. gated delta net) that model bridges may select by name: ``name``,
+    ``op`` (the operation), ``supports(**query) -> None | reason`` and ``__call__``.
 
     :param register: call once per kernel class.
     """
@@ -107,6 +126,15 @@ def register_agents(register: Register) -> None:
     Select it with ``rollout.generator: {name: agent, args: {function: <its name>}}``.
 
     :param register: call once per agent class.
+    """
+
+
+@hookspec
+def register_loggers(register: Register) -> None:
+    """Register experiment loggers, selected by ``run.loggers``: ``log_metrics(step, metrics)`` for every
+    step, ``close()`` at the end of the run.
+
+    :param register: call once per logger class.
     """
 
 

@@ -31,6 +31,7 @@ import pluggy
 from rlx import hookspecs
 from rlx.errors import PluginError, RLXError
 from rlx.hookspecs import KINDS, PROJECT
+from rlx.protocols import contract_problems, describe_contract
 
 if TYPE_CHECKING:
     import typer
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from rlx.types import Group, RolloutBatch
 
 ENTRY_POINT_GROUP = "rlx.plugins"
+
+#: How messages name one component of each kind.
+KIND_NAMES = {"rewards": "reward", "advantages": "advantage estimator", "losses": "policy loss",
+              "balancers": "balancer", "transports": "transport", "generators": "generator",
+              "models": "model bridge", "kernels": "kernel", "agents": "agent", "loggers": "logger"}
 
 
 @dataclass
@@ -75,6 +81,7 @@ class Plugins:
         self.pm = pm
         self.infos = infos
         self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+        self._bridges: dict[str, Component] = {}  # model_type -> model bridge
         self._collect()
 
     # -- components ----------------------------------------------------------------------------
@@ -105,8 +112,12 @@ class Plugins:
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name:
             raise PluginError(
-                f"plugin {plugin!r} registered a {kind[:-1]} {obj!r} without a string `name` attribute"
+                f"plugin {plugin!r} registered a {KIND_NAMES[kind]} {obj!r} without a string `name` attribute"
             )
+        problems = contract_problems(kind, obj)
+        if problems:
+            raise PluginError(f"plugin {plugin!r}: {KIND_NAMES[kind]} {name!r} ({_qualname(obj)}) "
+                              + "; ".join(problems) + f" [contract: {describe_contract(kind)}]")
         existing = self.components[kind].get(name)
         if existing is not None:
             raise PluginError(
@@ -114,7 +125,17 @@ class Plugins:
                 f"({_qualname(existing.obj)}), one from plugin {plugin!r} ({_qualname(obj)}); "
                 f"disable one with RLX_DISABLE_PLUGINS"
             )
+        if kind == "models":
+            for mt in obj.model_types:
+                other = self._bridges.get(mt)
+                if other is not None:
+                    raise PluginError(
+                        f"two model bridges claim model_type {mt!r}: {other.name!r} from plugin {other.plugin!r} "
+                        f"and {name!r} from plugin {plugin!r}; disable one with RLX_DISABLE_PLUGINS")
         self.components[kind][name] = Component(name, kind, obj, plugin)
+        if kind == "models":
+            for mt in obj.model_types:
+                self._bridges[mt] = self.components[kind][name]
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.components[_check_kind(kind)])
@@ -129,6 +150,40 @@ class Plugins:
     def component(self, kind: str, name: str) -> Component:
         self.get(kind, name)
         return self.components[kind][name]
+
+    def build(self, kind: str, spec: Any) -> Any:
+        """An instance of the component a config entry selects (a ``ComponentSpec``, or a bare name):
+        a class is instantiated with its ``Config`` validated from the entry's ``args``; an object is
+        returned as it is."""
+        from rlx.config import ComponentSpec, component_config
+
+        spec = ComponentSpec.coerce(spec)
+        spec = spec if isinstance(spec, ComponentSpec) else ComponentSpec.model_validate(spec)
+        component = self.get(kind, spec.name)
+        if not inspect.isclass(component):
+            return component
+        conf = component_config(component, spec.args)
+        try:
+            return component(conf) if conf is not None else component()
+        except RLXError:
+            raise
+        except Exception as e:
+            plugin = self.components[kind][spec.name].plugin
+            raise PluginError(f"{KIND_NAMES[kind]} {spec.name!r} from plugin {plugin!r} failed to start: "
+                              f"{type(e).__name__}: {e}") from e
+
+    def has_bridge(self, model_type: str) -> bool:
+        return model_type in self._bridges
+
+    def bridge_for(self, model_type: str) -> Any:
+        """The model bridge (an instance) that claims `model_type`."""
+        comp = self._bridges.get(model_type)
+        if comp is None:
+            known = ", ".join(sorted(self._bridges)) or "none"
+            raise RLXError(f"model.path: no model bridge for model_type {model_type!r} (bridges are installed for: "
+                           f"{known}); install the model plugin for this family (`rl plugins` lists the "
+                           f"bridges under models)")
+        return comp.obj() if inspect.isclass(comp.obj) else comp.obj
 
     # -- lifecycle hooks -----------------------------------------------------------------------
 
@@ -148,7 +203,7 @@ class Plugins:
 
 def unknown_component_message(kind: str, name: str, choices: Iterable[str]) -> str:
     choices = sorted(choices)
-    msg = f"no {kind[:-1]} named {name!r}"
+    msg = f"no {KIND_NAMES.get(kind, kind)} named {name!r}"
     close = difflib.get_close_matches(name, choices, n=1)
     if close:
         msg += f" (did you mean {close[0]!r}?)"

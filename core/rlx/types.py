@@ -137,20 +137,3 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return sum(s.total_len for s in self.samples)
-
-
-@dataclass
-class TrainBatch:
-    """Trainable samples of one step with their per-token advantages, ready to pack for one DP rank."""
-
-    step: int
-    samples: list[Sample]
-    advantages: list[list[float]]  # per sample, per response token
-    returns: list[list[float]] | None = None  # for value-based methods (PPO with a critic)
-    num_groups: int = 0  # for group-level loss normalisation across ranks
-
-    def __post_init__(self) -> None:
-        if len(self.advantages) != len(self.samples):
-            raise ValueError(
-                f"TrainBatch: {len(self.samples)} samples but {len(self.advantages)} advantage rows"
-            )

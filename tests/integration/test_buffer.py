@@ -25,7 +25,7 @@ def buffer(tiny_model_path):
     from transformers import AutoTokenizer
 
     cfg = parse_config(json.dumps({"model": {"path": tiny_model_path},
-                                   "rollout": {"source": "buffer", "buffer_api_key": "bk",
+                                   "rollout": {"source": "buffer", "buffer": {"api_key": "bk"},
                                                "filter_zero_variance": True}}))
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     buf = TrajectoryBuffer(cfg, tok, build_plugins(entry_points=False), max_len=200)
@@ -110,9 +110,9 @@ def test_rl_train_trains_on_posted_trajectories(tiny_model_path, tmp_path):
     port = free_port()
     cfg = tmp_path / "buf.yaml"
     cfg.write_text(f"run: {{output_dir: {tmp_path / 'out'}}}\nmodel: {{path: builtin://tiny-qwen3}}\n"
-                   f"rollout: {{source: buffer, buffer_port: {port}, buffer_api_key: bk, n_prompts: 2,\n"
+                   f"rollout: {{source: buffer, buffer: {{port: {port}, api_key: bk}}, n_prompts: 2,\n"
                    "  engines: [{server_args: {num_threads: 1}}]}\n"
-                   "train: {num_steps: 2, lr: 1.0e-3}\nray: {enabled: false}\n")
+                   "train: {num_steps: 2, optim: {lr: 1.0e-3}}\nray: {enabled: false}\n")
     p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}/rlx/trajectories"

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.config import parse_config
-from rlx.rollout.engines.embedded.weights import serialize_named_tensors
+from rlx.transport.wire import serialize_named_tensors
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest
 

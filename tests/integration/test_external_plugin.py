@@ -7,8 +7,11 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
+
+from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +95,88 @@ def test_install_list_use_uninstall(tmp_path, scratch_venv):
     assert "length" not in [p["name"] for p in json.loads(r.stdout)]
     r = run(scratch_venv, *rl, "config", "validate", str(cfg))
     assert r.returncode == 2 and "no reward named 'length'" in r.stderr
+
+
+DEMO = Path(__file__).parent / "external" / "rlx-demo-extras"
+
+BROKEN = '''
+from rlx import hookimpl
+
+
+class HalfDone:
+    name = "half-done"
+
+    async def setup(self, ctx): ...
+    async def send(self, named, version, ctx): ...
+    async def close(self): ...
+
+
+@hookimpl
+def register_transports(register):
+    register(HalfDone)
+'''
+
+
+def phi3_with_tokenizer(folder: Path, tiny_model_path: str) -> Path:
+    """A tiny random Phi-3 checkpoint (a family rlx itself has no bridge for) with the tiny tokenizer."""
+    import json as _json
+    import shutil
+
+    sys.path.insert(0, str(DEMO))
+    try:
+        from contracts_check import make_phi3
+    finally:
+        sys.path.remove(str(DEMO))
+    make_phi3(folder)
+    tiny = _json.loads((Path(tiny_model_path) / "config.json").read_text())
+    cfg = _json.loads((folder / "config.json").read_text())
+    cfg.update(eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"], bos_token_id=None)
+    (folder / "config.json").write_text(_json.dumps(cfg))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    for f in Path(tiny_model_path).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, folder / f.name)
+    return folder
+
+
+def test_a_bridge_a_transport_and_a_loss_from_outside_work_with_no_change_to_rlx(tmp_path, scratch_venv,
+                                                                                 tiny_model_path):
+    import shutil
+
+    src = tmp_path / "rlx-demo-extras"
+    shutil.copytree(DEMO, src)
+    r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
+    assert r.returncode == 0, r.stderr
+    r = run(scratch_venv, "-m", "rlx_cli.main", "plugins", "--json")
+    row = next(p for p in json.loads(r.stdout) if p["name"] == "demo-extras")
+    assert row["registers"] == {"losses": ["vanilla_pg"], "transports": ["one-by-one"], "models": ["phi3"]}
+
+    # the plugin's own tests: rlx's contract suites, through the installed entry point
+    r = run(scratch_venv, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "contracts_check.py"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout, r.stdout[-500:]
+
+    # and a run that trains a Phi-3 with them: its own bridge, its loss, its transport
+    model = phi3_with_tokenizer(tmp_path / "phi3", tiny_model_path)
+    cfg = small_run_config(tmp_path, "run", model={"path": str(model)}, ray={"enabled": False},
+                           train={"num_steps": 2, "transport": "one-by-one", "objective": {"loss": "vanilla_pg"}})
+    r = run(scratch_venv, "-m", "rlx_cli.main", "train", str(cfg))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["weight_version"] for x in lines] == [1, 2]
+
+
+def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path, scratch_venv):
+    src = tmp_path / "rlx-demo-broken"
+    (src / "rlx_demo_broken").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(PYPROJECT.replace("rlx-reward-length", "rlx-demo-broken")
+                                        .replace('length = "rlx_reward_length"', 'demo-broken = "rlx_demo_broken"'))
+    (src / "rlx_demo_broken" / "__init__.py").write_text(BROKEN)
+    r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
+    assert r.returncode == 0, r.stderr
+    r = run(scratch_venv, "-m", "rlx_cli.main", "plugins")
+    assert r.returncode != 0
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "'demo-broken'" in lines[0] and "'half-done'" in lines[0]
+    assert "lacks method async commit(version, ctx)" in lines[0]

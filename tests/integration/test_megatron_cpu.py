@@ -21,20 +21,19 @@ SCRIPT = textwrap.dedent("""
     ps.initialize_model_parallel(1, 1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     model_parallel_cuda_manual_seed(1)
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.distributed import DistributedDataParallel as DDP, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoModelForCausalLM
-    from rlx.train.bridge import LlamaBridge, ModelShape
+    from rlx.config import ParallelConfig
+    from rlx.plugins import build_plugins
+    from rlx.train.spec import HFCheckpoint, Stage
 
     hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-    shape, b = ModelShape.from_hf(hf.config), LlamaBridge()
-    cfg = b.transformer_config(shape, tp=1, pp=1, dtype=torch.float32)
-    m = GPTModel(cfg, b.layer_spec(shape), vocab_size=shape.vocab_size, max_sequence_length=shape.max_positions,
-                 position_embedding_type="rope", rotary_base=shape.rope_theta,
-                 share_embeddings_and_output_weights=shape.tied)
-    sd = b.to_megatron(hf.state_dict(), shape, tp_rank=0, tp=1, layer_offset=0, num_layers=shape.layers,
-                       first=True, last=True)
+    spec = build_plugins().bridge_for(hf.config.model_type).spec(hf.config)
+    stage = Stage(0, spec.num_layers, True, True)
+    cfg = spec.transformer_config(ParallelConfig(), torch.float32)
+    m = spec.build(cfg, stage)
+    sd = dict(spec.to_megatron(HFCheckpoint(sys.argv[1]), stage))
     m.load_state_dict(sd, strict=True)
     a, c = [1, 264, 263, 201, 284, 324], [300, 301, 302, 5, 9]
     seg = torch.tensor([0] * len(a) + [1] * len(c))
@@ -44,9 +43,10 @@ SCRIPT = textwrap.dedent("""
         packed = m(torch.tensor([a + c]), torch.arange(S)[None], attention_mask=mask)[0]
         ra, rc = hf(torch.tensor([a])).logits[0], hf(torch.tensor([c])).logits[0]
     print("packed_err", max((packed[:len(a)] - ra).abs().max().item(), (packed[len(a):] - rc).abs().max().item()))
-    back = b.to_hf([m.state_dict()], shape, layer_offset=0, num_layers=shape.layers, first=True, last=True)
+    msd = m.state_dict()
+    back = dict(spec.to_hf(stage, lambda name: [msd[name]]))
     ref = hf.state_dict()
-    assert set(back) == set(ref) - ({"lm_head.weight"} if shape.tied else set()), set(ref) ^ set(back)
+    assert set(back) == set(ref) - ({"lm_head.weight"} if spec.tied else set()), set(ref) ^ set(back)
     print("roundtrip_err", max((back[k] - ref[k]).abs().max().item() for k in back))
 
     ddp = DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), m)

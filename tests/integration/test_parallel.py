@@ -16,19 +16,20 @@ WORKER = textwrap.dedent("""
     import torch
     from rlx.config import parse_config
     from rlx.plugins import build_plugins
-    from rlx.train.trainer import MegatronTrainer
+    from rlx.train.trainer import Trainer
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
     tp, pp, world, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cfg = parse_config(json.dumps({
         "model": {"path": "builtin://tiny-qwen3"},
-        "train": {"tp": tp, "pp": pp, "world_size": world, "lr": 1e-2, "updates_per_step": 2, "kl_coef": 0.1,
-                  "entropy_coef": 0.01, "loss_norm": "group", "max_tokens_per_micro_batch": 40,
+        "train": {"parallel": {"tp": tp, "pp": pp, "world_size": world}, "updates_per_step": 2,
+                  "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group"},
+                  "max_tokens_per_micro_batch": 40,
                   # Adam divides by sqrt(v) + eps: with a tiny eps, a gradient element that is ~0 takes
                   # a full +-lr step whose sign is float noise. A moderate eps keeps the comparison of
                   # updated weights about the gradients rather than that noise.
-                  "adam_eps": 1e-4}}))
-    trainer = MegatronTrainer(cfg, build_plugins())
+                  "optim": {"lr": 1e-2, "adam_eps": 1e-4}}}))
+    trainer = Trainer(cfg, build_plugins())
     g = torch.Generator().manual_seed(0)
 
     def sample(gid, sid, n):
@@ -44,10 +45,16 @@ WORKER = textwrap.dedent("""
         sid += k
     m1 = trainer.train_step(RolloutBatch(1, groups))
     m2 = trainer.train_step(RolloutBatch(2, groups))
-    state = trainer.hf_state_dict()
+    # each pipeline stage's sender streams its own tensors; gather them all to rank 0 to compare
+    mine = {k: v.flatten().tolist() for k, v in trainer.hf_tensors()} if trainer.par.sender else {}
+    if trainer.par.dp_rank == 0 and not trainer.par.sender:
+        for _ in trainer.hf_tensors():
+            pass
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
     if torch.distributed.get_rank() == 0:
-        json.dump({"m1": m1, "m2": m2, "weights": {k: v.flatten().tolist() for k, v in state.items()}},
-                  open(out, "w"))
+        weights = {k: v for p in parts for k, v in p.items()}
+        json.dump({"m1": m1, "m2": m2, "weights": weights}, open(out, "w"))
 """)
 
 

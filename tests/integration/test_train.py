@@ -6,7 +6,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -14,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.data.tasks import arithmetic, write_jsonl
 from rlx.testing.processes import wait_gone
+from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
@@ -23,21 +22,8 @@ STEPS = 6
 
 
 def write_config(tmp_path: Path, name: str) -> Path:
-    data = write_jsonl(arithmetic(40, seed=3), tmp_path / "data.jsonl")
-    cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(textwrap.dedent(f"""
-        run: {{output_dir: {tmp_path / name}, seed: 7}}
-        model: {{path: builtin://tiny-qwen3}}
-        data: {{path: {data}}}
-        rollout:
-          n_prompts: 3
-          n_samples_per_prompt: 2
-          rewards: [digits]
-          sampling: {{max_new_tokens: 4}}
-          engines: [{{server_args: {{num_threads: 1}}}}]
-        train: {{num_steps: {STEPS}, lr: 1.0e-3, save_interval: 1}}
-    """))
-    return cfg
+    return small_run_config(tmp_path, name, seed=7, rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 4}},
+                            train={"num_steps": STEPS, "checkpoint": {"interval": 1}})
 
 
 def rl(*args, tag):
@@ -123,7 +109,8 @@ def test_pipeline_parallel_run_trains_checkpoints_and_resumes(tiny_model_path, t
     """Two Ray trainer ranks as two pipeline stages: train (engines offloaded meanwhile), push weights,
     checkpoint, resume."""
     cfg = write_config(tmp_path, "pp")
-    sets = ["--set", "train.world_size=2", "--set", "train.pp=2", "--set", "train.save_interval=0",
+    sets = ["--set", "train.parallel.world_size=2", "--set", "train.parallel.pp=2",
+            "--set", "train.checkpoint.interval=0",
             "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5",  # this machine has 2 cores
             "--set", "rollout.offload_during_train=true"]  # engines release memory while trainers step
     tag = uuid.uuid4().hex
@@ -131,7 +118,7 @@ def test_pipeline_parallel_run_trains_checkpoints_and_resumes(tiny_model_path, t
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     ckpt = tmp_path / "pp" / "checkpoints" / "step_2"
-    assert sorted(f.name for f in ckpt.glob("model_*.pt")) == ["model_tp0_pp0.pt", "model_tp0_pp1.pt"]
+    assert sorted(f.name for f in (ckpt / "actor").glob("model_*.pt")) == ["model_tp0_pp0.pt", "model_tp0_pp1.pt"]
     p = rl("train", cfg, *sets, "--set", "train.num_steps=3", "--resume", tag=tag)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]

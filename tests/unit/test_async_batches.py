@@ -87,7 +87,7 @@ def setup(tmp_path, **train):
     cfg = parse_config(json.dumps({
         "model": {"path": "/m"}, "data": {"path": str(data), "shuffle": False},
         "rollout": {"generator": "versioned", "n_prompts": 3, "n_samples_per_prompt": 2},
-        "train": {"mode": "async", **train}}))
+        "train": {"mode": "async", "async": train}}))
     mod = types.ModuleType("gen")
     mod.register_generators = hookimpl(lambda register: register(Versioned))
     plugins = build_plugins(entry_points=False, extra=[("gen", mod)])

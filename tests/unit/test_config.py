@@ -103,9 +103,13 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path):
     p = tmp_path / "sub" / "c.yaml"
     p.parent.mkdir()
     p.write_text("model: {path: m}\ndata: {path: d.jsonl}\n")
-    cfg = load_config(p)
-    assert cfg.resolve_path(cfg.data.path) == tmp_path / "sub" / "d.jsonl"
-    assert cfg.resolve_path("/abs") .as_posix() == "/abs"
+    cfg = load_config(p, ["run.output_dir=/abs/out"])
+    # resolved when the file is loaded: workers elsewhere get absolute paths and never re-parse
+    assert cfg.data.path == str(tmp_path / "sub" / "d.jsonl") and cfg.model.path == str(tmp_path / "sub" / "m")
+    assert cfg.run.output_dir == "/abs/out"
+    again = parse_config(cfg.to_json())
+    assert again.data.path == cfg.data.path and again.model_dump() == cfg.model_dump()
+    assert parse("model: {path: builtin://tiny-qwen3}").model.path == "builtin://tiny-qwen3"
 
 
 def test_to_yaml_round_trips():
@@ -126,13 +130,30 @@ def test_override_into_a_component_given_by_name():
 
 def test_settings_of_the_other_training_mode_are_errors():
     with pytest.raises(ConfigError) as e:
-        parse_config("model: {path: /m}\ntrain:\n  swap: drain\n")
-    assert "<config>:3: train.swap: applies to train.mode: async only" in str(e.value)
+        parse_config("model: {path: /m}\ntrain:\n  async: {swap: drain}\n")
+    assert "<config>:3: train.async.swap: applies to train.mode: async only" in str(e.value)
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\nrollout: {partial_rollout: true}\ntrain: {mode: async}\n")
     assert "rollout.partial_rollout: applies to sync mode" in str(e.value)
-    cfg = parse_config("model: {path: /m}\ntrain: {mode: async, swap: drain, max_staleness: 3}\n")
-    assert cfg.train.swap == "drain" and cfg.train.max_staleness == 3
+    cfg = parse_config("model: {path: /m}\ntrain: {mode: async, async: {swap: drain, max_staleness: 3}}\n")
+    assert cfg.train.async_.swap == "drain" and cfg.train.async_.max_staleness == 3
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async, update_interval: 2}\n")
-    assert "train.max_staleness: must be at least train.update_interval (2)" in str(e.value)
+    assert "train.async.max_staleness: must be at least train.update_interval (2)" in str(e.value)
+
+
+def test_keys_that_moved_into_sections_name_their_new_place():
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain:\n  lr: 0.1\n  tp: 2\n  save_interval: 5\n"
+                     "rollout: {buffer_port: 9}\n")
+    msg = str(e.value)
+    assert "<config>:3: train.lr: moved: this is now train.optim.lr" in msg
+    assert "<config>:4: train.tp: moved: this is now train.parallel.tp" in msg
+    assert "train.save_interval: moved: this is now train.checkpoint.interval" in msg
+    assert "rollout.buffer_port: moved: this is now rollout.buffer.port" in msg
+
+
+def test_unknown_key_in_the_async_section_suggests_the_close_one():
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain: {mode: async, async: {max_stalenes: 2}}\n")
+    assert "train.async.max_stalenes: unknown key (did you mean 'max_staleness'?)" in str(e.value)

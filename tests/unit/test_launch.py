@@ -30,22 +30,60 @@ rollout:
 """)
     fleet = EngineFleet(cfg, tmp_path)
     p, d = cfg.rollout.engines
-    cmd = fleet._command(p, 30001)
+    cmd = fleet._command(p, "127.0.0.1", 30001)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert cmd[3:] == ["--model-path", "/models/qwen", "--host", "127.0.0.1", "--port", "30001", "--tp-size", "2",
                        "--mem-fraction-static", "0.7", "--disaggregation-mode", "prefill",
                        "--disaggregation-bootstrap-port", "8998"]
-    assert fleet._command(d, 30002)[4] == "/models/other"
-    assert "--disaggregation-mode" in fleet._command(d, 30002)
+    assert fleet._command(d, "127.0.0.1", 30002)[4] == "/models/other"
+    assert "--disaggregation-mode" in fleet._command(d, "127.0.0.1", 30002)
+    # an engine placed on another host binds that host's address
+    cmd = fleet._command(d, "10.1.2.3", 30003)
+    assert cmd[cmd.index("--host") + 1] == "10.1.2.3"
+
+
+def test_sglang_servers_get_what_the_model_family_needs(tmp_path, tiny_model_path, monkeypatch):
+    import types
+
+    from rlx import hookimpl
+    from rlx.plugins import build_plugins
+    from rlx.rollout.session import family_engine_args
+
+    class Spec:
+        def engine_args(self):
+            return {"enable_return_routed_experts": True, "chunked_prefill_size": 1}
+
+    class Bridge:
+        name = "routed"
+        model_types = ("qwen3",)
+
+        def spec(self, hf_config):
+            from rlx.train.spec import ModelSpec
+
+            return type("RoutedSpec", (ModelSpec,), {"engine_args": Spec.engine_args})(
+                model_type="qwen3", hf_config=hf_config, num_layers=2, vocab_size=8, hidden_size=4,
+                max_positions=8, tied=True, flops=None)
+
+    monkeypatch.setenv("RLX_DISABLE_PLUGINS", "rlx.builtins.models")
+    mod = types.ModuleType("routed")
+    mod.register_models = hookimpl(lambda register: register(Bridge))
+    plugins = build_plugins(entry_points=False, extra=[("routed", mod)])
+    cfg = parse_config(f"model: {{path: {tiny_model_path}}}\n"
+                       "rollout: {engines: [{backend: sglang, server_args: {chunked_prefill_size: 8}}]}")
+    fleet = EngineFleet(cfg, tmp_path, engine_args=lambda path: family_engine_args(path, plugins))
+    cmd = fleet._command(cfg.rollout.engines[0], "127.0.0.1", 1)
+    assert "--enable-return-routed-experts" in cmd and cmd[cmd.index("--chunked-prefill-size") + 1] == "8"
+    # generation alone needs no bridge: a family nobody claims gets no extra arguments, not an error
+    assert family_engine_args(tiny_model_path, build_plugins(entry_points=False)) == {}
 
 
 def test_embedded_group_refuses_what_it_cannot_do(tmp_path):
     cfg = parse_config("model: {path: /m}\nrollout: {engines: [{worker_type: decode}, {tp_size: 2}]}")
     fleet = EngineFleet(cfg, tmp_path)
     with pytest.raises(RLXError, match="no decode mode"):
-        fleet._command(cfg.rollout.engines[0], 1)
+        fleet._command(cfg.rollout.engines[0], "127.0.0.1", 1)
     with pytest.raises(RLXError, match="one device"):
-        fleet._command(cfg.rollout.engines[1], 1)
+        fleet._command(cfg.rollout.engines[1], "127.0.0.1", 1)
 
 
 def test_router_commands_regular_and_pd():

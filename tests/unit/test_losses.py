@@ -8,9 +8,10 @@ import torch
 
 from rlx.config import component_config
 from rlx.plugins import build_plugins
-from rlx.train.losses import (ClipConfig, entropy_from_logits, gspo_loss, grpo_advantages, kl_penalty,
-                              ppo_clip_loss, reinforce_pp_advantages, tis_weights, token_weights)
-from rlx.train.objective import LossInputs, ObjectiveConfig, metric_keys, objective
+from rlx.train.advantages import grpo_advantages, reinforce_pp_advantages, token_weights
+from rlx.train.losses import ClipConfig, entropy_from_logits, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
+from rlx.config import ObjectiveConfig
+from rlx.train.objective import LossInputs, metric_keys, objective
 from rlx.types import Group, Sample, SampleStatus
 
 T = torch.tensor
@@ -94,8 +95,8 @@ def test_tis_and_entropy():
 
 
 def test_objective_combines_terms_with_weights():
-    ppo = build_plugins(entry_points=False).get("losses", "ppo_clip")
-    policy = ppo(component_config(ppo, {"eps_low": 0.2, "eps_high": 0.2}))
+    policy = build_plugins(entry_points=False).build("losses", {"name": "ppo_clip",
+                                                                "args": {"eps_low": 0.2, "eps_high": 0.2}})
     logp = T([math.log(1.0), math.log(1.0)], requires_grad=True)
     inp = LossInputs(logprobs=logp, old_logprobs=torch.zeros(2), rollout_logprobs=T([0.0, -math.log(3.0)]),
                      advantages=T([1.0, -1.0]), weights=T([0.25, 0.75]), mask=torch.ones(2),
@@ -114,10 +115,9 @@ def test_objective_combines_terms_with_weights():
 
 def test_loss_components_are_registered_with_their_configs():
     p = build_plugins(entry_points=False)
-    assert {"grpo", "reinforce_pp", "ppo_clip", "gspo"} <= set(p.names("losses"))
-    gspo = p.get("losses", "gspo")
-    assert component_config(gspo, {}).eps_high == 4e-4
-    grpo = p.get("losses", "grpo")(component_config(p.get("losses", "grpo"), {"normalize_std": False}))
+    assert {"ppo_clip", "gspo"} <= set(p.names("losses")) and {"grpo", "reinforce_pp"} <= set(p.names("advantages"))
+    assert component_config(p.get("losses", "gspo"), {}).eps_high == 4e-4
+    grpo = p.build("advantages", {"name": "grpo", "args": {"normalize_std": False}})
     assert list(grpo.advantages([group(0, [1.0, 0.0])]).values()) == [0.5, -0.5]
 
 
@@ -130,3 +130,37 @@ def test_branches_of_one_trajectory_count_once():
     # group norm: each trajectory gets half the group; A's half spread over its 3 tokens, B's over 2
     assert token_weights([g], "group") == pytest.approx({0: 1 / 6, 1: 1 / 6, 2: 1 / 4})
     assert token_weights([g], "sequence") == pytest.approx({0: 1 / 6, 1: 1 / 6, 2: 1 / 4})
+
+
+def test_prepare_spreads_scalar_advantages_of_any_numeric_type_and_checks_per_token_lengths():
+    import numpy as np
+
+    from rlx.errors import RLXError
+    from rlx.train.step import prepare
+    from rlx.types import RolloutBatch
+
+    g = group(0, [1.0, 0.0], masks=[[1, 1, 0], [1]])  # ragged, with a tool token
+    n = [len(s.response_ids) for s in g.samples]
+
+    class Mixed:
+        name = "mixed"
+
+        def advantages(self, groups):
+            a, b = groups[0].samples
+            return {a.sample_id: np.float32(0.5), b.sample_id: torch.tensor(-0.5)}
+
+    tb = prepare(RolloutBatch(1, [g]), Mixed(), "token")
+    assert tb.tokens(g.samples, "advantages").tolist() == [0.5] * n[0] + [-0.5] * n[1]
+    # token-mean weights: every loss-masked token of the batch counts 1 / total
+    total = sum(sum(s.loss_mask) for s in g.samples)
+    assert tb.tokens(g.samples, "weights").tolist() == pytest.approx(
+        [m / total for s in g.samples for m in s.loss_mask])
+
+    class Short:
+        name = "short"
+
+        def advantages(self, groups):
+            return {s.sample_id: [1.0] for s in groups[0].samples}
+
+    with pytest.raises(RLXError, match="estimator 'short' gave sample 0 1 advantages for 3 response tokens"):
+        prepare(RolloutBatch(1, [g]), Short(), "token")

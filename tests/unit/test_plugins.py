@@ -1,3 +1,4 @@
+import re
 import types
 
 import pytest
@@ -145,25 +146,159 @@ def test_every_hookspec_is_exercised_by_a_test():
     assert set(_spec_names()) >= {f"register_{k}" for k in hookspecs.KINDS}
 
 
-def test_every_registration_kind_is_collected_and_reported():
-    def make(kind):
-        cls = type(f"C_{kind}", (), {"name": f"my-{kind}"})
-        return lambda register: register(cls)
+def conforming(kind, name=None):
+    """A class that fulfils `kind`'s contract (rlx.protocols), with methods of the right shape."""
+    from rlx.protocols import ATTRIBUTES, CONTRACTS
 
-    hooks = {
-        "register_rewards": make("rewards"),
-        "register_losses": make("losses"),
-        "register_balancers": make("balancers"),
-        "register_transports": make("transports"),
-        "register_generators": make("generators"),
-        "register_models": make("models"),
-        "register_kernels": make("kernels"),
-        "register_agents": make("agents"),
-    }
+    body = {"name": name or f"my-{kind}"}
+    for m in CONTRACTS[kind]:
+        args = ", ".join(["self", *m.args]) if m.check_args else "self, *args, **kwargs"
+        prefix = "async " if m.kind == "async" else ""
+        ns = {}
+        exec(f"{prefix}def f({args}): return None", ns)
+        body[m.name] = ns["f"]
+    for attr, typ in ATTRIBUTES.get(kind, []):
+        body[attr] = (f"type-of-{name or kind}",) if typ is tuple else "op"
+    return type(f"C_{kind}", (), body)
+
+
+def registering(*components):
+    def hook(register):
+        for c in components:
+            register(c)
+
+    return hook
+
+
+def test_every_registration_kind_is_collected_and_reported():
+    from rlx.hookspecs import KINDS
+
+    hooks = {"register_rewards": registering(conforming("rewards")),
+             "register_advantages": registering(conforming("advantages")),
+             "register_losses": registering(conforming("losses")),
+             "register_balancers": registering(conforming("balancers")),
+             "register_transports": registering(conforming("transports")),
+             "register_generators": registering(conforming("generators")),
+             "register_models": registering(conforming("models")),
+             "register_kernels": registering(conforming("kernels")),
+             "register_agents": registering(conforming("agents")),
+             "register_loggers": registering(conforming("loggers"))}
+    assert set(hooks) == {f"register_{k}" for k in KINDS}
     p = build_plugins(entry_points=False, extra=[("all-kinds", _plugin("all-kinds", **hooks))])
     info = next(i for i in p.infos if i.name == "all-kinds")
-    assert info.to_dict()["registers"] == {k: [f"my-{k}"] for k in
-                                           ["rewards", "losses", "balancers", "transports",
-                                            "generators", "models", "kernels", "agents"]}
+    assert info.to_dict()["registers"] == {k: [f"my-{k}"] for k in KINDS}
     for kind in info.registers:
         assert p.get(kind, f"my-{kind}").name == f"my-{kind}"
+
+
+@pytest.mark.parametrize("kind", ["rewards", "advantages", "losses", "balancers", "transports", "generators",
+                                  "models", "kernels", "agents", "loggers"])
+def test_a_component_missing_a_method_fails_at_load_naming_plugin_component_and_method(kind):
+    from rlx.protocols import CONTRACTS
+
+    cls = conforming(kind, "broken")
+    missing = CONTRACTS[kind][0].name
+    delattr(cls, missing)
+    mod = _plugin("half-done", **{f"register_{kind}": lambda register: register(cls)})
+    with pytest.raises(PluginError) as e:
+        build_plugins(entry_points=False, extra=[("half-done", mod)])
+    msg = str(e.value)
+    assert "'half-done'" in msg and "'broken'" in msg and "lacks method" in msg and missing in msg
+
+
+def test_wrong_signatures_and_sync_async_mismatches_fail_at_load():
+    class SyncTransport:
+        name = "sync-transport"
+
+        def setup(self, ctx): ...
+        async def send(self, named, version, ctx): ...
+        async def commit(self, version, ctx): ...
+        async def close(self): ...
+
+    class GreedyLoss:
+        name = "greedy"
+
+        def loss(self, inputs, extra): ...
+
+    class Shapeless:
+        name = "shapeless"
+        model_types = "qwen3"  # a string, not a tuple
+
+        def spec(self, hf_config): ...
+
+    for hook, cls, words in [("register_transports", SyncTransport, "method setup must be async"),
+                             ("register_losses", GreedyLoss, "requires argument(s) the caller never passes: extra"),
+                             ("register_models", Shapeless, "'model_types' of type tuple")]:
+        mod = _plugin("bad", **{hook: registering(cls)})
+        with pytest.raises(PluginError, match=re.escape(words)):
+            build_plugins(entry_points=False, extra=[("bad", mod)])
+
+
+def test_an_advantage_estimator_is_not_a_policy_loss():
+    from rlx.config import parse_config
+    from rlx.errors import ConfigError
+
+    p = build_plugins(entry_points=False)
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain:\n  objective: {advantage: ppo_clip, loss: grpo}\n", plugins=p)
+    msg = str(e.value)
+    assert "<config>:3: train.objective.advantage.name: no advantage estimator named 'ppo_clip'" in msg
+    assert "train.objective.loss.name: no policy loss named 'grpo'" in msg
+
+
+def test_build_instantiates_with_validated_args_and_names_a_failing_plugin():
+    p = build_plugins(entry_points=False)
+    assert p.build("advantages", "grpo").config.normalize_std is True
+    assert p.build("losses", {"name": "ppo_clip", "args": {"eps_high": 0.3}}).clip.eps_high == 0.3
+
+    class Fragile:
+        name = "fragile"
+
+        def __init__(self):
+            raise OSError("no GPU here")
+
+        def score(self, sample): ...
+
+    mod = _plugin("fragile-plugin", register_rewards=lambda register: register(Fragile))
+    p = build_plugins(entry_points=False, extra=[("fragile-plugin", mod)])
+    with pytest.raises(PluginError, match="reward 'fragile' from plugin 'fragile-plugin' failed to start: "
+                                          "OSError: no GPU here"):
+        p.build("rewards", "fragile")
+
+
+def test_model_bridges_are_selected_by_model_type_and_may_not_overlap():
+    p = build_plugins(entry_points=False)
+    assert p.bridge_for("qwen3").name == "llama"
+    with pytest.raises(RLXError, match="no model bridge for model_type 'glm4_moe'.*install the model plugin"):
+        p.bridge_for("glm4_moe")
+
+    class Rival:
+        name = "rival"
+        model_types = ("mistral",)
+
+        def spec(self, hf_config): ...
+
+    mod = _plugin("rival-plugin", register_models=lambda register: register(Rival))
+    with pytest.raises(PluginError) as e:
+        build_plugins(entry_points=False, extra=[("rival-plugin", mod)])
+    assert "model_type 'mistral'" in str(e.value) and "'llama'" in str(e.value) and "'rival-plugin'" in str(e.value)
+
+
+def test_static_and_class_methods_fulfil_a_contract():
+    class StaticReward:
+        name = "static-reward"
+
+        @staticmethod
+        def score(sample):
+            return 1.0
+
+    class ClassBalancer:
+        name = "class-balancer"
+
+        @classmethod
+        def partition(cls, lengths, k, flops):
+            return [list(range(len(lengths)))] + [[] for _ in range(k - 1)]
+
+    mod = _plugin("methods", register_rewards=registering(StaticReward), register_balancers=registering(ClassBalancer))
+    p = build_plugins(entry_points=False, extra=[("methods", mod)])
+    assert p.build("balancers", "class-balancer").partition([3, 4], 2, None) == [[0, 1], []]

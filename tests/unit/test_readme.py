@@ -5,7 +5,6 @@ import types
 from pathlib import Path
 
 from rlx.plugins import build_plugins
-from rlx.rollout.rewards import instantiate
 from rlx.types import Sample
 
 README = (Path(__file__).parents[2] / "README.md").read_text()
@@ -16,7 +15,7 @@ def test_write_a_plugin_example_registers_and_scores():
     mod = types.ModuleType("rlx_reward_length")
     exec(compile(code, "README.md", "exec"), mod.__dict__)
     p = build_plugins(entry_points=False, extra=[("length", mod)])
-    reward = instantiate(p.get("rewards", "length"), {"target": 10})
+    reward = p.build("rewards", {"name": "length", "args": {"target": 10}})
     assert reward.score(Sample([1], response_text="x" * 10)).score == 1.0
     assert reward.score(Sample([1], response_text="x" * 5)).score == 0.5
 

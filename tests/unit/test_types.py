@@ -1,6 +1,5 @@
-import pytest
 
-from rlx.types import Group, RewardResult, RolloutBatch, Sample, SampleStatus, TrainBatch
+from rlx.types import Group, RewardResult, RolloutBatch, Sample, SampleStatus
 
 
 def test_sample_round_trips_through_dict():
@@ -23,8 +22,3 @@ def test_group_and_batch_views():
     assert g1.rewards == [1.0] and len(g1.trainable) == 1
     assert len(batch.samples) == 3
     assert batch.num_tokens == 3 + 4 + 4
-
-
-def test_train_batch_checks_row_counts():
-    with pytest.raises(ValueError, match="2 samples but 1 advantage rows"):
-        TrainBatch(1, [Sample([1]), Sample([2])], [[0.0]])

@@ -4,7 +4,7 @@ import torch
 def test_serialized_views_carry_only_their_own_elements():
     import base64
 
-    from rlx.rollout.engines.embedded.weights import deserialize_named_tensors, serialize_named_tensors
+    from rlx.transport.wire import deserialize_named_tensors, serialize_named_tensors
 
     buffer = torch.arange(1_000_000, dtype=torch.float32)  # like megatron's one buffer for all parameters
     view = buffer[10:20]

@@ -13,7 +13,7 @@ Each turn's messages are matched against every chain of the session, newest firs
   reasoning, reformatted tool-call arguments): the buffer keeps what the model really sampled.
 * ``fork``: no chain matches (a subagent's own conversation, a compacted context, an edited history):
   a new chain starts from a fresh render. Each chain becomes one training sample; the chains of one
-  trajectory share its reward and count once (`rlx.train.losses.trajectories`).
+  trajectory share its reward and count once (`rlx.train.advantages.trajectories`).
 
 The new messages' tokens come from the chat template itself: the conversation is rendered with a
 placeholder assistant turn, with and without the new messages, and the difference is what the

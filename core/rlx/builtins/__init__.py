@@ -4,6 +4,7 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.rewards",
     "rlx.builtins.generators",
     "rlx.builtins.agents",
+    "rlx.builtins.advantages",
     "rlx.builtins.losses",
     "rlx.builtins.balancers",
     "rlx.builtins.models",

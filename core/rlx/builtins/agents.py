@@ -48,8 +48,7 @@ def load_function(spec: str) -> Any:
             known = ", ".join(plugins.names("agents")) or "none installed"
             raise RLXError(f"rollout.generator.args.function: {spec!r} is neither module:name, file.py:name nor "
                            f"a registered agent (registered: {known})")
-        comp = plugins.get("agents", spec)
-        fn = getattr(comp() if isinstance(comp, type) else comp, "run", None)
+        fn = getattr(plugins.build("agents", spec), "run", None)
     else:
         fn = _import(spec)
     if not asyncio.iscoroutinefunction(fn):

@@ -1,8 +1,6 @@
-"""Built-in advantage estimators (grpo, reinforce_pp) and policy losses (ppo_clip, gspo).
-
-An estimator has ``advantages(groups) -> {sample_id: advantage}``; a policy loss is called with a
-`LossInputs` and returns ``(per_token_loss, clipped)``. Both are selected by name in ``train``. torch is imported when a loss is used, not when the plugin
-loads, so that ``rl plugins`` stays fast and works without torch.
+"""Built-in policy losses (ppo_clip, gspo): ``loss(inputs: LossInputs) -> (per_token_loss, clipped)``,
+selected by ``train.objective.loss``. torch is imported when a loss is used, not when the plugin loads,
+so that ``rl plugins`` stays fast and works without torch.
 """
 
 from __future__ import annotations
@@ -14,36 +12,6 @@ from rlx import hookimpl
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class GRPO:
-    """Group-relative advantages: each reward minus its group's mean, over the group's std."""
-
-    name = "grpo"
-    kind = "advantage"
-
-    class Config(_Args):
-        normalize_std: bool = True  # off: Dr. GRPO style, no division by the group std
-
-    def __init__(self, config: Config):
-        self.config = config
-
-    def advantages(self, groups):
-        from rlx.train.losses import grpo_advantages
-
-        return grpo_advantages(groups, self.config.normalize_std)
-
-
-class ReinforcePP:
-    """REINFORCE++ with a baseline: group mean subtracted, then whitened over the batch."""
-
-    name = "reinforce_pp"
-    kind = "advantage"
-
-    def advantages(self, groups):
-        from rlx.train.losses import reinforce_pp_advantages
-
-        return reinforce_pp_advantages(groups)
 
 
 class _ClipArgs(_Args):
@@ -61,13 +29,12 @@ class PPOClip:
     """Token-level PPO-clip with asymmetric bounds (clip-higher) and optional dual-clip."""
 
     name = "ppo_clip"
-    kind = "policy_loss"
     Config = _ClipArgs
 
     def __init__(self, config: _ClipArgs):
         self.clip = config.clip()
 
-    def __call__(self, inp):
+    def loss(self, inp):
         from rlx.train.losses import ppo_clip_loss
 
         return ppo_clip_loss(inp.logprobs, inp.old_logprobs, inp.advantages, self.clip)
@@ -77,7 +44,6 @@ class GSPO:
     """Sequence-level importance ratio (geometric mean over the sequence), clipped like PPO."""
 
     name = "gspo"
-    kind = "policy_loss"
 
     class Config(_ClipArgs):
         eps_low: float = Field(3e-4, ge=0)
@@ -86,7 +52,7 @@ class GSPO:
     def __init__(self, config: Config):
         self.clip = config.clip()
 
-    def __call__(self, inp):
+    def loss(self, inp):
         from rlx.train.losses import gspo_loss
 
         return gspo_loss(inp.logprobs, inp.old_logprobs, inp.advantages, inp.seq_index, inp.mask, self.clip)
@@ -94,5 +60,5 @@ class GSPO:
 
 @hookimpl
 def register_losses(register):
-    for cls in (GRPO, ReinforcePP, PPOClip, GSPO):
-        register(cls)
+    register(PPOClip)
+    register(GSPO)

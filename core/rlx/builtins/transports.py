@@ -1,5 +1,10 @@
-"""Built-in weight transports: tensor (in process, or CUDA IPC when colocated), broadcast (a
-torch.distributed group between trainer and engines, bucketed) and disk (an HF safetensors folder)."""
+"""Built-in weight transports: tensor (serialized tensors over HTTP, CUDA IPC handles on GPU), broadcast
+(a torch.distributed group between each sending rank and the engines, bucketed) and disk (an HF
+safetensors folder per version on storage the engines share).
+
+Each follows the push protocol of `rlx.transport`: every sending rank (one per pipeline stage) sends
+its part, then sender 0 commits the version.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,14 @@ class _Args(BaseModel):
     bucket_mb: int = Field(512, ge=1)  # tensors per request or broadcast round, by size
 
 
+async def _set_version(engines, version: int) -> None:
+    async def one(e):
+        async with e.client() as c:
+            await c.update_weight_version(str(version))
+
+    await asyncio.gather(*(one(e) for e in engines))
+
+
 class TensorTransport:
     """Serialized tensors over the engines' HTTP API: by value on CPU, CUDA IPC handles on GPU."""
 
@@ -26,30 +39,31 @@ class TensorTransport:
     def __init__(self, config: _Args):
         self.config = config
 
-    async def setup(self, engines, output_dir: Path) -> None:
+    async def setup(self, ctx) -> None:
         pass
 
-    async def push(self, named, version: int, engines) -> None:
-        from rlx.rollout.engines.embedded.weights import serialize_named_tensors
+    async def send(self, named, version: int, ctx) -> None:
         from rlx.transport import buckets
+        from rlx.transport.wire import serialize_named_tensors
 
-        parts = buckets(named, self.config.bucket_mb << 20)
-        for i, bucket in enumerate(parts):
+        for bucket in buckets(named, self.config.bucket_mb << 20):
             payload = serialize_named_tensors(bucket)
-            last = str(version) if i == len(parts) - 1 else None
 
-            async def one(e, payload=payload, last=last):
+            async def one(e, payload=payload):
                 async with e.client() as c:
-                    await c.update_weights_from_tensor([payload], weight_version=last)
+                    await c.update_weights_from_tensor([payload])
 
-            await asyncio.gather(*(one(e) for e in engines))
+            await asyncio.gather(*(one(e) for e in ctx.engines))
+
+    async def commit(self, version: int, ctx) -> None:
+        await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
         pass
 
 
 class DiskTransport:
-    """An HF safetensors folder per version under the run's output dir; engines reload it."""
+    """An HF safetensors folder per version (each sender writes its own files); engines reload it."""
 
     name = "disk"
 
@@ -57,29 +71,39 @@ class DiskTransport:
         model_config = ConfigDict(extra="forbid")
         path: str | None = None  # folder for the versions (default <output_dir>/weights)
         keep: int = Field(2, ge=1)  # versions kept on disk
+        shard_mb: int = Field(1024, ge=1)  # at most this many MB per safetensors file
 
     def __init__(self, config: Config):
         self.config = config
         self.root: Path | None = None
 
-    async def setup(self, engines, output_dir: Path) -> None:
-        self.root = Path(self.config.path) if self.config.path else Path(output_dir) / "weights"
+    async def setup(self, ctx) -> None:
+        self.root = Path(self.config.path) if self.config.path else Path(ctx.output_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
 
-    async def push(self, named, version: int, engines) -> None:
+    def folder(self, version: int) -> Path:
+        assert self.root is not None, "setup() first"
+        return self.root / f"v{version}"
+
+    async def send(self, named, version: int, ctx) -> None:
         from safetensors.torch import save_file
 
-        assert self.root is not None, "setup() first"
-        folder = self.root / f"v{version}"
+        from rlx.transport import buckets
+
+        folder = self.folder(version)
         folder.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(save_file, {n: t.detach().contiguous().cpu() for n, t in named},
-                                str(folder / "model.safetensors"))
+        for i, bucket in enumerate(buckets(named, self.config.shard_mb << 20)):
+            tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
+            await asyncio.to_thread(save_file, tensors, str(folder / f"model-s{ctx.sender:02d}-{i:05d}.safetensors"))
+
+    async def commit(self, version: int, ctx) -> None:
+        folder = self.folder(version)
 
         async def one(e):
             async with e.client() as c:
                 await c.update_weights_from_disk(str(folder), weight_version=str(version))
 
-        await asyncio.gather(*(one(e) for e in engines))
+        await asyncio.gather(*(one(e) for e in ctx.engines))
         versions = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for old in versions[: -self.config.keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -89,7 +113,7 @@ class DiskTransport:
 
 
 class BroadcastTransport:
-    """The trainer is rank 0 of a group with every engine (ranks 1..n); tensors are broadcast in buckets."""
+    """Each sender is rank 0 of a group with every engine (ranks 1..n); tensors are broadcast in buckets."""
 
     name = "broadcast"
     Config = _Args
@@ -99,48 +123,52 @@ class BroadcastTransport:
         self.pg = None
         self.group_name = "rlx-weights"
 
-    async def setup(self, engines, output_dir: Path) -> None:
+    async def setup(self, ctx) -> None:
         from datetime import timedelta
 
         import torch
         import torch.distributed as dist
 
-        from rlx.rollout.engines.launch import HOST, free_port
+        from rlx.net import free_port
 
-        port = free_port()
-        world = len(engines) + 1
+        self.group_name = f"rlx-weights-{ctx.sender}"
+        port = free_port(ctx.host)
+        world = len(ctx.engines) + 1
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        store = dist.PrefixStore(self.group_name, dist.TCPStore(HOST, port, world, is_master=True,
-                                                                timeout=timedelta(seconds=300), wait_for_workers=False))
+        store = dist.PrefixStore(self.group_name, dist.TCPStore(ctx.host, port, world, is_master=True,
+                                                                timeout=timedelta(seconds=300),
+                                                                wait_for_workers=False))
 
         def make():
             if backend == "gloo":
-                return dist.ProcessGroupGloo(store, 0, world, timedelta(seconds=300))
+                from rlx.net import gloo_options
+
+                opts = gloo_options(ctx.host)
+                opts._timeout = timedelta(seconds=300)
+                return dist.ProcessGroupGloo(store, 0, world, opts)
             return dist.ProcessGroupNCCL(store, 0, world)
 
         async def join(i, e):
             async with e.client() as c:
-                await c.init_weights_update_group(HOST, port, i + 1, world, self.group_name, backend)
+                await c.init_weights_update_group(ctx.host, port, i + 1, world, self.group_name, backend)
 
         pg_task = asyncio.create_task(asyncio.to_thread(make))
-        await asyncio.gather(*(join(i, e) for i, e in enumerate(engines)))
+        await asyncio.gather(*(join(i, e) for i, e in enumerate(ctx.engines)))
         self.pg = await pg_task
 
-    async def push(self, named, version: int, engines) -> None:
+    async def send(self, named, version: int, ctx) -> None:
         from rlx.transport import buckets
 
-        parts = buckets(named, self.config.bucket_mb << 20)
-        for i, bucket in enumerate(parts):
-            last = str(version) if i == len(parts) - 1 else None
+        for bucket in buckets(named, self.config.bucket_mb << 20):
             names = [n for n, _ in bucket]
             dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
             shapes = [list(t.shape) for _, t in bucket]
 
             async def one(e):
                 async with e.client() as c:
-                    await c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, last)
+                    await c.update_weights_from_distributed(names, dtypes, shapes, self.group_name)
 
-            requests = [asyncio.create_task(one(e)) for e in engines]
+            requests = [asyncio.create_task(one(e)) for e in ctx.engines]
 
             def send():
                 for _, t in bucket:
@@ -148,6 +176,9 @@ class BroadcastTransport:
 
             await asyncio.to_thread(send)
             await asyncio.gather(*requests)
+
+    async def commit(self, version: int, ctx) -> None:
+        await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
         self.pg = None

@@ -1,7 +1,7 @@
 """The rollout buffer service: external agent frameworks POST finished trajectories for training.
 
 ``rollout.source: buffer`` makes the run train on what arrives at ``POST /rlx/trajectories`` (on
-127.0.0.1, ``rollout.buffer_port``, bearer key ``rollout.buffer_api_key`` or a random one, printed)
+127.0.0.1, ``rollout.buffer.port``, bearer key ``rollout.buffer.api_key`` or a random one, printed)
 instead of generating from a dataset; the engines still run, behind the router, for the external
 framework to generate with, and still receive every weight update.
 
@@ -48,7 +48,7 @@ class TrajectoryBuffer:
         self.plugins = plugins
         self.vocab = len(tokenizer)
         self.max_len = max_len
-        self.api_key = cfg.rollout.buffer_api_key or f"rlx-b-{secrets.token_hex(16)}"
+        self.api_key = cfg.rollout.buffer.api_key or f"rlx-b-{secrets.token_hex(16)}"
         self.queue: asyncio.Queue[Group] = asyncio.Queue()
         self.next_group_id = 0
         self.next_sample_id = 0
@@ -62,7 +62,7 @@ class TrajectoryBuffer:
         app = web.Application(client_max_size=256 * 2**20)
         app.router.add_post("/rlx/trajectories", self.post)
         app.router.add_get("/rlx/trajectories/stats", self.stats)
-        self.runner, self.url = await serve_local(app, "127.0.0.1", self.cfg.rollout.buffer_port)
+        self.runner, self.url = await serve_local(app, "127.0.0.1", self.cfg.rollout.buffer.port)
         return self.url
 
     async def stop(self) -> None:

@@ -1,9 +1,11 @@
 """The trainer side of a run as rank workers, and where engines and workers are placed.
 
 `TrainerWorker` is one Megatron rank with everything that must happen next to the weights: a training
-step, pushing weights into the engines through the transport (rank 0 talks to the engines; every rank
-takes part in gathering tensor-parallel shards), checkpoints and HF export. It is a plain class: the
-loop drives it in process when Ray is off, or as Ray actors placed with a placement group.
+step, pushing weights into the engines through the transport (one sender per pipeline stage; the
+tensor-parallel ranks take part in gathering each tensor), checkpoints and HF export. It is a plain
+class: `TrainerGroup` is the typed interface the loop calls, in process when Ray is off
+(`LocalTrainerGroup`) or over Ray actors placed with a placement group (`RayTrainerGroup`). Addresses
+come from Ray: rank 0's node hosts the trainers' rendezvous, each sender offers its own node's address.
 
 Placement (``ray.placement``):
 
@@ -14,60 +16,54 @@ Placement (``ray.placement``):
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
 
-from rlx.config import Config, parse_config
+from rlx.config import Config
 from rlx.errors import RLXError
+from rlx.net import node_ip, use_interface_of
 
 
 class TrainerWorker:
-    def __init__(self, cfg_json: str, rank: int, world: int, master_addr: str, master_port: int):
+    """One trainer rank: the trainer and the sending side of weight sync. Built empty so that Ray can
+    place it first; `start` then joins the ranks at the address rank 0 reported (`address`)."""
+
+    def __init__(self, cfg: Config, host: str | None = None):
+        self.cfg = cfg  # already validated, paths absolute: workers never re-read or re-resolve it
+        self.host = host or node_ip()
+        self.trainer: Any = None
+        self.sender: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 holds the trainers' rendezvous: this node's address and a port free on it."""
+        from rlx.net import free_port
+
+        return self.host, free_port(self.host)
+
+    def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        use_interface_of(self.host)
         from rlx.plugins import build_plugins
-        from rlx.train.trainer import MegatronTrainer
+        from rlx.train.trainer import Trainer
+        from rlx.transport.sender import WeightSender
 
-        self.cfg: Config = parse_config(cfg_json)
-        self.plugins = build_plugins()
-        self.trainer = MegatronTrainer(self.cfg, self.plugins)
-        self.rank = rank
-        self.transport: Any = None
-        self.engines: list[Any] = []
+        plugins = build_plugins()
+        self.trainer = Trainer(self.cfg, plugins, master_addr)
+        self.sender = WeightSender(self.trainer, plugins, self.cfg.train.transport, self.cfg.train.verify_weights)
 
-    def ready(self) -> bool:
-        return True
+    def node(self) -> str:
+        return self.host
 
     def train_step(self, batch: Any) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
-        if self.rank != 0:
-            return
-        from rlx.rollout.engines.fleet import Engine
-        from rlx.rollout.rewards import instantiate
-
-        spec = self.cfg.train.transport
-        self.engines = [Engine(url, "target") for url in engine_urls]
-        self.transport = instantiate(self.plugins.get("transports", spec.name), spec.args)
-        asyncio.run(self.transport.setup(self.engines, Path(output_dir)))
+        self.sender.setup(engine_urls, output_dir, self.host)
 
     def push_weights(self, version: int) -> None:
-        """Every rank gathers its TP shards; rank 0 pushes to the engines and checks what they serve."""
-        from rlx.transport import verify
-
-        named = list(self.trainer.hf_state_dict().items())
-        if self.rank != 0:
-            return
-
-        async def go() -> None:
-            await self.transport.push(named, version, self.engines)
-            if self.cfg.train.verify_weights:
-                await verify(self.engines, named, version)
-
-        asyncio.run(go())
+        self.sender.push(version)
 
     def save(self, folder: str) -> None:
         self.trainer.save(Path(folder))
@@ -76,74 +72,109 @@ class TrainerWorker:
         self.trainer.load(Path(folder))
 
     def export_hf(self, folder: str) -> None:
-        from rlx.orchestrate.loop import export_hf
-
-        state = self.trainer.hf_state_dict()
-        if self.rank == 0:
-            export_hf(self.trainer.model_path, state, Path(folder))
+        self.sender.export_hf(self.trainer.model_path, Path(folder))
 
     def close(self) -> None:
-        if self.transport is not None:
-            asyncio.run(self.transport.close())
+        if self.sender is not None:
+            self.sender.close()
 
 
-class LocalTrainer:
-    """One rank in this process: the same calls as the Ray group, without Ray."""
+class TrainerGroup:
+    """Every trainer rank, called at once: the typed interface the loop uses. Subclasses say how a
+    method reaches the ranks (`_all`)."""
 
-    def __init__(self, cfg: Config):
-        from rlx.rollout.engines.launch import free_port
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        raise NotImplementedError
 
-        if cfg.train.world_size != 1:
-            raise RLXError("train.world_size > 1 needs Ray (set ray.enabled: true)")
-        self.worker = TrainerWorker(cfg.model_dump_json(), 0, 1, "127.0.0.1", free_port())
+    def hosts(self) -> list[str]:
+        """Each rank's address, in rank order."""
+        return self._all("node")
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """Train on the batch; the metrics (global: every rank returns the same)."""
+        return self._all("train_step", batch)[0]
+
+    def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
+        self._all("setup_transport", engine_urls, output_dir)
+
+    def push_weights(self, version: int) -> None:
+        self._all("push_weights", version)
+
+    def save(self, folder: Path) -> None:
+        self._all("save", str(folder))
+
+    def load(self, folder: Path) -> None:
+        self._all("load", str(folder))
+
+    def export_hf(self, folder: Path) -> None:
+        self._all("export_hf", str(folder))
+
+    def close(self) -> None:
+        self._all("close")
 
     def shutdown(self) -> None:
         pass
 
 
-class RayTrainerGroup:
-    """`world_size` TrainerWorker actors in a placement group, called all at once."""
+class LocalTrainerGroup(TrainerGroup):
+    """One rank in this process: the same calls as the Ray group, without Ray."""
+
+    def __init__(self, cfg: Config):
+        from rlx.rollout.engines.launch import HOST
+
+        if cfg.train.parallel.world_size != 1:
+            raise RLXError("train.parallel.world_size > 1 needs Ray (set ray.enabled: true)")
+        self.worker = TrainerWorker(cfg, HOST)
+        self.worker.start(0, 1, *self.worker.address())
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+
+class RayTrainerGroup(TrainerGroup):
+    """`world_size` TrainerWorker actors in a placement group; rank 0's node hosts the rendezvous."""
 
     def __init__(self, cfg: Config, placement_group: Any, first_bundle: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlx.rollout.engines.launch import HOST, free_port
-
         rc = cfg.ray
+        world = cfg.train.parallel.world_size
         actor = ray.remote(num_cpus=rc.cpus_per_trainer, num_gpus=rc.gpus_per_trainer)(TrainerWorker)
-        port = free_port()
-        cfg_json = cfg.model_dump_json()
         self.workers = [
             actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=first_bundle + rank)).remote(
-                cfg_json, rank, cfg.train.world_size, HOST, port)
-            for rank in range(cfg.train.world_size)
+                placement_group, placement_group_bundle_index=first_bundle + rank)).remote(cfg)
+            for rank in range(world)
         ]
         try:
-            ray.get([w.ready.remote() for w in self.workers])
+            addr, port = ray.get(self.workers[0].address.remote())
+            ray.get([w.start.remote(rank, world, addr, port) for rank, w in enumerate(self.workers)])
         except ray.exceptions.RayActorError as e:
             raise RLXError(f"a trainer worker failed to start: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            _reraise(e)
 
-    def call(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
         try:
             return ray.get([getattr(w, method).remote(*args) for w in self.workers])
         except ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), RLXError) else None
-            if cause is not None:
-                raise cause from None
-            raise
+            _reraise(e)
 
     def shutdown(self) -> None:
         import ray
 
         for w in self.workers:
             ray.kill(w)
+
+
+def _reraise(e: Any) -> None:
+    """A user-facing error raised in a worker is re-raised as itself; anything else as it came."""
+    cause = e.cause if isinstance(getattr(e, "cause", None), RLXError) else None
+    if cause is not None:
+        raise cause from None
+    raise e
 
 
 class RayPlacement:
@@ -162,10 +193,10 @@ class RayPlacement:
         init = dict(log_to_driver=rc.log_to_driver,
                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
         if rc.address is None and not ray.is_initialized():
-            self.head = start_head(rc.num_cpus, cfg.resolve_path(cfg.run.output_dir) / "logs", init)
+            self.head = start_head(rc.num_cpus, Path(cfg.run.output_dir) / "logs", init)
         elif not ray.is_initialized():
             ray.init(address=rc.address, **init)
-        self.trainer_bundles = cfg.train.world_size
+        self.trainer_bundles = cfg.train.parallel.world_size
         engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
         self.colocated = rc.placement == "colocated"
         bundle = {"CPU": rc.cpus_per_trainer}
@@ -211,10 +242,12 @@ class RayPlacement:
         actor = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)
         bundles = iter(self.engine_bundles)
 
-        def spawn(cmd: list[str], log_path: Path):
+        def spawn(command, log_path: Path):
             host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=next(bundles))).remote(cmd, str(log_path))
-            return RayProcess(host, log_path)
+                self.pg, placement_group_bundle_index=next(bundles))).remote()
+            ip, port = ray.get(host.address.remote())
+            ray.get(host.start.remote(command(ip, port), str(log_path)))
+            return RayProcess(host, log_path), f"http://{ip}:{port}"
 
         return spawn
 
@@ -268,9 +301,19 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
 
 
 class EngineHost:
-    """A Ray actor owning one engine server process (so it runs where Ray placed it)."""
+    """A Ray actor owning one engine server process (so it runs where Ray placed it, on that node's
+    address)."""
 
-    def __init__(self, cmd: list[str], log_path: str):
+    def __init__(self) -> None:
+        self.process: Any = None
+
+    def address(self) -> tuple[str, int]:
+        from rlx.net import free_port
+
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def start(self, cmd: list[str], log_path: str) -> None:
         from rlx.rollout.engines.launch import ManagedProcess
 
         self.process = ManagedProcess(cmd, Path(log_path))

@@ -11,7 +11,7 @@ whole time while the trainer trains on groups already finished. Choices:
   ``(max_staleness - update_interval + 1) × n_prompts`` groups are running or queued at once (with
   ``max_staleness: 1`` the next batch generates while the trainer trains on this one). A group that
   still lags too far (a long tail of generation time) is regenerated from its prompt (same ids, first
-  in line) or dropped (``train.stale_groups``); with ``train.mask_stale_tokens`` only the tokens past
+  in line) or dropped (``train.async.stale_groups``); with ``train.async.mask_stale_tokens`` only the tokens past
   the bound lose their loss mask instead.
 * Weight swaps (every ``train.update_interval`` steps): ``swap: pause`` pauses generation only for
   the push; requests in flight then go on with the new weights, so one sample may hold tokens of
@@ -94,6 +94,7 @@ class AsyncBatches:
     def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
         self.cfg = cfg
         self.tc = cfg.train
+        self.ac = cfg.train.async_
         self.rc = cfg.rollout
         self.manager = manager
         self.fleet = fleet
@@ -102,7 +103,7 @@ class AsyncBatches:
         self.stop: asyncio.Event | None = None
         self.room = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.capacity = (self.tc.max_staleness - self.tc.update_interval + 1) * self.rc.n_prompts
+        self.capacity = (self.ac.max_staleness - self.tc.update_interval + 1) * self.rc.n_prompts
 
     def start(self) -> None:
         self.stop = asyncio.Event()
@@ -142,13 +143,13 @@ class AsyncBatches:
             group = await self._get()
             oldest = group.oldest_version
             lag = 0 if oldest is None else version - oldest
-            too_old = lag > self.tc.max_staleness
-            if too_old and self.tc.mask_stale_tokens:
+            too_old = lag > self.ac.max_staleness
+            if too_old and self.ac.mask_stale_tokens:
                 masked += self._mask_stale(group, version)
                 too_old = not any(any(s.loss_mask) for s in group.trainable)  # nothing left to learn from
             if too_old:
                 stale += 1
-                if self.tc.stale_groups == "regenerate":
+                if self.ac.stale_groups == "regenerate":
                     self.manager.regenerate(group)
                 continue
             kept.append(group)
@@ -169,7 +170,7 @@ class AsyncBatches:
 
     def _mask_stale(self, group: Group, version: int) -> int:
         """Zero the loss mask of tokens older than the staleness bound; returns how many were masked."""
-        oldest_ok = version - self.tc.max_staleness
+        oldest_ok = version - self.ac.max_staleness
         n = 0
         for s in group.samples:
             for i, v in enumerate(s.token_versions):
@@ -185,7 +186,7 @@ class AsyncBatches:
         pass
 
     async def swap(self, push: Push) -> None:
-        if self.tc.swap == "pause":
+        if self.ac.swap == "pause":
             await self.fleet.for_each(lambda c: c.pause(mode="retract"))
             try:
                 await push()

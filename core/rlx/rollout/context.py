@@ -24,7 +24,7 @@ _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCAT
 
 class RequestGate:
     """Lets generate requests through, or holds new ones while those in flight finish (an async weight
-    swap with ``train.swap: drain``)."""
+    swap with ``train.async.swap: drain``)."""
 
     def __init__(self) -> None:
         self._open = asyncio.Event()

@@ -31,7 +31,7 @@ from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.protocol import EngineError
-from rlx.rollout.rewards import build_rewards, instantiate, score_sample
+from rlx.rollout.rewards import build_rewards, score_sample
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,7 @@ class RolloutManager:
         self.dataset = dataset
         self.ctx = ctx
         self.abort_all = abort_all
-        gen = self.rc.generator
-        self.generator = instantiate(plugins.get("generators", gen.name), gen.args)
+        self.generator = plugins.build("generators", self.rc.generator)
         self.rewards = build_rewards(self.rc.rewards, plugins)
         self.sem = asyncio.Semaphore(self.rc.max_concurrency)
         self.next_group_id = 0

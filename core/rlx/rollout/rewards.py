@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from rlx.config import RewardSpec, component_config
+from rlx.config import RewardSpec
 from rlx.errors import RLXError
 from rlx.types import RewardResult, Sample, SampleStatus
 
@@ -25,16 +25,8 @@ class BoundReward:
     reward: Any
 
 
-def instantiate(component: Any, args: dict[str, Any]) -> Any:
-    """Create a component from its class and config args (an object is returned as it is)."""
-    if not inspect.isclass(component):
-        return component
-    conf = component_config(component, args)
-    return component(conf) if conf is not None else component()
-
-
 def build_rewards(specs: list[RewardSpec], plugins: Any) -> list[BoundReward]:
-    return [BoundReward(s.name, s.weight, instantiate(plugins.get("rewards", s.name), s.args)) for s in specs]
+    return [BoundReward(s.name, s.weight, plugins.build("rewards", s)) for s in specs]
 
 
 def as_result(value: Any, name: str) -> RewardResult:

@@ -6,6 +6,7 @@ dataset, engines (launched or attached) with the router, generator context and m
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,16 @@ def load_tokenizer(cfg: Config) -> Any:
         raise RLXError(f"model.tokenizer: cannot load a tokenizer from {path}: {e}") from e
 
 
+def family_engine_args(model_path: str, plugins: Any) -> dict[str, Any]:
+    """What the model's family needs from SGLang servers rlx launches: its bridge's ``engine_args`` (none
+    when no installed bridge claims the model: generation alone needs no bridge)."""
+    from rlx.train.spec import model_spec, read_model_type
+
+    if not plugins.has_bridge(read_model_type(model_path)):
+        return {}
+    return model_spec(model_path, plugins).engine_args()
+
+
 class RolloutSession:
     def __init__(self, cfg: Config, plugins: Any, spawn=None, with_data: bool = True):
         """`spawn`: how engine processes start (see `EngineFleet`); default local processes.
@@ -37,8 +48,9 @@ class RolloutSession:
         self.cfg = cfg
         self.plugins = plugins
         self.with_data = with_data
-        self.output_dir = cfg.resolve_path(cfg.run.output_dir)
-        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn)
+        self.output_dir = Path(cfg.run.output_dir)
+        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn,
+                                 engine_args=functools.partial(family_engine_args, plugins=plugins))
         self.ctx: GenerateContext | None = None
         self.manager: RolloutManager | None = None
 
@@ -46,7 +58,7 @@ class RolloutSession:
         if self.with_data and self.cfg.data.path is None:
             raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
-        dataset = (PromptDataset(self.cfg.data, self.cfg.resolve_path(self.cfg.data.path), self.cfg.run.seed)
+        dataset = (PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
                    if self.with_data else None)
         await self.fleet.start()
         self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries)
@@ -93,7 +105,7 @@ def group_records(batch: RolloutBatch) -> list[dict[str, Any]]:
 async def rollout_only(cfg: Config, plugins: Any, out_path: Path | None = None, progress=None) -> Path:
     """Run ``rollout.num_steps`` rollout steps with no training and write the groups as JSONL."""
     async with RolloutSession(cfg, plugins) as session:
-        out = out_path or (cfg.resolve_path(cfg.rollout.output) if cfg.rollout.output
+        out = out_path or (Path(cfg.rollout.output) if cfg.rollout.output
                            else session.output_dir / "rollout.jsonl")
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as f:

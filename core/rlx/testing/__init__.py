@@ -2,10 +2,14 @@
 
 ``rlx.testing`` is also a pytest plugin (entry point ``pytest11``), giving the ``rlx_plugins``
 fixture. Contracts check behaviour the framework relies on, so a plugin that passes its contract works
-inside rlx: it is registered under its name, its config has defaults, it scores the cases you give,
-it never raises on odd input, and it is deterministic.
+inside rlx. One suite per component kind: `RewardContract`, `AdvantageContract`, `LossContract`,
+`GeneratorContract`, `TransportContract` (starts an engine: mark it integration), `ModelBridgeContract`
+and `KernelContract`.
 """
 
-from rlx.testing.contracts import RewardCase, RewardContract
+from rlx.testing.contracts import (AdvantageContract, GeneratorContract, KernelContract, LossContract,
+                                   ModelBridgeContract, RewardCase, RewardContract, ScriptedEngine,
+                                   TransportContract)
 
-__all__ = ["RewardCase", "RewardContract"]
+__all__ = ["AdvantageContract", "GeneratorContract", "KernelContract", "LossContract", "ModelBridgeContract",
+           "RewardCase", "RewardContract", "ScriptedEngine", "TransportContract"]

@@ -1,14 +1,23 @@
-"""Contract test suites that plugin tests subclass (pytest collects the ``test_*`` methods)."""
+"""Contract test suites that plugin tests subclass (pytest collects the ``test_*`` methods).
+
+One suite per component kind. Each checks what rlx relies on when it calls the component, beyond the
+method signatures that registration already checks. Common attributes: the component's name, its
+``args`` (config), and ``plugin``: the plugin module to register for the test, or None to use the
+installed entry points (which also checks that the distribution's entry point works).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import pytest
+
 from rlx.plugins import build_plugins
-from rlx.rollout.rewards import call_reward, instantiate
-from rlx.types import RewardResult, Sample
+from rlx.rollout.rewards import call_reward
+from rlx.types import Group, RewardResult, Sample, SampleStatus
 
 ODD_RESPONSES = [
     "",
@@ -22,6 +31,30 @@ ODD_RESPONSES = [
 ]
 
 
+class _Contract:
+    kind: ClassVar[str]
+    component_name: ClassVar[str]
+    args: ClassVar[dict[str, Any]] = {}
+    plugin: ClassVar[object | None] = None
+
+    def _plugins(self):
+        extra = [(f"contract-{self.component_name}", self.plugin)] if self.plugin is not None else []
+        return build_plugins(entry_points=self.plugin is None, extra=extra)
+
+    def build(self, args: dict[str, Any] | None = None) -> Any:
+        return self._plugins().build(self.kind, {"name": self.component_name, "args": self.args if args is None
+                                                 else args})
+
+    def test_registered_under_its_name(self):
+        assert self.component_name in self._plugins().names(self.kind)
+
+    def test_config_has_defaults(self):
+        self.build({})
+
+
+# -- rewards -------------------------------------------------------------------------------------
+
+
 @dataclass
 class RewardCase:
     """A response, its label, and the score the reward must give."""
@@ -31,48 +64,34 @@ class RewardCase:
     score: float
 
 
-class RewardContract:
-    """The reward contract. Set `reward_name` and `cases`; optionally `args`, `plugin`, `score_range`.
+class RewardContract(_Contract):
+    """The reward contract. Set `reward_name` and `cases`; optionally `args`, `plugin`, `score_range`."""
 
-    `plugin`: the plugin module to register for the test; None means "as installed", through the
-    entry points, which also checks that the distribution's entry point works.
-    """
-
+    kind = "rewards"
     reward_name: ClassVar[str]
     cases: ClassVar[list[RewardCase]] = []
-    args: ClassVar[dict[str, Any]] = {}
-    plugin: ClassVar[object | None] = None
     score_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
-    def _plugins(self):
-        extra = [(f"contract-{self.reward_name}", self.plugin)] if self.plugin is not None else []
-        return build_plugins(entry_points=self.plugin is None, extra=extra)
-
-    def _reward(self) -> Any:
-        return instantiate(self._plugins().get("rewards", self.reward_name), self.args)
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.reward_name
 
     def _score(self, reward: Any, response: str, label: Any) -> RewardResult:
         sample = Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], response_text=response, label=label)
         return asyncio.run(call_reward(reward, sample, self.reward_name))
-
-    def test_registered_under_its_name(self):
-        assert self.reward_name in self._plugins().names("rewards")
-
-    def test_config_has_defaults(self):
-        instantiate(self._plugins().get("rewards", self.reward_name), {})
 
     def test_has_cases(self):
         assert len(self.cases) >= 2, "give at least one case scoring high and one scoring low"
         assert len({c.score for c in self.cases}) >= 2, "cases must not all expect the same score"
 
     def test_cases(self):
-        reward = self._reward()
+        reward = self.build()
         for case in self.cases:
             got = self._score(reward, case.response, case.label).score
             assert got == case.score, f"{case.response!r} vs label {case.label!r}: {got} != {case.score}"
 
     def test_odd_input_never_raises_and_stays_in_range(self):
-        reward = self._reward()
+        reward = self.build()
         lo, hi = self.score_range
         labels = [c.label for c in self.cases[:1]] + [None, ""]
         for response in ODD_RESPONSES:
@@ -81,8 +100,402 @@ class RewardContract:
                 assert lo <= got <= hi, f"{response[:40]!r}/{label!r}: {got} outside {self.score_range}"
 
     def test_deterministic(self):
-        reward = self._reward()
+        reward = self.build()
         for case in self.cases:
-            assert self._score(reward, case.response, case.label) == self._score(
-                reward, case.response, case.label
-            )
+            assert self._score(reward, case.response, case.label) == self._score(reward, case.response, case.label)
+
+
+# -- advantage estimators and policy losses --------------------------------------------------------
+
+
+def ragged_groups() -> list[Group]:
+    """Three groups of different sizes and response lengths, one failed sample, one all-equal group."""
+    sid = 0
+    groups = []
+    for gid, rewards in enumerate([[1.0, 0.0, 0.5], [0.2, 0.9], [0.4, 0.4, 0.4, 0.4]]):
+        samples = []
+        for j, r in enumerate(rewards):
+            n = 2 + (sid * 3) % 5
+            samples.append(Sample([1, 2], list(range(3, 3 + n)), [1] * n, [-1.0] * n, reward=r,
+                                  status=SampleStatus.COMPLETED, group_id=gid, sample_id=sid, index=j))
+            sid += 1
+        groups.append(Group(gid, samples))
+    groups[0].samples[1].status = SampleStatus.FAILED
+    groups[0].samples[1].reward = None
+    return groups
+
+
+class AdvantageContract(_Contract):
+    """An advantage estimator: finite advantages for exactly the trainable scored samples, one per sample
+    or one per response token. Set `estimator_name`."""
+
+    kind = "advantages"
+    estimator_name: ClassVar[str]
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.estimator_name
+
+    def test_advantages_cover_trainable_samples_and_are_finite(self):
+        groups = ragged_groups()
+        adv = self.build().advantages([g for g in groups if g.trainable])
+        trainable = {s.sample_id: s for g in groups for s in g.trainable}
+        assert set(adv) <= set(trainable), f"advantages for samples that cannot train: {set(adv) - set(trainable)}"
+        assert adv, "no advantages at all for a batch with reward variance"
+        for sid, a in adv.items():
+            values = [a] if isinstance(a, (int, float)) else list(a)
+            if not isinstance(a, (int, float)):
+                assert len(values) == len(trainable[sid].response_ids), f"sample {sid}: one per response token"
+            assert all(math.isfinite(v) for v in values), f"sample {sid}: {values}"
+
+    def test_no_groups_gives_no_advantages(self):
+        assert dict(self.build().advantages([])) == {}
+
+
+class LossContract(_Contract):
+    """A policy loss: per-token loss and clip flags of the input's shape, finite, differentiable in the
+    current log-probs, zero gradient where advantages are zero, and an empty micro-batch works.
+    Set `loss_name`."""
+
+    kind = "losses"
+    loss_name: ClassVar[str]
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.loss_name
+
+    @staticmethod
+    def inputs(n: int = 9, advantages: Any = None):
+        import torch
+
+        from rlx.train.objective import LossInputs
+
+        g = torch.Generator().manual_seed(0)
+        lp = (-torch.rand(n, generator=g) * 3).requires_grad_()
+        seq = torch.tensor(([0] * (n // 3) + [1] * (n - n // 3 - 1) + [2])[:n], dtype=torch.long)
+        adv = advantages if advantages is not None else torch.randn(n, generator=g)
+        return LossInputs(logprobs=lp, old_logprobs=lp.detach() + 0.1 * torch.randn(n, generator=g),
+                          rollout_logprobs=lp.detach(), advantages=adv, weights=torch.full((n,), 1.0 / max(n, 1)),
+                          mask=torch.ones(n), seq_index=seq)
+
+    def test_shapes_finite_and_gradient(self):
+        inp = self.inputs()
+        loss, clipped = self.build().loss(inp)
+        assert loss.shape == inp.logprobs.shape and clipped.shape == inp.logprobs.shape
+        assert bool(loss.isfinite().all())
+        (loss * inp.weights).sum().backward()
+        assert inp.logprobs.grad is not None and bool(inp.logprobs.grad.isfinite().all())
+        assert float(inp.logprobs.grad.abs().sum()) > 0
+
+    def test_zero_advantage_gives_zero_gradient(self):
+        import torch
+
+        inp = self.inputs(advantages=torch.zeros(9))
+        loss, _ = self.build().loss(inp)
+        (loss * inp.weights).sum().backward()
+        assert float(inp.logprobs.grad.abs().max()) == 0.0
+
+    def test_empty_micro_batch(self):
+        inp = self.inputs(0)
+        loss, clipped = self.build().loss(inp)
+        assert loss.numel() == 0 and clipped.numel() == 0
+
+
+# -- generators ------------------------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """An engine client that answers every generate request with the next scripted ids (logprob -0.5 each)."""
+
+    def __init__(self, outputs: list[list[int]], finish: str = "stop"):
+        self.outputs = list(outputs)
+        self.finish = finish
+        self.requests: list[Any] = []
+        self.sampled: list[list[int]] = []
+
+    async def generate(self, req: Any, *, retries: int = 0) -> list[Any]:
+        from rlx.rollout.engines.protocol import GenerateResult
+
+        self.requests.append(req)
+        ids = self.outputs[(len(self.requests) - 1) % len(self.outputs)]
+        self.sampled.append(list(ids))
+        return [GenerateResult(text="", output_ids=list(ids), output_logprobs=[-0.5] * len(ids),
+                               finish_reason=self.finish, matched_stop=None, weight_version="3",
+                               token_weight_versions=[], prompt_tokens=len(req.input_ids), rid=req.rid, raw={})]
+
+
+class GeneratorContract(_Contract):
+    """A generator keeps token-in-token-out: the samples it returns hold the prompt it was given, every
+    loss-masked token is one the engine sampled (in order), and the per-token lists line up.
+    Set `generator_name`; override `tokenizer()` and `sample()` for generators that need more."""
+
+    kind = "generators"
+    generator_name: ClassVar[str]
+    engine_outputs: ClassVar[list[list[int]]] = [[11, 12, 13, 2]]
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.generator_name
+
+    def tokenizer(self) -> Any:
+        from rlx.models.tiny import build_tokenizer
+
+        return build_tokenizer()
+
+    def sample(self) -> Sample:
+        return Sample(prompt_ids=[1, 5, 6, 7], prompt_text="1+1=", label="2", sample_id=7, group_id=0)
+
+    def run(self) -> tuple[list[Sample], ScriptedEngine, Sample]:
+        from rlx.config import SamplingConfig
+        from rlx.rollout.context import GenerateContext
+
+        engine = ScriptedEngine(self.engine_outputs)
+        ctx = GenerateContext(engine, self.tokenizer(), SamplingConfig(max_new_tokens=8))  # type: ignore[arg-type]
+        given = self.sample()
+        prompt = list(given.prompt_ids)
+        out = asyncio.run(self.build().generate(ctx, given))
+        return out, engine, Sample(prompt_ids=prompt)
+
+    def test_samples_are_token_exact(self):
+        out, engine, given = self.run()
+        assert isinstance(out, list) and out, "generate returns a non-empty list of samples"
+        sampled = [t for ids in engine.sampled for t in ids]
+        for s in out:
+            assert s.prompt_ids == given.prompt_ids, "the prompt ids must stay as given"
+            n = len(s.response_ids)
+            assert len(s.loss_mask) == n and len(s.rollout_logprobs) == n, "per-token lists must line up"
+            model = [t for t, m in zip(s.response_ids, s.loss_mask, strict=True) if m]
+            assert model, "a sample without model tokens"
+            it = iter(sampled)
+            assert all(t in it for t in model), "every loss-masked token must be one the engine sampled, in order"
+            assert s.status.trainable or s.status == SampleStatus.FAILED
+
+
+# -- transports ------------------------------------------------------------------------------------
+
+
+class TransportContract(_Contract):
+    """A transport moves the tensors it is sent into real engines: after `send` on every sender and
+    `commit`, each engine reports the version and serves exactly the new values. Runs the embedded
+    engine with the built-in tiny model (an integration test: it starts a server).
+    Set `transport_name`; `senders` > 1 splits the tensors as pipeline stages would."""
+
+    kind = "transports"
+    transport_name: ClassVar[str]
+    senders: ClassVar[int] = 2
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.transport_name
+
+    def test_push_reaches_the_engine(self, tmp_path):
+        import torch
+        from safetensors.torch import load_file
+
+        from rlx.models.tiny import resolve_model_path
+        from rlx.rollout.engines.fleet import Engine
+        from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
+        from rlx.transport import TransportContext
+
+        path = resolve_model_path("builtin://tiny-qwen3")
+        state = load_file(f"{path}/model.safetensors")
+        port = free_port()
+        proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": 1}), tmp_path / "engine.log")
+        proc.start()
+        try:
+            url = f"http://{HOST}:{port}"
+            asyncio.run(wait_healthy(url, proc, 120))
+            engines = [Engine(url, "target")]
+            new = {k: v + 0.25 for k, v in state.items()}
+            names = list(new)
+            parts = [names[i::self.senders] for i in range(self.senders)]
+
+            async def push(version: int) -> None:
+                transports = [self.build() for _ in parts]
+                ctxs = [TransportContext(engines, tmp_path, sender=i, senders=len(parts)) for i in range(len(parts))]
+                for t, c in zip(transports, ctxs, strict=True):
+                    await t.setup(c)
+                for t, c, p in zip(transports, ctxs, parts, strict=True):
+                    await t.send(iter([(n, new[n]) for n in p]), version, c)
+                await transports[0].commit(version, ctxs[0])
+                for t in transports:
+                    await t.close()
+
+            asyncio.run(push(5))
+
+            async def check() -> None:
+                async with engines[0].client() as c:
+                    assert await c.weight_version() == "5"
+                    for name in (names[0], names[len(names) // 2], names[-1]):
+                        got = torch.tensor(await c.get_weights_by_name(name, 16))
+                        want = new[name].flatten()[:16].float()
+                        assert torch.allclose(got, want, atol=1e-6), name
+
+            asyncio.run(check())
+        finally:
+            proc.stop()
+
+
+# -- model bridges ---------------------------------------------------------------------------------
+
+
+class ModelBridgeContract(_Contract):
+    """A model bridge claims its ``model_type``, returns a `ModelSpec`, and converts HF -> megatron -> HF
+    exactly, for every tensor-parallel rank and pipeline stage layout given (checked without megatron:
+    the conversions are plain torch). Set `bridge_name`, `model_type` and `make_checkpoint(folder)`
+    (write a tiny HF checkpoint there); `layouts` are (tp, pp) pairs."""
+
+    kind = "models"
+    bridge_name: ClassVar[str]
+    model_type: ClassVar[str]
+    layouts: ClassVar[list[tuple[int, int]]] = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    logits_atol: ClassVar[float] = 1e-4
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.bridge_name
+
+    def make_checkpoint(self, folder: Any) -> None:
+        raise NotImplementedError("write a tiny HF checkpoint of the bridge's family into `folder`")
+
+    def test_config_has_defaults(self):
+        self._plugins().bridge_for(self.model_type)
+
+    def _spec(self, folder: Any) -> Any:
+        from transformers import AutoConfig
+
+        from rlx.train.spec import ModelSpec
+
+        spec = self._plugins().bridge_for(self.model_type).spec(AutoConfig.from_pretrained(folder))
+        assert isinstance(spec, ModelSpec)
+        return spec
+
+    def test_claims_its_model_type(self):
+        assert self.model_type in self._plugins().component("models", self.bridge_name).obj.model_types
+
+    def test_round_trip_is_exact_for_every_layout(self, tmp_path):
+        import torch
+
+        from rlx.train.spec import HFCheckpoint, Stage
+
+        self.make_checkpoint(tmp_path)
+        spec = self._spec(tmp_path)
+        ckpt = HFCheckpoint(tmp_path)
+        reference = {n: ckpt.get(n) for n in ckpt.names()}
+        for tp, pp in self.layouts:
+            n = spec.num_layers // pp
+            back: dict[str, torch.Tensor] = {}
+            for stage_rank in range(pp):
+                stages = [Stage(stage_rank * n, n, stage_rank == 0, stage_rank == pp - 1, tp_rank=r, tp=tp)
+                          for r in range(tp)]
+                shards = [dict(spec.to_megatron(HFCheckpoint(tmp_path), st)) for st in stages]
+                assert all(set(s) == set(shards[0]) for s in shards)
+                back.update(spec.to_hf(stages[0], lambda name, shards=shards: [s[name] for s in shards]))
+            expected = set(reference) - ({"lm_head.weight"} if spec.tied else set())
+            assert set(back) == expected, f"tp={tp} pp={pp}: {sorted(set(back) ^ expected)[:5]}"
+            for name, t in back.items():
+                assert torch.equal(t, reference[name]), f"tp={tp} pp={pp}: {name} differs after the round trip"
+
+    @pytest.mark.integration
+    def test_megatron_logits_match_hf(self, tmp_path):
+        """The megatron model the spec builds gives the HF model's logits (fp32, CPU, within `logits_atol`).
+        Runs in a subprocess: megatron on CPU changes torch globally."""
+        import json
+        import subprocess
+        import sys
+
+        from rlx.rollout.engines.launch import free_port
+
+        self.make_checkpoint(tmp_path)
+        module = getattr(self.plugin, "__name__", "") if self.plugin is not None else ""
+        r = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT, str(tmp_path), self.model_type, module,
+                            str(free_port())], capture_output=True, text=True, timeout=300)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        assert lines, r.stderr[-3000:]
+        got = json.loads(lines[0][len("RESULT "):])
+        assert got["missing"] == [], f"the bridge left megatron weights unset: {got['missing']}"
+        assert got["max_abs_err"] < self.logits_atol, got
+
+    def test_flops_model_grows_with_length(self, tmp_path):
+        self.make_checkpoint(tmp_path)
+        f = self._spec(tmp_path).flops
+        assert 0 < f.cost(100) < f.cost(200)
+
+
+_LOGITS_SCRIPT = """
+import importlib, json, os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from rlx.train.megatron_cpu import enable
+enable()
+folder, model_type, module, port = sys.argv[1:5]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+model_parallel_cuda_manual_seed(1)
+from transformers import AutoModelForCausalLM
+from rlx.config import ParallelConfig
+from rlx.plugins import build_plugins
+from rlx.train.spec import HFCheckpoint, Stage
+extra = [(module, importlib.import_module(module))] if module else []
+plugins = build_plugins(entry_points=not extra, extra=extra)
+hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+spec = plugins.bridge_for(model_type).spec(hf.config)
+stage = Stage(0, spec.num_layers, True, True)
+model = spec.build(spec.transformer_config(ParallelConfig(), torch.float32), stage)
+state = dict(spec.to_megatron(HFCheckpoint(folder), stage))
+missing = [k for k in model.state_dict() if k not in state and not k.endswith("_extra_state")]
+model.load_state_dict(state, strict=False)
+ids = torch.randint(3, spec.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+mask = ~torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+with torch.no_grad():
+    got = model(ids, torch.arange(12)[None], attention_mask=mask)
+    want = hf(ids).logits
+print("RESULT", json.dumps({"missing": missing, "max_abs_err": (got - want).abs().max().item()}))
+"""
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+
+class KernelContract(_Contract):
+    """A kernel says where it runs (`supports` returns None or a reason, never raises) and, where it runs,
+    matches the reference implementation. Set `kernel_name`, `queries` (dicts for `supports`),
+    `example()` -> (args, kwargs) and `reference(*args, **kwargs)`; `atol` for the comparison."""
+
+    kind = "kernels"
+    kernel_name: ClassVar[str]
+    queries: ClassVar[list[dict[str, Any]]] = [{"device": "cpu", "dtype": "float32"}]
+    atol: ClassVar[float] = 1e-5
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.kernel_name
+
+    def example(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        raise NotImplementedError
+
+    def reference(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def test_supports_answers_without_raising(self):
+        k = self.build()
+        for q in self.queries:
+            got = k.supports(**q)
+            assert got is None or (isinstance(got, str) and got), f"{q}: supports() must return None or a reason"
+
+    def test_matches_reference_where_supported(self):
+        import torch
+
+        k = self.build()
+        if k.supports(**self.queries[0]) is not None:
+            pytest.skip(f"kernel {self.kernel_name!r} does not run here: {k.supports(**self.queries[0])}")
+        args, kwargs = self.example()
+        got, want = k(*args, **kwargs), self.reference(*args, **kwargs)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        for g, w in zip(got, want, strict=True):
+            assert torch.allclose(g, w, atol=self.atol), f"max difference {(g - w).abs().max().item()}"

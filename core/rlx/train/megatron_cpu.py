@@ -14,6 +14,20 @@ would raise "Torch not compiled with CUDA enabled"):
 * ``torch.cuda.synchronize``/``empty_cache``/memory queries -> no-ops or zeros.
 * ``Tensor.type()`` with no argument names CPU tensors as their CUDA types (``torch.cuda.FloatTensor``):
   megatron's optimizers choose fp32 or fp16 handling by comparing those strings.
+
+For mixture-of-experts and latent attention (each its own function, with a test that fails without it):
+
+* `stub_cuda_streams`: ``torch.cuda.Stream``/``Event``/``current_stream``/``stream`` and
+  ``Tensor.record_stream`` as no-ops: the alltoall token dispatcher makes a stream when it is built and
+  synchronises on the current one in every forward.
+* `fix_router_gemm`: megatron-core 0.16.1 binds ``moe_utils.te_general_gemm`` only when Transformer Engine
+  imports, but every router forward reads it (a NameError without TE).
+* `list_split_sizes`: on CPU the dispatcher's all-to-all split sizes stay tensors (it converts only CUDA
+  tensors), and ``all_to_all_single`` takes only sequences of ints (expert parallelism over gloo).
+* `no_te_in_mla`: multi-latent attention believes TE is there (its stand-ins are MagicMocks) and calls
+  ``isinstance`` with them. MLA's core attention is `rlx.train.attention.SDPACoreAttention`: megatron's
+  local one does not take ``k_channels``/``v_channels``.
+* `no_compile`: megatron's ``jit_fuser`` is ``torch.compile``; its first call on CPU takes tens of seconds.
 """
 
 from __future__ import annotations
@@ -74,8 +88,105 @@ def enable() -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: torch.get_rng_state()
     _proxy_megatron_torch()
+    for fix in (stub_cuda_streams, fix_router_gemm, list_split_sizes, no_te_in_mla, no_compile):
+        fix()
     _enabled = True
     return True
+
+
+class _Event:
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    def __init__(self, *a, **k) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+_STREAM = _Stream()
+
+
+def stub_cuda_streams() -> None:
+    import contextlib
+
+    cuda = torch.cuda
+    cuda.Stream, cuda.Event = _Stream, _Event
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _STREAM
+    cuda.stream = lambda s=None: contextlib.nullcontext(s)
+    torch.Tensor.record_stream = lambda self, stream=None: None
+
+
+def fix_router_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _int_list(x):
+    if x is None or isinstance(x, list):
+        return x
+    return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+
+
+def list_split_sizes() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings._AllToAll, "_rlx_int_lists", False):
+        return
+    forward = mappings._AllToAll.forward
+
+    def with_lists(ctx, group, input, output_split_sizes, input_split_sizes):
+        return forward(ctx, group, input, _int_list(output_split_sizes), _int_list(input_split_sizes))
+
+    mappings._AllToAll.forward = staticmethod(with_lists)  # backward reuses the (now list) sizes kept in ctx
+    mappings._AllToAll._rlx_int_lists = True
+
+
+def no_te_in_mla() -> None:
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
+def no_compile() -> None:
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
 
 
 def _on_cpu(device):

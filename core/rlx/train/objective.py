@@ -1,14 +1,20 @@
-"""The training objective of one micro-batch: policy loss, KL penalty, entropy bonus and truncated
-importance sampling, each weighted per token so that micro-batches add up to the global loss."""
+"""The training objective of one micro-batch: log-probs from the logits, then policy loss, KL penalty,
+entropy bonus and truncated importance sampling, each weighted per token so that micro-batches add up
+to the global loss. `micro_loss` is what megatron's schedule calls on the last pipeline stage."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlx.train.losses import KLType, kl_penalty, tis_weights
+from rlx.train.batch import TrainBatch
+from rlx.train.losses import kl_penalty, tis_weights
+
+if TYPE_CHECKING:
+    from rlx.config import ObjectiveConfig
+    from rlx.train.packing import PackedBatch
 
 
 @dataclass
@@ -26,15 +32,6 @@ class LossInputs:
     entropy: torch.Tensor | None = None
 
 
-@dataclass
-class ObjectiveConfig:
-    kl_coef: float = 0.0  # weight of the KL penalty against the reference policy (0: off)
-    kl_type: KLType = "low_var"
-    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    tis_cap: float | None = None  # importance sampling cap (None: off)
-    tis_mode: str = "truncate"  # "truncate": cap the weights; "mask": zero the tokens above the cap
-
-
 def metric_keys(kl: bool, entropy: bool) -> list[str]:
     """The metrics `objective` returns, given whether reference log-probs and entropy are passed in."""
     return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "weight", "loss"]
@@ -42,9 +39,13 @@ def metric_keys(kl: bool, entropy: bool) -> list[str]:
 
 
 def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss to back-propagate and weighted metric sums (divide by the weight sum to average)."""
+    """Loss to back-propagate and weighted metric sums (divide by the weight sum to average).
+
+    `cfg` is the ``train.objective`` section: ``kl_coef``, ``kl_type``, ``entropy_coef``, ``tis_cap``
+    and ``tis_mode`` are read here.
+    """
     w = inp.weights
-    per_token, clipped = policy_loss(inp)
+    per_token, clipped = policy_loss.loss(inp)
     if cfg.tis_cap is not None:
         tis = tis_weights(inp.old_logprobs, inp.rollout_logprobs, cfg.tis_cap, cfg.tis_mode)
         per_token = per_token * tis
@@ -72,3 +73,57 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[
             loss = loss - cfg.entropy_coef * ent
     metrics["loss"] = float(loss.detach())
     return loss, metrics
+
+
+def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_loss: Any,
+               cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one packed micro-batch from its logits, with the batch's per-token values."""
+    dev = logits.device
+    logprobs, ent = response_logprobs(mb, logits, entropy=True)
+    s = mb.samples
+    inp = LossInputs(
+        logprobs=logprobs,
+        old_logprobs=(tb.tokens(s, "old_logprobs").to(dev) if tb.old_logprobs is not None
+                      else logprobs.detach()),
+        rollout_logprobs=TrainBatch.rollout_logprobs(s).to(dev),
+        advantages=tb.tokens(s, "advantages").to(dev),
+        weights=tb.tokens(s, "weights").to(dev),
+        mask=TrainBatch.loss_mask(s).to(dev),
+        seq_index=mb.seq_index.to(dev),
+        ref_logprobs=tb.tokens(s, "ref_logprobs").to(dev) if tb.ref_logprobs is not None else None,
+        entropy=ent if cfg.entropy_coef else ent.detach(),
+    )
+    return objective(inp, policy_loss, cfg)
+
+
+def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool):
+    """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel safe."""
+    from megatron.core import tensor_parallel
+
+    dev = logits.device
+    pos = mb.response_positions.to(dev)
+    resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float()  # [T, V/tp]
+    targets = mb.targets.to(dev)[pos]
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
+                                                             targets[:, None])[:, 0]
+    ent = vocab_parallel_entropy(resp_logits) if entropy else None
+    return logprobs, ent
+
+
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the full vocabulary when its last dim is split over TP ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    m = logits.detach().max(-1, keepdim=True).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    e = torch.exp(logits - m)
+    z = e.sum(-1)
+    s = (e * logits).sum(-1)
+    if tp > 1:
+        z = reduce_from_tensor_model_parallel_region(z)
+        s = reduce_from_tensor_model_parallel_region(s)
+    return torch.log(z) + m[:, 0] - s / z

@@ -1,60 +1,55 @@
-"""Moving trainer weights into the engines, and checking that the engines serve them.
+"""Weight sync: moving the trainer's weights into the engines, and checking that they serve them.
 
-A transport is a component registered through ``register_transports``: ``name``, an optional
-pydantic ``Config``, ``async setup(engines)``, ``async push(named, version, engines)`` and
-``async close()``. ``named`` is a list of ``(hf_name, tensor)`` with full (TP-gathered) tensors.
-After every push `verify` asks each engine for its weight version and the first values of a few
-tensors; a mismatch is an error, never a silent stale policy.
+This package is the one home of weight sync: the transport contract and its context (here), bucketing
+(`buckets`), the tensor wire format (`wire`), the trainer side of a push (`sender`) and verification
+(`verify`). Transports themselves are components (``register_transports``; the built-ins live in
+`rlx.builtins.transports`, the delta transport in its own plugin).
+
+A push, as the trainer runs it (`sender.WeightSender`):
+
+1. every sending rank (one per pipeline stage: data-parallel rank 0, tensor-parallel rank 0) calls
+   ``await transport.send(named, version, ctx)`` with its stage's HF tensors, streamed one at a time
+   (``named`` is an iterator: a transport must not hold more than it needs, e.g. one bucket). The
+   stages send one after another;
+2. after every sender returned (the trainer ranks agree that all succeeded), sender 0 calls
+   ``await transport.commit(version, ctx)``, which makes the engines serve `version` (a reload from
+   disk, or setting the version once all tensors are in);
+3. each sender checks that the engines report `version` and serve the values it sent (`verify`).
+
+``setup(ctx)`` runs once on every sender before the first push (to join a broadcast group, say) and
+``close()`` once at the end.
 """
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from rlx.errors import RLXError
+
+@dataclass
+class TransportContext:
+    """What a transport instance on one sending rank knows about the push."""
+
+    engines: list[Any]  # the engines that take weights: each has `url` and `client(timeout_s=...)`
+    output_dir: Path  # the run's output folder (shared storage for disk-based transports)
+    sender: int = 0  # this sender's index (its pipeline stage)
+    senders: int = 1  # how many ranks send parts of each push
+    host: str = "127.0.0.1"  # this sender's address, where engines can reach it (rendezvous servers)
 
 
-def sample_names(named: list[tuple[str, Any]], k: int = 3) -> list[str]:
-    """A few tensors spread over the model (first, middle, last) to checksum."""
-    if not named:
-        return []
-    idx = sorted({0, len(named) // 2, len(named) - 1})[:k]
-    return [named[i][0] for i in idx]
-
-
-async def verify(engines: list[Any], named: list[tuple[str, Any]], version: int, values: int = 8) -> None:
-    """Every engine reports `version` and holds the pushed values of a few tensors."""
-    import torch
-
-    by_name = dict(named)
-    checks = sample_names(named)
-
-    async def one(engine) -> None:
-        async with engine.client(timeout_s=120) as c:
-            got = await c.weight_version()
-            if got != str(version):
-                raise RLXError(f"weight sync: engine {engine.url} reports weight version {got!r}, expected {version}")
-            for name in checks:
-                served = torch.tensor(await c.get_weights_by_name(name, values), dtype=torch.float32)
-                want = by_name[name].detach().float().flatten()[:values].cpu()
-                # Engines may hold bf16: compare at that precision.
-                if served.shape != want.shape or not torch.allclose(served, want, rtol=1e-2, atol=1e-3):
-                    raise RLXError(f"weight sync: engine {engine.url} serves different values for {name!r} "
-                                   f"after version {version}: {served[:4].tolist()} vs {want[:4].tolist()}")
-
-    await asyncio.gather(*(one(e) for e in engines))
-
-
-def buckets(named: list[tuple[str, Any]], bucket_bytes: int) -> list[list[tuple[str, Any]]]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor goes alone)."""
-    out: list[list[tuple[str, Any]]] = [[]]
+def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor goes alone), taken
+    lazily from `named` so that at most one bucket is held at a time."""
+    out: list[tuple[str, Any]] = []
     size = 0
     for name, t in named:
         n = t.numel() * t.element_size()
-        if out[-1] and size + n > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append((name, t))
+        if out and size + n > bucket_bytes:
+            yield out
+            out, size = [], 0
+        out.append((name, t))
         size += n
-    return [b for b in out if b]
+    if out:
+        yield out

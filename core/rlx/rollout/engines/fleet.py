@@ -8,6 +8,7 @@ worker, not to all of them.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,15 @@ class Engine:
 
 
 class EngineFleet:
-    def __init__(self, cfg: Config, log_dir: Path, spawn=None):
-        """`spawn(cmd, log_path)` starts an engine process (default: a local `ManagedProcess`)."""
+    def __init__(self, cfg: Config, log_dir: Path, spawn=None, engine_args: Any = None):
+        """`spawn(command, log_path) -> (process, url)` starts an engine process where it is placed: it
+        calls ``command(host, port)`` with that host's address and a port free there (default: a local
+        `ManagedProcess` on 127.0.0.1). `engine_args(model_path) -> dict`: SGLang server arguments that
+        model's family needs (from its model spec); a group's own ``server_args`` override them."""
         self.spawn = spawn or _spawn_local
         self.cfg = cfg
         self.rc = cfg.rollout
+        self.engine_args = engine_args or (lambda path: {})
         self.log_dir = Path(log_dir)
         self.engines: list[Engine] = []
         self.router: Router | None = None
@@ -47,7 +52,7 @@ class EngineFleet:
     def weight_targets(self) -> list[Engine]:
         return [e for e in self.engines if e.update_weights]
 
-    def _command(self, g: EngineGroupConfig, port: int) -> list[str]:
+    def _command(self, g: EngineGroupConfig, host: str, port: int) -> list[str]:
         path = g.model_path or self.cfg.model.path
         if g.backend == "embedded":
             if g.worker_type != "regular":
@@ -59,10 +64,11 @@ class EngineFleet:
             if self.cfg.model.dtype != "auto":
                 args.setdefault("dtype", self.cfg.model.dtype)
             args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
-            return embedded_command(path, port, server_args=args)
-        return sglang_command(resolve_model_path(path), port, tp_size=g.tp_size,
-                              mem_fraction_static=g.mem_fraction_static, worker_type=g.worker_type,
-                              server_args=g.server_args)
+            return embedded_command(path, port, server_args=args, host=host)
+        path = resolve_model_path(path)
+        return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,
+                              worker_type=g.worker_type, server_args={**self.engine_args(path), **g.server_args},
+                              host=host)
 
     async def start(self) -> None:
         try:
@@ -77,10 +83,9 @@ class EngineFleet:
         else:
             for g in self.rc.engines:
                 for i in range(g.num_engines):
-                    port = free_port()
-                    proc = self.spawn(self._command(g, port), self.log_dir / f"engine-{g.name}-{i}.log")
-                    self.engines.append(Engine(f"http://{HOST}:{port}", g.name, g.worker_type, g.update_weights,
-                                               proc))
+                    proc, url = self.spawn(functools.partial(self._command, g),
+                                           self.log_dir / f"engine-{g.name}-{i}.log")
+                    self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, proc))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
 
         prefill = [e.url for e in self.engines if e.worker_type == "prefill"]
@@ -125,7 +130,8 @@ class EngineFleet:
         self.engines = []
 
 
-def _spawn_local(cmd: list[str], log_path: Path) -> ManagedProcess:
-    proc = ManagedProcess(cmd, log_path)
+def _spawn_local(command: Any, log_path: Path) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    proc = ManagedProcess(command(HOST, port), log_path)
     proc.start()
-    return proc
+    return proc, f"http://{HOST}:{port}"

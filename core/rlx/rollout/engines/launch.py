@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlx.net import LOOPBACK, free_port
 from rlx.rollout.engines.protocol import EngineClient, EngineError
 
-HOST = "127.0.0.1"
+__all__ = ["HOST", "ManagedProcess", "embedded_command", "flags", "free_port", "sglang_command", "wait_healthy"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+HOST = LOOPBACK
 
 
 def flags(args: dict[str, Any]) -> list[str]:
@@ -54,8 +50,9 @@ def flags(args: dict[str, Any]) -> list[str]:
 
 
 def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction_static: float | None = None,
-                   worker_type: str = "regular", server_args: dict[str, Any] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", HOST,
+                   worker_type: str = "regular", server_args: dict[str, Any] | None = None,
+                   host: str = HOST) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp_size)]
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
@@ -64,9 +61,10 @@ def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction
     return cmd + flags(server_args or {})
 
 
-def embedded_command(model_path: str, port: int, *, server_args: dict[str, Any] | None = None) -> list[str]:
+def embedded_command(model_path: str, port: int, *, server_args: dict[str, Any] | None = None,
+                     host: str = HOST) -> list[str]:
     return [sys.executable, "-m", "rlx.rollout.engines.embedded", "--model-path", model_path,
-            "--host", HOST, "--port", str(port), *flags(server_args or {})]
+            "--host", host, "--port", str(port), *flags(server_args or {})]
 
 
 @dataclass

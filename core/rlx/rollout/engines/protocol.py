@@ -242,6 +242,11 @@ class EngineClient:
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "weight_version": weight_version, "flush_cache": True}), self.base_url)
 
+    async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> Any:
+        """Set the served weight version once every part of a push has arrived."""
+        return _checked(await self.request("POST", "/update_weight_version", {
+            "new_version": version, "abort_all_requests": abort_all_requests}), self.base_url)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 

@@ -41,7 +41,7 @@ class EngineServer:
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
         self.server_args = server_args or {}
-        self.group: W.BroadcastGroup | None = None
+        self.groups: dict[str, W.BroadcastGroup] = {}  # weight-update groups by name (one per sending rank)
         self.app = web.Application(middlewares=[self._middleware], client_max_size=1 << 31)
         r = self.app.router
         r.add_post("/generate", self.generate)
@@ -62,6 +62,7 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/release_memory_occupation", self.release_memory)
         r.add_post("/resume_memory_occupation", self.resume_memory)
 
@@ -71,7 +72,7 @@ class EngineServer:
             resp = await handler(request)
         except BadRequest as e:
             resp = _error(400, str(e))
-        except W.WeightError as e:
+        except W.WireError as e:
             resp = web.json_response({"success": False, "message": str(e)}, status=400)
         except json.JSONDecodeError as e:
             resp = _error(400, f"body is not valid JSON: {e}")
@@ -358,25 +359,40 @@ class EngineServer:
             args = dict(master_address=body["master_address"], master_port=int(body["master_port"]),
                         rank=int(body["rank_offset"]), world_size=int(body["world_size"]),
                         group_name=body.get("group_name", "weight_update_group"),
-                        backend=body.get("backend", "gloo"))
+                        backend=body.get("backend", "gloo"), local_address=self.server_args.get("host"))
         except (KeyError, ValueError) as e:
             raise BadRequest(f"init_weights_update_group needs master_address, master_port, rank_offset, "
                              f"world_size: {e}") from None
         try:
-            self.group = await asyncio.to_thread(W.BroadcastGroup, **args)
+            self.groups[args["group_name"]] = await asyncio.to_thread(W.BroadcastGroup, **args)
         except Exception as e:
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=500)
         return self._ok()
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        self.group = None
+        body = await self._json(request)
+        self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        return self._ok()
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if body.get("new_version") is None:
+            raise BadRequest("new_version is required")
+
+        def apply():
+            if body.get("abort_all_requests"):
+                self.s._abort(None, "aborted for a weight update")
+            self.s.weight_version = str(body["new_version"])
+
+        await self._call(apply)
         return self._ok()
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        if self.group is None:
-            raise BadRequest("no weight update group; call /init_weights_update_group first")
-        group = self.group
+        name = body.get("group_name", "weight_update_group")
+        group = self.groups.get(name)
+        if group is None:
+            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise BadRequest("names, dtypes and shapes are required lists")

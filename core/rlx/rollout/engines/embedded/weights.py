@@ -7,13 +7,16 @@ gives up its default group: the trainer keeps Megatron's, the engine has none. T
 
 from __future__ import annotations
 
-import base64
-import pickle
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlx.transport.wire import WireError, deserialize_named_tensors
+
+__all__ = ["BroadcastGroup", "WeightError", "WireError", "deserialize_named_tensors", "load_from_disk",
+           "load_named", "weights_by_name"]
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -21,7 +24,7 @@ DTYPES = {
 }
 
 
-class WeightError(ValueError):
+class WeightError(WireError):
     """A weight update that cannot be applied (unknown name, wrong shape, unreadable file)."""
 
 
@@ -52,41 +55,13 @@ def load_from_disk(model: torch.nn.Module, path: str) -> int:
     return load_named(model, named)
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """The client side of ``/update_weights_from_tensor``: pickled pairs, base64 for JSON.
-
-    CPU tensors travel by value; CUDA tensors through torch's reductions become IPC handles, so a
-    colocated engine maps the trainer's memory instead of copying it over HTTP.
-    """
-    if any(t.is_cuda for _, t in named):
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions)
-
-        return base64.b64encode(ForkingPickler.dumps(named)).decode()
-    return base64.b64encode(pickle.dumps([(n, _own_storage(t.detach().cpu())) for n, t in named])).decode()
-
-
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy when it is a view into a larger storage: pickle writes a view's whole storage, and
-    megatron's parameters are views into one buffer holding the entire model."""
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return t.clone()
-    return t
-
-
-def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
-    named = pickle.loads(base64.b64decode(payload))
-    if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
-        raise WeightError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
-    return named
-
-
 class BroadcastGroup:
     """The engine's end of a trainer→engines broadcast group."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 group_name: str, backend: str, timeout_s: float = 300):
+                 group_name: str, backend: str, timeout_s: float = 300, local_address: str | None = None):
+        """`local_address`: the address this engine serves on; gloo binds to it (across hosts the
+        default, the hostname's address, is often loopback)."""
         import torch.distributed as dist
 
         if rank <= 0:
@@ -96,7 +71,11 @@ class BroadcastGroup:
         store = dist.PrefixStore(group_name, store)
         self.name, self.rank, self.world_size = group_name, rank, world_size
         if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+            from rlx.net import gloo_options
+
+            opts = gloo_options(local_address)
+            opts._timeout = timedelta(seconds=timeout_s)
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
             self.device = torch.device("cpu")
         elif backend == "nccl":
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size)

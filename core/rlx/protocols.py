@@ -1,0 +1,258 @@
+"""The typed contract of every component kind, checked when a plugin registers a component.
+
+Each kind has a `typing.Protocol` (for readers, type checkers and IDEs) and a list of `Method`s that
+`check_component` enforces at registration: a component missing a method, with a method that takes the
+wrong number of arguments, or a coroutine where a plain function is due (or the other way round) is a
+`PluginError` naming the plugin, the component and the method, before any run starts.
+
+Kinds and what config selects them:
+
+=============  ==========================================  =================================
+kind           contract                                    selected by
+=============  ==========================================  =================================
+rewards        ``score(sample)`` (plain or async)          ``rollout.rewards[i].name``
+generators     ``async generate(ctx, sample)``             ``rollout.generator``
+advantages     ``advantages(groups)``                      ``train.objective.advantage``
+losses         ``loss(inputs)``                            ``train.objective.loss``
+balancers      ``partition(lengths, k, flops)``            ``train.balancer``
+transports     ``async setup/send/commit/close``           ``train.transport``
+models         ``spec(hf_config) -> ModelSpec``            the checkpoint's ``model_type``
+kernels        ``supports(**query)``, ``__call__``         by name, from model bridges
+agents         ``async run(base_url, api_key, task)``      ``rollout.generator.args.function``
+loggers        ``log_metrics(step, metrics)``, ``close()``  ``run.loggers``
+=============  ==========================================  =================================
+
+A component is a class (instantiated with its validated ``Config`` when it has one) or an object.
+Only methods are checked; what they return is checked where it is used, with the component named.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlx.rollout.context import GenerateContext
+    from rlx.train.balance import FlopsModel
+    from rlx.train.objective import LossInputs
+    from rlx.train.spec import ModelSpec
+    from rlx.transport import TransportContext
+    from rlx.types import Group, RewardResult, Sample
+
+
+@runtime_checkable
+class Reward(Protocol):
+    name: ClassVar[str]
+
+    def score(self, sample: Sample) -> RewardResult | float: ...
+
+
+@runtime_checkable
+class Generator(Protocol):
+    name: ClassVar[str]
+
+    async def generate(self, ctx: GenerateContext, sample: Sample) -> list[Sample]: ...
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """Advantages of the trainable samples: one number per sample (broadcast over its tokens) or one per
+    response token. Keys are sample ids; a trainable sample left out is not trained on."""
+
+    name: ClassVar[str]
+
+    def advantages(self, groups: list[Group]) -> Mapping[int, float | Sequence[float]]: ...
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """Per-token policy loss (to minimise) and a per-token bool of where it was clipped."""
+
+    name: ClassVar[str]
+
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class Balancer(Protocol):
+    """Indices of the samples (by length) for each of `k` data-parallel ranks."""
+
+    name: ClassVar[str]
+
+    def partition(self, lengths: list[int], k: int, flops: FlopsModel | None) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves trainer weights into the engines. See `rlx.transport` for the push protocol."""
+
+    name: ClassVar[str]
+
+    async def setup(self, ctx: TransportContext) -> None: ...
+
+    async def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, ctx: TransportContext) -> None: ...
+
+    async def commit(self, version: int, ctx: TransportContext) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ModelBridge(Protocol):
+    """Claims HF ``model_type`` values and describes how to build and convert such a model."""
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+
+    def spec(self, hf_config: Any) -> ModelSpec: ...
+
+
+@runtime_checkable
+class Kernel(Protocol):
+    """An optional fast implementation of one operation (``op``, e.g. ``"gdn"``).
+
+    ``supports(**query)`` returns None when the kernel can run for the query (device, dtype, shapes),
+    else the reason it cannot, checked before anything heavy is imported.
+    """
+
+    name: ClassVar[str]
+    op: ClassVar[str]
+
+    def supports(self, **query: Any) -> str | None: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class Agent(Protocol):
+    name: ClassVar[str]
+
+    async def run(self, base_url: str, api_key: str, task: dict[str, Any]) -> float | None: ...
+
+
+@runtime_checkable
+class Logger(Protocol):
+    """Receives every step's metrics (and is closed at the end of the run)."""
+
+    name: ClassVar[str]
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# -- what registration checks ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    args: tuple[str, ...]  # positional arguments after self, by their contract names
+    kind: Literal["sync", "async", "either"] = "sync"
+    check_args: bool = True  # False: the arguments depend on the component (a kernel's op)
+
+    def describe(self) -> str:
+        prefix = "async " if self.kind == "async" else ""
+        return f"{prefix}{self.name}({', '.join(self.args)})"
+
+
+CONTRACTS: dict[str, list[Method]] = {
+    "rewards": [Method("score", ("sample",), "either")],
+    "generators": [Method("generate", ("ctx", "sample"), "async")],
+    "advantages": [Method("advantages", ("groups",))],
+    "losses": [Method("loss", ("inputs",))],
+    "balancers": [Method("partition", ("lengths", "k", "flops"))],
+    "transports": [Method("setup", ("ctx",), "async"), Method("send", ("named", "version", "ctx"), "async"),
+                   Method("commit", ("version", "ctx"), "async"), Method("close", (), "async")],
+    "models": [Method("spec", ("hf_config",))],
+    "kernels": [Method("supports", ()), Method("__call__", (), check_args=False)],
+    "agents": [Method("run", ("base_url", "api_key", "task"), "async")],
+    "loggers": [Method("log_metrics", ("step", "metrics")), Method("close", ())],
+}
+
+#: Class attributes a kind needs beside ``name``: (attribute, the type its value must have).
+ATTRIBUTES: dict[str, list[tuple[str, type]]] = {
+    "models": [("model_types", tuple)],
+    "kernels": [("op", str)],
+}
+
+PROTOCOLS: dict[str, type] = {
+    "rewards": Reward, "generators": Generator, "advantages": AdvantageEstimator, "losses": PolicyLoss,
+    "balancers": Balancer, "transports": Transport, "models": ModelBridge, "kernels": Kernel, "agents": Agent,
+    "loggers": Logger,
+}
+
+
+def contract_problems(kind: str, obj: Any) -> list[str]:
+    """What `obj` lacks to be a component of `kind` (empty when it fulfils the contract)."""
+    problems = []
+    for attr, typ in ATTRIBUTES.get(kind, []):
+        if not isinstance(getattr(obj, attr, None), typ):
+            problems.append(f"needs a class attribute {attr!r} of type {typ.__name__}")
+    for m in CONTRACTS[kind]:
+        fn = _lookup(obj, m.name)
+        if fn is None or not callable(fn):
+            problems.append(f"lacks method {m.describe()}")
+            continue
+        is_async = inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
+        if m.kind == "async" and not is_async:
+            problems.append(f"method {m.name} must be async ({m.describe()})")
+        elif m.kind == "sync" and is_async:
+            problems.append(f"method {m.name} must not be async ({m.describe()})")
+        raw = _static(obj, m.name)
+        # a plain function looked up on a class still takes self; a bound method, a staticmethod or a
+        # classmethod takes only the contract's arguments
+        bound = not inspect.isclass(obj) or isinstance(raw, (staticmethod, classmethod))
+        why = _arity_problem(fn, len(m.args), bound=bound)
+        if why and m.check_args:
+            problems.append(f"method {m.name} {why}; the contract is {m.describe()}")
+    return problems
+
+
+def _lookup(obj: Any, name: str) -> Any:
+    """The attribute `name` as the component defines it (not ``object``'s or ``type``'s own)."""
+    if not inspect.isclass(obj) and name in getattr(obj, "__dict__", {}):
+        return getattr(obj, name)
+    cls = obj if inspect.isclass(obj) else type(obj)
+    if any(name in vars(c) for c in cls.__mro__ if c is not object):
+        return getattr(obj, name)
+    return None
+
+
+def _static(obj: Any, name: str) -> Any:
+    try:
+        return inspect.getattr_static(obj, name)
+    except AttributeError:
+        return None
+
+
+def _arity_problem(fn: Any, n: int, bound: bool) -> str | None:
+    """None if `fn` accepts exactly the contract's `n` positional arguments (after self), else why not."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # builtins without signatures: cannot tell, let it through
+    params = list(sig.parameters.values())
+    if not bound and params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]  # self (an unbound method of a class)
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    required_kw = [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if len(required) > n or required_kw:
+        extra = [p.name for p in required[n:]] + [p.name for p in required_kw]
+        return f"requires argument(s) the caller never passes: {', '.join(extra)}"
+    if len(positional) < n:
+        return f"takes {len(positional)} positional argument(s), but is called with {n}"
+    return None
+
+
+def describe_contract(kind: str) -> str:
+    """One line per required method, for error messages and docs."""
+    return ", ".join(m.describe() for m in CONTRACTS[kind])
+

@@ -1,0 +1,38 @@
+"""A small training run's config, for tests of plugins and of rlx itself: the tiny model on generated
+arithmetic, a few steps on CPU, one engine. Sections given as keyword arguments are merged into the
+defaults key by key, so a test states only what it is about."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlx.data.tasks import arithmetic, write_jsonl
+
+
+def small_run_config(folder: Path, name: str, *, seed: int = 1, **sections: dict[str, Any]) -> Path:
+    """Write ``<folder>/<name>.yaml`` (output in ``<folder>/<name>``) and return its path."""
+    folder = Path(folder)
+    data = write_jsonl(arithmetic(40, seed=3), folder / "data.jsonl")
+    doc: dict[str, Any] = {
+        "run": {"output_dir": str(folder / name), "seed": seed},
+        "model": {"path": "builtin://tiny-qwen3"},
+        "data": {"path": str(data)},
+        "rollout": {"n_prompts": 2, "n_samples_per_prompt": 2, "rewards": ["digits"],
+                    "sampling": {"max_new_tokens": 8}, "engines": [{"server_args": {"num_threads": 1}}]},
+        "train": {"num_steps": 3, "optim": {"lr": 1.0e-3}},
+    }
+    _merge(doc, sections)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v

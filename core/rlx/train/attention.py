@@ -1,0 +1,53 @@
+"""A core attention over torch's scaled_dot_product_attention for megatron's local layer specs.
+
+megatron-core's local ``DotProductAttention`` does not accept ``k_channels``/``v_channels`` (still so in
+0.19), which multi-latent attention passes (its keys and values have different head sizes), so a local
+MLA spec cannot be built with it. Model bridges for MLA families put `SDPACoreAttention` in the spec's
+``core_attention``. Masks follow megatron: True where attention is not allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPACoreAttention(MegatronModule):
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None, **kwargs: Any):
+        super().__init__(config=config)
+        self.attn_mask_type = attn_mask_type
+        k = k_channels if k_channels is not None else config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
+                packed_seq_params: Any = None, **kwargs: Any) -> torch.Tensor:
+        """query [sq, b, heads, dk], key [sk, b, groups, dk], value [sk, b, groups, dv] -> [sq, b, heads * dv]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention takes packed rows through the attention mask, "
+                                      "not packed_seq_params")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if k.size(1) != q.size(1):  # grouped-query attention
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask, causal = None, False
+        if attention_mask is not None:
+            mask = ~attention_mask.bool()
+        elif (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal and q.size(2) > 1:
+            causal = True
+        if attention_bias is not None:
+            bias = attention_bias.to(q.dtype)
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             dropout_p=self.dropout_p if self.training else 0.0,
+                                             scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)

@@ -1,0 +1,364 @@
+"""A model role: one megatron model with its optimizer, scheduler, checkpoint and forward passes.
+
+Roles are ``actor`` (trained, pushed to the engines), ``reference`` (frozen initial policy, for the KL
+penalty) and, for value-based methods, ``critic``. A role knows nothing about RL: it runs megatron's
+forward(-backward) schedule over packed micro-batches with a loss function it is given, and converts
+its weights to and from HF through the model spec of its bridge.
+
+Choices:
+
+* The model is whatever the `ModelSpec` builds for this rank's `Stage`, wrapped (when trained) in
+  megatron's DDP with the DistributedOptimizer. fp32 on CPU, bf16 on GPU (``model.dtype``).
+* Weights load tensor by tensor from the HF checkpoint, each rank reading only its own slice
+  (`HFCheckpoint.shard`), straight into the allocated parameters: no rank ever holds the whole HF
+  state. A frozen role can start from another role's weights in memory instead (the reference from
+  the actor, when the layouts are equal), without reading the checkpoint again.
+* Forward and backward go through megatron's own schedule (``get_forward_backward_func``): no
+  pipelining, or 1F1B across stages with ``variable_seq_lengths``, so packed micro-batches may differ
+  in shape. Only the last stage computes losses.
+* `hf_tensors` yields the stage's HF tensors one at a time, each gathered over tensor parallelism when
+  it is reached, for weight pushes and HF export.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlx.errors import RLXError
+from rlx.train.packing import PackedBatch
+from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in megatron's layout."""
+
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def sender(self) -> bool:
+        """Whether this rank sends its stage's weights (one rank per pipeline stage)."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+
+def init_distributed(parallel: Any, seed: int, master_addr: str = "127.0.0.1") -> ParallelState:
+    """Join (or create, for one process) the default process group and megatron's model-parallel groups.
+
+    `parallel` is a ``ParallelConfig``. Outside torchrun/Ray (no ``WORLD_SIZE``) a one-process group
+    is created on `master_addr`.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from rlx.train import megatron_cpu
+
+    megatron_cpu.enable()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            from rlx.net import free_port
+
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR=master_addr,
+                              MASTER_PORT=str(free_port(master_addr)))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    p = parallel
+    if world != p.world_size:
+        raise RLXError(f"train.parallel.world_size is {p.world_size} but {world} trainer processes are running")
+    if world % (p.tp * p.pp):
+        raise RLXError(f"train.parallel.world_size {world} is not a multiple of tp*pp = {p.tp * p.pp}")
+    if world % (p.expert_tp * p.ep * p.pp):
+        raise RLXError(f"train.parallel.world_size {world} is not a multiple of etp*ep*pp = "
+                       f"{p.expert_tp * p.ep * p.pp}")
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(p.tp, p.pp, expert_model_parallel_size=p.ep,
+                                     expert_tensor_parallel_size=p.expert_tp)
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelState(
+        dist.get_rank(), world, p.tp, p.pp, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+        p.ep, ps.get_expert_model_parallel_rank(), p.expert_tp, ps.get_expert_tensor_parallel_rank())
+
+
+def stage_of(spec: ModelSpec, par: ParallelState) -> Stage:
+    if spec.num_layers % par.pp:
+        raise RLXError(f"train.parallel.pp: {par.pp} pipeline stages cannot split the model's "
+                       f"{spec.num_layers} layers evenly")
+    n = spec.num_layers // par.pp
+    return Stage(layer_offset=par.pp_rank * n, num_layers=n, first=par.first_stage, last=par.last_stage,
+                 tp_rank=par.tp_rank, tp=par.tp, ep_rank=par.ep_rank, ep=par.ep, etp_rank=par.etp_rank,
+                 etp=par.etp)
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ModelRole:
+    """One megatron model of this rank, built from a spec. Load its weights (`load_hf` or `load_from`),
+    then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
+
+    def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: Any, dtype: torch.dtype):
+        self.name, self.spec, self.par, self.dtype = name, spec, par, dtype
+        if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
+            raise RLXError(f"train.parallel: ep={par.ep}, etp={par.etp} split experts, but the "
+                           f"{spec.model_type!r} model has none; leave ep at 1 and etp unset")
+        if par.ep > 1:
+            raise RLXError("train.parallel.ep > 1: weight pushes and HF export do not gather experts split "
+                           "over ranks yet (this comes with the MoE model plugins); use ep: 1")
+        self.stage = stage_of(spec, par)
+        # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
+        self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
+                                              variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        self.model = spec.build(self.config, self.stage)
+        if torch.cuda.is_available():
+            self.model.cuda()
+        self.trainable = False
+        self.ddp: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+
+    def start_training(self, optim: Any, total_updates: int) -> None:
+        """Wrap the loaded model for training with `optim` (an ``OptimConfig``)."""
+        self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)
+        self.trainable = True
+
+    def freeze(self) -> None:
+        self.model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    # -- weights in ------------------------------------------------------------------------------
+
+    def load_hf(self, ckpt: HFCheckpoint) -> None:
+        """Copy this rank's tensors from the HF checkpoint into the model, one tensor at a time."""
+        self._copy_in(self.spec.to_megatron(ckpt, self.stage), f"model bridge for {self.spec.model_type!r}")
+
+    def load_from(self, other: ModelRole) -> None:
+        """Start from another role's current weights (same spec and layout), without reading the checkpoint."""
+        self._copy_in(self._local_state(other.model).items(), f"role {other.name!r}")
+
+    def _copy_in(self, named: Any, source: str) -> None:
+        if self.trainable:
+            raise RLXError(f"{self.name}: weights are loaded before start_training, not after")
+        state = self._local_state(self.model)
+        seen = set()
+        with torch.no_grad():
+            for name, t in named:
+                if name not in state:
+                    raise RLXError(f"{source} produced {name!r}, which the {self.name} model does not have")
+                if tuple(t.shape) != tuple(state[name].shape):
+                    raise RLXError(f"{source}: {name!r} has shape {tuple(t.shape)}, the {self.name} model "
+                                   f"expects {tuple(state[name].shape)}")
+                state[name].copy_(t)
+                seen.add(name)
+        missing = [k for k in state if k not in seen]
+        if missing:
+            raise RLXError(f"{source} left weights of the {self.name} model unset: {missing[:5]}")
+
+    @staticmethod
+    def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+
+    def _wrap(self, optim: Any, total_updates: int):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = optim
+        ddp = DistributedDataParallel(self.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                                  grad_reduce_in_fp32=True),
+                                      self.model)
+        opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, use_distributed_optimizer=True,
+            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype), [ddp])
+        sched = OptimizerParamScheduler(opt, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr,
+                                        min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
+                                        lr_decay_steps=max(total_updates, o.lr_warmup_steps + 1),
+                                        lr_decay_style=o.lr_decay, start_wd=o.weight_decay,
+                                        end_wd=o.weight_decay, wd_incr_steps=max(total_updates, 1),
+                                        wd_incr_style="constant")
+        return ddp, opt, sched
+
+    # -- forward / backward ----------------------------------------------------------------------
+
+    def schedule(self, batches: list[PackedBatch], loss_fn: Callable[[PackedBatch, torch.Tensor], Any],
+                 forward_only: bool) -> list[Any]:
+        """Run megatron's forward(-backward) schedule over packed micro-batches.
+
+        ``loss_fn(mb, logits)`` runs on the last stage only and returns ``(loss, metrics)``, or, when
+        ``forward_only``, any data to collect. Returns what the last stage collected ([] elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not batches:
+            return []
+        dev = device()
+        model = self.ddp if (self.trainable and not forward_only) else self.model
+
+        def forward_step(data_iterator, m):
+            mb = next(data_iterator)
+            out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
+
+            def reduce(logits, non_loss_data=False):
+                if non_loss_data:
+                    return loss_fn(mb, logits)
+                loss, metrics = loss_fn(mb, logits)
+                return loss, torch.tensor(1, dtype=torch.int), metrics
+
+            return out, reduce
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for b in batches),
+            micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Finish the gradient reduction and step; returns the gradient norm."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
+        # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
+        finalize_model_grads([self.ddp])
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RLXError(f"{self.name}: the optimizer step failed (non-finite gradients)")
+        self.scheduler.step(increment=1)
+        return float(grad_norm or 0.0)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # -- weights out -----------------------------------------------------------------------------
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's full HF tensors, one at a time (collective over the stage's tensor-parallel group:
+        every rank of it must iterate to the end)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        state = self._local_state(self.model)
+        tp = self.par.tp
+
+        def gather(name: str) -> list[torch.Tensor]:
+            t = state[name].detach()
+            if tp == 1:
+                return [t]
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            return parts
+
+        yield from self.spec.to_hf(self.stage, gather)
+
+    # -- checkpoint ------------------------------------------------------------------------------
+
+    def _inner_optimizers(self) -> list:
+        """The torch optimizers over this rank's shard of main parameters, inside megatron's wrappers."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [o.optimizer for o in chained]
+
+    @property
+    def _shard_name(self) -> str:
+        """The model shard this rank holds: one per tensor, pipeline and expert (tensor) parallel position."""
+        p = self.par
+        return (f"model_tp{p.tp_rank}_pp{p.pp_rank}" + (f"_ep{p.ep_rank}" if p.ep > 1 else "")
+                + (f"_etp{p.etp_rank}" if p.etp != p.tp else "") + ".pt")
+
+    def _first_holder(self) -> bool:
+        """Whether this is the lowest rank holding this shard (the one that writes it)."""
+        import torch.distributed as dist
+
+        names: list[Any] = [None] * self.par.world
+        dist.all_gather_object(names, self._shard_name)
+        return names.index(self._shard_name) == self.par.rank
+
+    def _layout(self) -> list[int]:
+        p = self.par
+        return [p.tp, p.pp, p.dp, p.ep, p.etp]
+
+    def save(self, folder: Path) -> None:
+        """Model shard (one per tp/pp/ep position) and this rank's optimizer shard into `folder`/<role>.
+
+        Optimizer state is saved per rank as torch's own state dict of the shard (megatron's
+        gather-to-rank-0 loader expects a fused Adam without a ``step`` entry), so a resume must use
+        the same parallel layout.
+        """
+        import torch.distributed as dist
+
+        d = folder / self.name
+        d.mkdir(parents=True, exist_ok=True)
+        if self.trainable:
+            inner = self._inner_optimizers()
+            torch.save({
+                "inner": [o.state_dict() for o in inner],
+                "main": [[p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner],
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            }, d / f"optimizer_rank{self.par.rank}.pt")
+        if self._first_holder():
+            torch.save(self.model.state_dict(), d / self._shard_name)
+        if self.par.rank == 0 and self.trainable:
+            torch.save({"scheduler": self.scheduler.state_dict(), "layout": self._layout()}, d / "scheduler.pt")
+        dist.barrier()
+
+    def load(self, folder: Path) -> None:
+        d = folder / self.name
+        shard = d / self._shard_name
+        if self.trainable:
+            meta = torch.load(d / "scheduler.pt", weights_only=False)
+            if meta["layout"] != self._layout():
+                raise RLXError(f"--resume: checkpoint {folder} was written with tp, pp, dp, ep, etp = "
+                               f"{meta['layout']}; this run has {self._layout()} (resume needs the same layout)")
+        if not shard.exists():
+            raise RLXError(f"--resume: checkpoint {folder} has no {self.name} shard {shard.name}")
+        self.model.load_state_dict(torch.load(shard, weights_only=False), strict=False)
+        if not self.trainable:
+            return
+        opt = torch.load(d / f"optimizer_rank{self.par.rank}.pt", weights_only=False)
+        with torch.no_grad():
+            for o, sd, main in zip(self._inner_optimizers(), opt["inner"], opt["main"], strict=True):
+                o.load_state_dict(sd)
+                for p, v in zip((p for g in o.param_groups for p in g["params"]), main, strict=True):
+                    p.copy_(v)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        torch.set_rng_state(opt["rng"]["torch"])
+        random.setstate(opt["rng"]["python"])
+        if opt["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(opt["rng"]["cuda"])

@@ -1,0 +1,227 @@
+"""The public model-bridge API: what a model plugin implements and the helpers it builds on.
+
+A model bridge (``register_models``) claims HF ``model_type`` values and returns, from an HF config, a
+`ModelSpec`: everything model-specific, so that the trainer builds whatever the spec returns and knows
+no architecture (as torchtitan's TrainSpec and state-dict adapters do). A spec says
+
+* the shape facts the rest of rlx needs (layers, vocabulary, tied embeddings, context) and the FLOPs
+  model the balancer uses (`flops`);
+* the megatron ``TransformerConfig`` (`transformer_config`) and the model of one pipeline stage
+  (`build`; the default is megatron's GPTModel with the spec's `layer_spec`);
+* HF -> megatron (`to_megatron`): this rank's tensors, read tensor by tensor (and only this rank's
+  slice of each) from the checkpoint through `HFCheckpoint`, never the whole model in memory;
+* megatron -> HF (`to_hf`): the stage's HF tensors one at a time, from each megatron tensor gathered
+  over tensor parallelism on demand, so that HF export and weight pushes never hold two full copies;
+* what engines need beside the HF folder (`engine_args`, e.g. SGLang flags a family requires).
+
+`Stage` says which part of the model a rank holds. Helpers here (`tp_chunk`, `fuse_qkv`, `split_qkv`)
+are shared by bridges; families with experts or latent attention add their own on top of these.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlx.errors import RLXError
+from rlx.train.balance import FlopsModel
+
+if TYPE_CHECKING:
+    import torch
+
+#: ``gather(megatron_name)``: that tensor from every tensor-parallel rank of the stage, in rank order.
+Gather = Callable[[str], "list[torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The part of the model one rank holds: a pipeline stage's layers, and its parallel shard."""
+
+    layer_offset: int  # global index of the stage's first layer
+    num_layers: int
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and output layer
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0  # expert parallel: this rank holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)
+    ep: int = 1
+    etp_rank: int = 0  # expert tensor parallel
+    etp: int = 1
+
+    def layers(self) -> range:
+        """Global indices of the stage's layers (megatron names them 0..num_layers-1 locally)."""
+        return range(self.layer_offset, self.layer_offset + self.num_layers)
+
+
+class HFCheckpoint:
+    """An HF checkpoint folder read lazily: names, shapes, one tensor, or one rank's slice of it.
+
+    Nothing is read until asked for, and `shard` reads only the requested slice from disk
+    (safetensors' ``get_slice``), so a rank holding 1/tp of a layer reads about 1/tp of its bytes.
+    """
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise RLXError(f"model.path: no *.safetensors in {self.folder}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, Any] = {}
+        for h in self._handles:
+            for name in h.keys():
+                self._where[name] = h
+        self.bytes_read = 0  # what `get` and `shard` read so far (for memory tests)
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def _handle(self, name: str) -> Any:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise RLXError(f"model.path: the checkpoint in {self.folder} has no tensor {name!r}") from None
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def shard(self, name: str, dim: int, rank: int, parts: int) -> torch.Tensor:
+        """Chunk `rank` of `parts` equal chunks along `dim`, reading only that chunk."""
+        if parts == 1:
+            return self.get(name)
+        sl = self._handle(name).get_slice(name)
+        size = sl.get_shape()[dim]
+        if size % parts:
+            raise RLXError(f"{name}: dimension {dim} ({size}) does not split into {parts} parallel parts")
+        n = size // parts
+        index = [slice(None)] * len(sl.get_shape())
+        index[dim] = slice(rank * n, (rank + 1) * n)
+        t = sl[tuple(index)]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+@dataclass
+class ModelSpec:
+    """What the trainer needs to build and convert one model. Bridges subclass it and fill the methods.
+
+    The defaults cover megatron's GPTModel with rotary embeddings; a bridge overrides `build` for
+    anything else.
+    """
+
+    model_type: str
+    hf_config: Any = field(repr=False)
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    max_positions: int
+    tied: bool
+    flops: FlopsModel
+    rope_theta: float = 10000.0
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+
+    # -- megatron side ---------------------------------------------------------------------------
+
+    def transformer_config(self, parallel: Any, dtype: torch.dtype, **common: Any) -> Any:
+        """megatron's TransformerConfig for `parallel` (a ParallelConfig). `common` holds what the
+        trainer needs set on every model (loss per token, variable sequence lengths...)."""
+        raise NotImplementedError
+
+    def layer_spec(self, config: Any, stage: Stage) -> Any:
+        """megatron's ModuleSpec of a transformer layer (local, non Transformer Engine, on CPU)."""
+        raise NotImplementedError
+
+    def build(self, config: Any, stage: Stage) -> torch.nn.Module:
+        """The megatron model of one pipeline stage, with uninitialised-but-allocated weights."""
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel(config, self.layer_spec(config, stage), vocab_size=self.vocab_size,
+                        max_sequence_length=self.max_positions, position_embedding_type="rope",
+                        rotary_base=self.rope_theta, share_embeddings_and_output_weights=self.tied,
+                        pre_process=stage.first, post_process=stage.last)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def to_megatron(self, ckpt: HFCheckpoint, stage: Stage) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's megatron tensors (local names), one at a time, read from the HF checkpoint."""
+        raise NotImplementedError
+
+    def to_hf(self, stage: Stage, gather: Gather) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stage's full HF tensors, one at a time. Every tensor-parallel rank of the stage runs it
+        (`gather` is collective); only what tensor-parallel rank 0 yields is used."""
+        raise NotImplementedError
+
+    def engine_args(self) -> dict[str, Any]:
+        """SGLang server arguments this model family needs (``{}`` for most)."""
+        return {}
+
+
+# -- helpers bridges share -------------------------------------------------------------------------
+
+
+def tp_chunk(t: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    """Chunk `rank` of `parts` along `dim` (a copy, so it owns its storage)."""
+    return t.chunk(parts, dim=dim)[rank].clone() if parts > 1 else t
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int,
+             head_dim: int) -> torch.Tensor:
+    """megatron's fused ``linear_qkv`` layout from separate q, k and v (weights or biases): per query
+    group, ``[its q heads, k, v]``. Tensor parallelism splits it by query groups (dim 0)."""
+    import torch
+
+    per = heads // kv_heads
+    q = q.reshape(kv_heads, per * head_dim, *q.shape[1:])
+    k = k.reshape(kv_heads, head_dim, *k.shape[1:])
+    v = v.reshape(kv_heads, head_dim, *v.shape[1:])
+    return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+
+
+def split_qkv(fused: torch.Tensor, heads: int, kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `fuse_qkv` on the full (tensor-parallel gathered) tensor."""
+    per = heads // kv_heads
+    g = fused.reshape(kv_heads, (per + 2) * head_dim, *fused.shape[1:])
+    q, k, v = g.split([per * head_dim, head_dim, head_dim], dim=1)
+    rest = fused.shape[1:]
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
+
+
+def rope_theta(hf_config: Any, default: float = 10000.0) -> float:
+    """RoPE base, wherever the transformers version keeps it."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta or getattr(hf_config, "rope_theta", None) or default)
+
+
+def model_spec(model_path: str | Path, plugins: Any) -> ModelSpec:
+    """The spec of the HF checkpoint at `model_path`, from the bridge that claims its ``model_type``."""
+    from transformers import AutoConfig
+
+    bridge = plugins.bridge_for(read_model_type(model_path))
+    spec = bridge.spec(AutoConfig.from_pretrained(str(model_path)))
+    if not isinstance(spec, ModelSpec):
+        raise RLXError(f"model bridge {bridge.name!r} returned {type(spec).__name__} from spec(); "
+                       f"the contract is an rlx.train.spec.ModelSpec")
+    return spec
+
+
+def read_model_type(folder: str | Path) -> str:
+    """The ``model_type`` of an HF checkpoint folder (from config.json), without importing transformers."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())["model_type"]
+    except (OSError, ValueError, KeyError) as e:
+        raise RLXError(f"model.path: cannot read model_type from {path}: {e}") from None

@@ -1,0 +1,137 @@
+"""The RL step: advantages -> per-token weights -> objective, over the model roles of one rank.
+
+`prepare` turns a rollout batch into a `TrainBatch` (the same on every rank: the trainable samples,
+their per-token advantages and normalisation weights); `RLStep.run` splits it into mini-batches (one
+optimizer update each) and data-parallel shares, computes what the objective needs from other roles
+(old and reference log-probs), and trains the actor. The roles (`rlx.train.model`) know nothing of RL.
+
+Choices:
+
+* Normalisation is a per-token weight over the whole global batch, so micro-batches and data-parallel
+  ranks add up to exactly the global loss; gradients are summed over ranks, not averaged.
+* Mini-batches are cut from the global batch before the data-parallel split, so every update sees the
+  same samples whatever the number of ranks.
+* Old log-probs: with one update per step they equal the current ones (the ratio is exactly 1 at the
+  start), so no extra forward pass; with more updates they are computed before the first one.
+* Pipeline parallelism: every rank of a stage holds the whole batch and cuts the same micro-batches,
+  so all stages agree on their number and order; only the last stage computes losses and log-probs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rlx.errors import RLXError
+from rlx.train.balance import FlopsModel, micro_batches
+from rlx.train.batch import TrainBatch
+from rlx.train.advantages import token_weights
+from rlx.train.model import ModelRole, ParallelState
+from rlx.train.objective import metric_keys, micro_loss, response_logprobs
+from rlx.train.packing import PackedBatch, pack
+from rlx.types import RolloutBatch, Sample
+
+
+def prepare(batch: RolloutBatch, estimator: Any, loss_norm: str) -> TrainBatch:
+    """Advantages and normalisation weights of every trainable sample of the batch."""
+    groups = [g for g in batch.groups if g.trainable]
+    adv = estimator.advantages(groups)
+    if not isinstance(adv, Mapping):
+        raise RLXError(f"advantage estimator {getattr(estimator, 'name', estimator)!r} returned "
+                       f"{type(adv).__name__}; the contract is a mapping sample_id -> advantage")
+    groups = [g for g in groups if any(s.sample_id in adv for s in g.trainable)]
+    samples = [s for g in groups for s in g.trainable if s.sample_id in adv]
+    if not samples:
+        raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
+    advantages = {s.sample_id: _per_token(adv[s.sample_id], s, estimator) for s in samples}
+    w = token_weights(groups, loss_norm)
+    weights = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
+    return TrainBatch(batch.step, groups, samples, advantages, weights)
+
+
+def _per_token(value: float | Sequence[float], s: Sample, estimator: Any) -> torch.Tensor:
+    n = len(s.response_ids)
+    t = torch.as_tensor(value, dtype=torch.float32)
+    if t.ndim == 0:  # one advantage for the whole sample (a float, a numpy or 0-d torch scalar)
+        return t.expand(n).clone()
+    t = t.flatten()
+    if t.numel() != n:
+        raise RLXError(f"advantage estimator {getattr(estimator, 'name', estimator)!r} gave sample "
+                       f"{s.sample_id} {t.numel()} advantages for {n} response tokens")
+    return t
+
+
+class RLStep:
+    """Trains the actor on a `TrainBatch` with the configured objective."""
+
+    def __init__(self, train_cfg: Any, policy_loss: Any, balancer: Any, flops: FlopsModel, par: ParallelState):
+        self.tc = train_cfg
+        self.obj = train_cfg.objective
+        self.policy_loss = policy_loss
+        self.balancer = balancer
+        self.flops = flops
+        self.par = par
+
+    def packed(self, samples: list[Sample]) -> list[PackedBatch]:
+        return [pack([samples[i] for i in idx], self.tc.row_tokens)
+                for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch)]
+
+    def my_share(self, samples: list[Sample]) -> list[Sample]:
+        parts = self.balancer.partition([s.total_len for s in samples], self.par.dp, self.flops)
+        return [samples[i] for i in parts[self.par.dp_rank]]
+
+    @torch.no_grad()
+    def logprobs(self, role: ModelRole, samples: list[Sample]) -> dict[int, torch.Tensor]:
+        """Per-token log-probs of each sample's response under `role` ({} on stages before the last)."""
+
+        def collect(mb: PackedBatch, logits: torch.Tensor):
+            lp = response_logprobs(mb, logits, entropy=False)[0].cpu()
+            return dict(zip((s.sample_id for s in mb.samples),
+                            lp.split([len(s.response_ids) for s in mb.samples]), strict=True))
+
+        out: dict[int, torch.Tensor] = {}
+        for part in role.schedule(self.packed(samples), collect, forward_only=True):
+            out.update(part)
+        return out
+
+    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
+        """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
+        import torch.distributed as dist
+
+        updates = self.tc.updates_per_step
+        minis = [self.my_share(tb.samples[i::updates]) for i in range(updates)]
+        mine = [s for m in minis for s in m]
+        if reference is not None:
+            tb.ref_logprobs = self.logprobs(reference, mine)
+        if updates > 1:
+            tb.old_logprobs = self.logprobs(actor, mine)
+
+        # Every rank reduces the same keys, whether or not its stage computes losses.
+        keys = [*metric_keys(kl=reference is not None, entropy=True), "grad_norm"]
+        totals = dict.fromkeys(keys, 0.0)
+        for mini in minis:
+            actor.zero_grad()
+            loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj)
+            for m in actor.schedule(self.packed(mini), loss_fn, forward_only=False):
+                for k, v in m.items():
+                    totals[k] += v
+            totals["grad_norm"] += actor.optimizer_step() / self.par.world
+
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers, other stages add zeros
+        vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
+        vals["grad_norm"] = vals["grad_norm"] * self.par.tp / updates
+        w = vals.pop("weight") or 1.0
+        # Losses are sums of weighted terms per update; the rest are weighted sums: make them means.
+        metrics = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
+        for k in ("clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "entropy"):
+            if k in vals:
+                metrics[k] = vals[k] / w
+        metrics["grad_norm"] = vals["grad_norm"]
+        metrics["lr"] = actor.lr
+        metrics["samples"] = float(len(tb.samples))
+        metrics["tokens"] = float(sum(s.total_len for s in tb.samples))
+        return metrics

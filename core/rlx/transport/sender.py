@@ -1,0 +1,145 @@
+"""The trainer side of weight sync and HF export, on every trainer rank.
+
+Only the ranks that own a stage's weights send them: per pipeline stage, data-parallel rank 0's
+tensor-parallel group gathers each tensor in turn (`Trainer.hf_tensors`), and its tensor-parallel rank
+0 hands the stream to the transport. No rank gathers the whole model. See `rlx.transport` for the
+push protocol. Every step of a push ends with the ranks agreeing whether it worked, so an engine error
+on one rank fails the push everywhere instead of leaving the others in a collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RLXError
+from rlx.transport import TransportContext, buckets
+from rlx.transport.verify import Fingerprints, verify
+
+SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
+
+
+class WeightSender:
+    def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: bool):
+        self.trainer = trainer
+        self.par = trainer.par
+        self.plugins = plugins
+        self.spec = transport_spec
+        self.verify_weights = verify_weights
+        self.transport: Any = None
+        self.ctx: TransportContext | None = None
+
+    @property
+    def sending(self) -> bool:
+        return self.par.sender
+
+    def setup(self, engine_urls: list[str], output_dir: str, host: str) -> None:
+        """Build the transport on each sender and set it up, one stage after another (see `push`)."""
+        from rlx.rollout.engines.fleet import Engine
+
+        self.ctx = TransportContext(engines=[Engine(url, "target") for url in engine_urls],
+                                    output_dir=Path(output_dir), sender=self.par.pp_rank, senders=self.par.pp,
+                                    host=host)
+        for stage in range(self.par.pp):
+            if self.sending and self.par.pp_rank == stage:
+                self._agree(self._setup_transport)
+            else:
+                self._agree(lambda: None)
+
+    def _setup_transport(self) -> None:
+        self.transport = self.plugins.build("transports", self.spec)
+        asyncio.run(self.transport.setup(self.ctx))
+
+    def push(self, version: int) -> None:
+        """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify.
+
+        Stages take turns: an engine that serves weight requests one at a time (SGLang) could otherwise
+        take two stages' broadcasts in different orders on different engines and wait forever. A failure
+        on any rank fails the push on every rank (never a rank left waiting in a collective).
+        """
+        assert self.ctx is not None, "setup() first"
+        prints = Fingerprints()
+        for stage in range(self.par.pp):
+            if self.par.pp_rank == stage:
+                self._agree(self._send_stage, version, prints)
+            else:
+                self._agree(lambda: None)
+        self._agree(lambda: asyncio.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
+        if self.verify_weights:
+            self._agree(lambda: asyncio.run(verify(self.ctx.engines, prints, version)) if self.sending else None)
+
+    def _send_stage(self, version: int, prints: Fingerprints) -> None:
+        named = self.trainer.hf_tensors()
+        try:
+            if self.sending:
+                asyncio.run(self.transport.send(prints.watch(named), version, self.ctx))
+        finally:
+            if self.par.dp_rank == 0:
+                for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure
+                    pass
+
+    def _agree(self, fn: Any, *args: Any) -> None:
+        """Run `fn` on this rank, then fail on every rank if it failed on any (no rank left in a barrier)."""
+        import torch
+        import torch.distributed as dist
+
+        error: BaseException | None = None
+        try:
+            fn(*args)
+        except Exception as e:  # re-raised below, on this rank as itself
+            error = e
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(flag)
+        if error is not None:
+            raise error
+        if int(flag.item()):
+            raise RLXError("weight sync failed on another trainer rank (its error is reported by that rank)")
+
+    def export_hf(self, model_path: str, folder: Path) -> None:
+        """An HF checkpoint transformers loads: the original config and tokenizer, the actor's weights in
+        safetensors shards of at most 1 GB written by each stage's sender, and their index. `folder` must
+        be on storage every trainer host sees (with pipeline stages on several hosts)."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        written: dict[str, Any] = {"map": {}, "bytes": 0}
+
+        def write() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            named = self.trainer.hf_tensors()
+            try:
+                if self.sending:
+                    for i, bucket in enumerate(buckets(named, SHARD_BYTES)):
+                        fname = f"model-s{self.par.pp_rank:02d}-{i:05d}.safetensors"
+                        tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
+                        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+                        written["map"].update(dict.fromkeys(tensors, fname))
+                        written["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+            finally:
+                if self.par.dp_rank == 0:
+                    for _ in named:
+                        pass
+
+        self._agree(write)
+        parts: list[Any] = [None] * self.par.world
+        dist.all_gather_object(parts, written)
+
+        def index() -> None:
+            if self.par.rank != 0:
+                return
+            for f in Path(model_path).iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                    shutil.copy2(f, folder / f.name)
+            merged = {k: v for p in parts for k, v in p["map"].items()}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": sum(p["bytes"] for p in parts)},
+                 "weight_map": dict(sorted(merged.items()))}, indent=1))
+
+        self._agree(index)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            asyncio.run(self.transport.close())
