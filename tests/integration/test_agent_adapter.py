@@ -227,7 +227,11 @@ def test_a_harness_that_rewrites_history_forks_a_new_chain(server):
         {"role": "user", "content": "b"}])
     assert [t.kind for t in session.turns] == ["start", "fork", "append"]
     assert [t.chain for t in session.turns] == [0, 1, 0]
-    assert len(session.samples()) == 2
+    chains = session.samples()
+    assert len(chains) == 2
+    # the last turn went to chain 0: it holds the trajectory's answer; each records what the engine sampled
+    assert [s.metadata.get("final", False) for s in chains] == [True, False]
+    assert [s.metadata["sampled_tokens"] for s in chains] == [sum(s.loss_mask) for s in chains]
 
 
 # -- property: id for id ---------------------------------------------------------------------------

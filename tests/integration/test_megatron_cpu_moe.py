@@ -144,7 +144,8 @@ EP = PRELUDE + textwrap.dedent("""
         loss.backward()
         return [loss.item()]
     attempt("train", attempt_train)
-    print("RESULTS", json.dumps(results))
+    if dist.get_rank() == 0:  # one writer: two ranks' lines can interleave on the shared stdout
+        print("RESULTS", json.dumps(results), flush=True)
 """)
 
 

@@ -167,3 +167,25 @@ def test_stream_mode_fills_a_bounded_queue_and_keeps_unfinished_groups(tmp_path)
                                        for g in got)
     # Nothing lost, nothing twice: every group made was delivered or kept for later.
     assert sorted(delivered + kept_back) == list(range(m.next_group_id))
+
+
+def test_a_trajectory_is_scored_once_on_the_branch_with_its_answer(tmp_path):
+    from rlx.types import Sample
+
+    m = make(tmp_path, ROWS, rewards=["exact_match"])
+
+    def branch(sid, text, final=False):
+        s = Sample([1], list(text.encode()), [1] * len(text), [-1.0] * len(text), response_text=text, label="7",
+                   status=SampleStatus.COMPLETED, sample_id=sid, trajectory_id=9)
+        if final:
+            s.metadata["final"] = True
+        return s
+
+    # a subagent branch that says something else, and the main chain holding the answer
+    out = [branch(0, "7", final=True), branch(1, "thinking")]
+    asyncio.run(m._score_trajectory(out))
+    assert [s.reward for s in out] == [1.0, 1.0]  # the answer's reward, not each branch's own (1 and 0)
+    # without a mark the last branch holds the answer
+    out = [branch(2, "7"), branch(3, "nope")]
+    asyncio.run(m._score_trajectory(out))
+    assert [s.reward for s in out] == [0.0, 0.0]

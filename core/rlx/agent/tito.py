@@ -169,15 +169,24 @@ class Session:
         self.turns.append(turn)
 
     def samples(self, template: Sample | None = None) -> list[Sample]:
-        """One training sample per chain that the model generated in; they share one trajectory."""
+        """One training sample per chain that the model generated in; they share one trajectory.
+
+        Each records how many tokens the engine sampled into it (``metadata["sampled_tokens"]``: the trainer
+        checks it against the tokens it trains on), and the chain the last turn went to is marked
+        ``metadata["final"]``: its text is the trajectory's answer.
+        """
         out = []
-        for c in self.chains:
+        last = self.turns[-1].chain if self.turns else None
+        for i, c in enumerate(self.chains):
             s = c.sample
             if not any(s.loss_mask):
                 continue
             if template is not None:
                 s.group_id, s.index, s.label = template.group_id, template.index, template.label
                 s.prompt_text, s.metadata = template.prompt_text, dict(template.metadata)
+            s.metadata["sampled_tokens"] = sum(t.sampled for t in self.turns if t.chain == i)
+            if i == last:
+                s.metadata["final"] = True
             if s.status not in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.ABORTED):
                 s.status = SampleStatus.COMPLETED
             out.append(s)

@@ -9,13 +9,15 @@ One POST is one group (the samples of one prompt that advantages compare):
 
     {"trajectories": [
         {"prompt_ids": [...], "response_ids": [...], "loss_mask": [...], "rollout_logprobs": [...],
-         "reward": 1.0, "weight_version": 3},                        # tokens, exactly as sampled
+         "temperature": 0.7, "reward": 1.0, "weight_version": 3},    # tokens, exactly as sampled
         {"messages": [...], "tools": [...], "reward": 0.0}            # or chat messages
      ], "metadata": {...}}
 
 Token trajectories are taken as they are (token-in-token-out). Message trajectories are rendered with
 the chat template, loss mask 1 on the assistant turns; that re-tokenises text, so those samples are
-marked ``retokenized`` in their metadata. Every trajectory is validated (ids in the vocabulary,
+marked ``retokenized`` in their metadata. ``rollout_logprobs`` (optional) are the sampler's log-probs at
+``temperature`` (default 1); without them a sample gets no importance correction (never made-up zeros),
+and the run's metrics count such samples. Every trajectory is validated (ids in the vocabulary,
 aligned lengths, a 0/1 mask with at least one 1, a finite reward, roles, the model's context length);
 a bad one rejects the whole POST with 400 and a reason naming the field. Valid groups then go through
 the same group filters as generated ones; a filtered group is answered 200 with ``queued: false`` and
@@ -152,23 +154,20 @@ class TrajectoryBuffer:
         if len(mask) != len(resp):
             raise Rejected(f"{where}.loss_mask: {len(mask)} entries for {len(resp)} response ids")
         lps = t.get("rollout_logprobs")
-        if lps is None:
-            lps = [0.0] * len(resp)
-            missing = True
-        else:
-            missing = False
-            if not isinstance(lps, list) or len(lps) != len(resp) or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0
-                    for x in lps):
-                raise Rejected(f"{where}.rollout_logprobs: {len(resp)} finite log-probs (<= 0) are required")
+        if lps is not None and (not isinstance(lps, list) or len(lps) != len(resp) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 0 for x in lps)):
+            raise Rejected(f"{where}.rollout_logprobs: {len(resp)} finite log-probs (<= 0) are required")
         version = t.get("weight_version", 0)
         if not isinstance(version, int) or isinstance(version, bool):
             raise Rejected(f"{where}.weight_version: an integer is required")
-        s = Sample(prompt_ids=prompt, response_ids=resp, loss_mask=list(mask), rollout_logprobs=[float(x) for x in lps],
+        temperature = t.get("temperature", 1.0)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 10:
+            raise Rejected(f"{where}.temperature: the sampling temperature, a number from 0 to 10")
+        s = Sample(prompt_ids=prompt, response_ids=resp, loss_mask=list(mask),
+                   rollout_logprobs=[float(x) for x in lps] if lps is not None else None,
+                   token_temperatures=[float(temperature) if temperature > 0 else 1.0] * len(resp),
                    weight_version=version, token_versions=[version] * len(resp))
         s.metadata["external"] = True
-        if missing:
-            s.metadata["no_rollout_logprobs"] = True
         s.response_text = self.tok.decode([x for x, m in zip(resp, mask) if m], skip_special_tokens=True)
         return s
 
@@ -187,9 +186,9 @@ class TrajectoryBuffer:
             raise
         except Exception as e:
             raise Rejected(f"{where}.messages: the chat template failed: {e}") from None
-        s = Sample(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=[0.0] * len(resp),
+        s = Sample(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=None,
                    token_versions=[0] * len(resp))
-        s.metadata.update(external=True, retokenized=True, no_rollout_logprobs=True)
+        s.metadata.update(external=True, retokenized=True)
         s.response_text = self.tok.decode([x for x, m in zip(resp, mask) if m], skip_special_tokens=True)
         return s
 

@@ -14,6 +14,7 @@ mode the rollout stream keeps generating while it trains.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,8 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
     out = Path(cfg.run.output_dir)
     ckpt_root = out / "checkpoints"
     save_hf = save_hf.resolve() if save_hf is not None else None  # workers run in other folders
+    for line in objective_notes(cfg, plugins):
+        print(f"rlx: note: {line}", file=sys.stderr, flush=True)
     placement, trainer = await asyncio.to_thread(start_trainers, cfg)
     loggers: list[Any] = []
     try:
@@ -53,6 +56,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                 # the engines started from the original weights
                 await asyncio.to_thread(trainer.push_weights, version)
             log = MetricsLog(out, resume_step=start - 1 if resume else None)
+            watch = DiffWatch()
             batches.start()
 
             try:
@@ -60,6 +64,9 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                     batch, record = await one_step(cfg, batches, trainer, step, version)
                     version = record["weight_version"]
                     plugins.on_train_step_end(step, record)
+                    warning = watch.see(step, record.get("train_rollout_logprob_diff"))
+                    if warning:
+                        print(f"rlx: warning: {warning}", file=sys.stderr, flush=True)
                     log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
                     for logger in loggers:
                         logger.log_metrics(step, record)
@@ -116,6 +123,42 @@ async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, ste
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                    "time/step_s": time.monotonic() - t0})
     return batch, record
+
+
+class DiffWatch:
+    """Warns when the trainer-vs-engine log-prob difference jumps: a sign that the engines serve other
+    weights than the trainer holds, sample at another temperature, or that numerics broke."""
+
+    def __init__(self, factor: float = 5.0, floor: float = 0.02, window: int = 10):
+        self.factor, self.floor, self.window = factor, floor, window
+        self.seen: list[float] = []
+
+    def see(self, step: int, diff: float | None) -> str | None:
+        if diff is None:
+            return None
+        history = sorted(self.seen[-self.window:])
+        self.seen.append(diff)
+        if not history:
+            return None
+        median = history[len(history) // 2]
+        if diff > self.floor and diff > self.factor * median:
+            return (f"step {step}: train_rollout_logprob_diff jumped to {diff:.3g} (median of the last "
+                    f"{len(history)} steps {median:.3g})")
+        return None
+
+
+def objective_notes(cfg: Config, plugins: Any) -> list[str]:
+    """What a user should know about the objective they configured, before it runs."""
+    obj, sampling = cfg.train.objective, cfg.rollout.sampling
+    notes = []
+    own = getattr(plugins.get("losses", obj.loss.name), "default_norm", "token")
+    if obj.loss_norm is not None and obj.loss_norm != own:
+        notes.append(f"train.objective.loss_norm: {obj.loss_norm} with the {obj.loss.name!r} loss, whose paper "
+                     f"averages per {own}: the objective is not the paper's")
+    if obj.tis_cap is not None and (sampling.top_p < 1 or sampling.top_k > 0 or sampling.min_p > 0):
+        notes.append("rollout.sampling truncates the distribution (top_p/top_k/min_p); engines report log-probs of "
+                     "the untruncated one, so importance correction is not exact for the tokens sampled")
+    return notes
 
 
 def write_placement(out: Path, trainer_hosts: list[str], engine_urls: list[str]) -> None:

@@ -51,7 +51,8 @@ class TrainerWorker:
 
         plugins = build_plugins()
         self.trainer = Trainer(self.cfg, plugins, master_addr)
-        self.sender = WeightSender(self.trainer, plugins, self.cfg.train.transport, self.cfg.train.verify_weights)
+        tc = self.cfg.train
+        self.sender = WeightSender(self.trainer, plugins, tc.transport, tc.verify_weights, tc.verify_full_interval)
 
     def node(self) -> str:
         return self.host

@@ -77,14 +77,26 @@ class GenerateContext:
     async def generate(self, input_ids: list[int], params: dict[str, Any], rid: str | None = None) -> GenerateResult:
         async with self.gate:
             (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
+        res.temperature = float(params.get("temperature", 1.0))
         return res
 
 
 def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
-    """Append what the engine sampled to the sample, with logprobs, mask 1 and versions."""
+    """Append what the engine sampled to the sample, with logprobs, mask 1, versions and temperature.
+
+    An engine that reports no log-probs leaves the sample without any (``rollout_logprobs`` None), never
+    with made-up zeros. The temperature recorded is that of the distribution the logprobs are of: the
+    sampling temperature, or 1 for greedy decoding (engines report plain log-probs then).
+    """
+    n = len(res.output_ids)
     sample.response_ids += res.output_ids
-    sample.rollout_logprobs += res.output_logprobs or [0.0] * len(res.output_ids)
-    sample.loss_mask += [1] * len(res.output_ids)
+    if sample.rollout_logprobs is not None and len(res.output_logprobs) == n:
+        sample.rollout_logprobs += res.output_logprobs
+    else:
+        sample.rollout_logprobs = None
+    t = res.temperature if res.temperature and res.temperature > 0 else 1.0
+    sample.token_temperatures = _padded(sample.token_temperatures, len(sample.loss_mask)) + [t] * n
+    sample.loss_mask += [1] * n
     versions = res.token_weight_versions or [res.weight_version] * len(res.output_ids)
     sample.token_versions += [_int_version(v) for v in versions]
     if sample.token_versions:
@@ -98,10 +110,17 @@ def append_env_tokens(sample: Sample, ids: list[int]) -> None:
 
     They carry the version of the model token before them, so that per-token lists stay aligned.
     """
+    sample.token_temperatures = _padded(sample.token_temperatures, len(sample.loss_mask)) + [1.0] * len(ids)
     sample.response_ids += ids
-    sample.rollout_logprobs += [0.0] * len(ids)
+    if sample.rollout_logprobs is not None:
+        sample.rollout_logprobs += [0.0] * len(ids)
     sample.loss_mask += [0] * len(ids)
     sample.token_versions += [sample.token_versions[-1] if sample.token_versions else sample.weight_version] * len(ids)
+
+
+def _padded(values: list[float], n: int) -> list[float]:
+    """`values` made `n` long with 1.0 (samples from before temperatures were recorded)."""
+    return values + [1.0] * (n - len(values)) if len(values) < n else values
 
 
 def _int_version(v: str) -> int:

@@ -101,10 +101,29 @@ class RolloutManager:
             seen.add(s.sample_id)
             if len(out) > 1 and s.trajectory_id is None:
                 s.trajectory_id = sample.sample_id
-        for s in out:
-            if s.status.trainable and s.reward is None:
-                await score_sample(s, self.rewards, self.rc.reward_timeout_s)
+        await self._score_trajectory(out)
         return out
+
+    async def _score_trajectory(self, out: list[Sample]) -> None:
+        """One reward per trajectory: a plain sample is scored on its own; an agent's branches take the
+        reward of the branch holding its answer (marked ``final``, else the last one), unless the
+        generator set rewards itself."""
+        todo = [s for s in out if s.status.trainable and s.reward is None]
+        if not todo:
+            return
+        if len(out) == 1:
+            await score_sample(todo[0], self.rewards, self.rc.reward_timeout_s)
+            return
+        final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
+        if final.status.trainable and final.reward is None:
+            await score_sample(final, self.rewards, self.rc.reward_timeout_s)
+        for s in todo:
+            if s is final:
+                continue
+            if final.reward is None:  # the answer failed to score: so does the trajectory
+                s.status, s.error = SampleStatus.FAILED, f"its trajectory's answer failed to score: {final.error}"
+            else:
+                s.reward, s.rewards = final.reward, dict(final.rewards)
 
     async def run_group(self, group: Group) -> Group:
         """Generate (or resume) every unfinished sample of the group, then score it."""

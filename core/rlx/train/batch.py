@@ -35,8 +35,15 @@ class TrainBatch:
         return torch.cat([values[s.sample_id] for s in samples]) if samples else torch.zeros(0)
 
     @staticmethod
-    def rollout_logprobs(samples: list[Sample]) -> torch.Tensor:
-        return torch.tensor([lp for s in samples for lp in s.rollout_logprobs], dtype=torch.float32)
+    def rollout_logprobs(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's log-probs over `samples`' response tokens, and 1 where they exist (0 for samples
+        whose engine reported none)."""
+        values, has = [], []
+        for s in samples:
+            n = len(s.response_ids)
+            values += s.rollout_logprobs if s.rollout_logprobs is not None else [0.0] * n
+            has += [1.0 if s.rollout_logprobs is not None else 0.0] * n
+        return torch.tensor(values, dtype=torch.float32), torch.tensor(has, dtype=torch.float32)
 
     @staticmethod
     def loss_mask(samples: list[Sample]) -> torch.Tensor:

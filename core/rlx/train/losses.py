@@ -7,8 +7,9 @@ Choices:
 * Normalisation arrives as a per-token weight (`rlx.train.advantages.token_weights`), so a micro-batch's
   loss is ``sum(weight * per_token_loss)``.
 * Log-probs: ``logprobs`` are the current policy's (with grad), ``old_logprobs`` the trainer's before
-  this update, ``rollout_logprobs`` the engine's. Truncated importance sampling corrects for the gap
-  between engine and trainer: weight ``min(exp(old - rollout), cap)``, no gradient.
+  this update, ``rollout_logprobs`` the engine's (where it reported them). All are of the distribution
+  the engine sampled from (logits over the sampling temperature). Importance sampling corrects for the
+  gap between engine and trainer (`importance_ratio`, `tis_weights`), with no gradient.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ from typing import Literal
 
 import torch
 
-KLType = Literal["k1", "k2", "k3", "low_var"]
+KLType = Literal["k1", "k2", "k3", "low_var", "unbiased"]
 
 
 # -- per-token terms -----------------------------------------------------------------------------
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1, k2, k3)."""
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType,
+               old_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1, k2, k3).
+
+    ``low_var`` is k3 clamped to [-10, 10]. ``unbiased`` is k3 times the importance ratio of the current
+    policy to the one that sampled (``old_logprobs``), which makes its gradient an unbiased estimate of
+    the KL's gradient off-policy (DeepSeek-V3.2, eq. 7).
+    """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -36,22 +43,48 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLType)
         return k3
     if kind == "low_var":
         return k3.clamp(-10.0, 10.0)
+    if kind == "unbiased":
+        if old_logprobs is None:
+            raise ValueError("the unbiased KL needs the sampling policy's log-probs")
+        return torch.exp(logprobs - old_logprobs) * k3
     raise ValueError(f"unknown KL type {kind!r}")
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float,
-                mode: str = "truncate") -> torch.Tensor:
-    """Importance weights between the trainer's and the engine's log-probs (no gradient).
+def importance_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, has_rollout: torch.Tensor,
+                     level: str = "token", seq_index: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Trainer over engine probability of each token (no gradient): per token, or one per sequence (the
+    product of its tokens' ratios, ``sequence``, or their geometric mean, ``geometric``), spread over the
+    sequence's tokens. Tokens without engine log-probs get 1 and do not enter sequence ratios."""
+    log_ratio = ((old_logprobs - rollout_logprobs) * has_rollout).detach()
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level not in ("sequence", "geometric"):
+        raise ValueError(f"importance sampling level must be token, sequence or geometric, not {level!r}")
+    assert seq_index is not None and mask is not None
+    counted = mask * has_rollout
+    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    per_seq = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, seq_index,
+                                                                                         log_ratio * counted)
+    if level == "geometric":
+        tokens = torch.zeros(n, dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, seq_index, counted)
+        per_seq = per_seq / tokens.clamp(min=1.0)
+    return torch.exp(per_seq)[seq_index]
 
-    ``truncate``: the ratio, capped at `cap` (TIS). ``mask``: the ratio where it is at most `cap`, 0
-    where it is above (masked importance sampling: tokens the engine sampled far off the trainer's
-    policy, such as stale ones in async training, add nothing).
+
+def tis_weights(ratio: torch.Tensor, cap: float, mode: str = "truncate", low: float | None = None) -> torch.Tensor:
+    """Importance weights from engine-vs-trainer ratios (no gradient).
+
+    ``truncate``: the ratio clamped to ``[low, cap]`` (TIS; no lower bound when `low` is None).
+    ``mask``: the ratio where it lies in ``[low, cap]``, 0 outside (masked importance sampling; with a
+    lower bound, two-sided as in IcePop): tokens the engine sampled far off the trainer's policy add nothing.
     """
-    ratio = torch.exp(old_logprobs - rollout_logprobs).detach()
+    ratio = ratio.detach()
+    lo = 0.0 if low is None else low
     if mode == "truncate":
-        return ratio.clamp(max=cap)
+        return ratio.clamp(min=lo, max=cap)
     if mode == "mask":
-        return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+        return torch.where((ratio <= cap) & (ratio >= lo), ratio, torch.zeros_like(ratio))
     raise ValueError(f"tis mode must be truncate or mask, not {mode!r}")
 
 
@@ -98,3 +131,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of the categorical distribution given by `logits` ``[T, V]``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               clip: ClipConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, eq. 4): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log p``: the importance
+    weight is clipped and detached, so every token keeps its gradient (none is clipped out)."""
+    ratio = torch.exp(logprobs - old_logprobs).detach()
+    weight = ratio.clamp(1.0 - clip.eps_low, 1.0 + clip.eps_high)
+    return -weight * advantages * logprobs, weight != ratio

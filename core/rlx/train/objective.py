@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlx.train.batch import TrainBatch
-from rlx.train.losses import kl_penalty, tis_weights
+from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 
 if TYPE_CHECKING:
     from rlx.config import ObjectiveConfig
@@ -23,46 +23,61 @@ class LossInputs:
 
     logprobs: torch.Tensor  # current policy, with grad
     old_logprobs: torch.Tensor  # trainer's, before this update
-    rollout_logprobs: torch.Tensor  # the engine's
+    rollout_logprobs: torch.Tensor  # the engine's (0 where it reported none)
     advantages: torch.Tensor
     weights: torch.Tensor  # normalisation weight per token, 0 where the loss mask is 0
     mask: torch.Tensor  # 1.0 on model-sampled tokens
     seq_index: torch.Tensor  # sequence (0..n-1) of each token, for sequence-level losses
     ref_logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    has_rollout: torch.Tensor | None = None  # 1.0 where the engine's log-prob exists (None: everywhere)
+
+
+#: Metrics reduced with a maximum over micro-batches and ranks (the others are sums).
+MAX_KEYS = ("train_rollout_logprob_diff_max",)
 
 
 def metric_keys(kl: bool, entropy: bool) -> list[str]:
     """The metrics `objective` returns, given whether reference log-probs and entropy are passed in."""
-    return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "weight", "loss"]
+    return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff",
+             "train_rollout_logprob_diff_over", "train_rollout_logprob_diff_max", "rollout_tokens", "weight", "loss"]
             + (["kl"] if kl else []) + (["entropy"] if entropy else []))
 
 
-def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss to back-propagate and weighted metric sums (divide by the weight sum to average).
+def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig,
+              diff_threshold: float = 0.5) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss to back-propagate and metric sums: weighted by the normalisation weights (divide by their sum
+    to average), except the trainer-vs-engine log-prob probes, which count tokens with engine log-probs
+    (``rollout_tokens``; their largest difference is ``train_rollout_logprob_diff_max``).
 
-    `cfg` is the ``train.objective`` section: ``kl_coef``, ``kl_type``, ``entropy_coef``, ``tis_cap``
-    and ``tis_mode`` are read here.
+    `cfg` is the ``train.objective`` section. Tokens without engine log-probs get no importance correction.
     """
     w = inp.weights
+    has = inp.has_rollout if inp.has_rollout is not None else torch.ones_like(w)
     per_token, clipped = policy_loss.loss(inp)
+    tis = torch.ones_like(per_token)
     if cfg.tis_cap is not None:
-        tis = tis_weights(inp.old_logprobs, inp.rollout_logprobs, cfg.tis_cap, cfg.tis_mode)
+        ratio = importance_ratio(inp.old_logprobs, inp.rollout_logprobs, has, cfg.tis_level, inp.seq_index,
+                                 inp.mask)
+        tis = torch.where(has > 0, tis_weights(ratio, cfg.tis_cap, cfg.tis_mode, cfg.tis_low), tis)
         per_token = per_token * tis
-    else:
-        tis = torch.ones_like(per_token)
     pg = (per_token * w).sum()
     loss = pg
+    counted = inp.mask * has
+    diff = (inp.old_logprobs - inp.rollout_logprobs).detach().abs() * counted
     metrics = {
         "pg_loss": float(pg.detach()),
         "clip_frac": float((clipped.float() * w).sum()),
         "tis_weight": float((tis * w).sum()),
         "tis_masked": float(((tis == 0).float() * w).sum()),
-        "train_rollout_logprob_diff": float(((inp.old_logprobs - inp.rollout_logprobs).abs() * w).sum()),
+        "train_rollout_logprob_diff": float(diff.sum()),
+        "train_rollout_logprob_diff_over": float(((diff > diff_threshold).float() * counted).sum()),
+        "train_rollout_logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+        "rollout_tokens": float(counted.sum()),
         "weight": float(w.sum()),
     }
     if inp.ref_logprobs is not None:
-        kl = (kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl_type) * w).sum()
+        kl = (kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl_type, inp.old_logprobs) * w).sum()
         metrics["kl"] = float(kl.detach())
         if cfg.kl_coef:
             loss = loss + cfg.kl_coef * kl
@@ -76,16 +91,18 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig) -> tuple[
 
 
 def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_loss: Any,
-               cfg: ObjectiveConfig) -> tuple[torch.Tensor, dict[str, float]]:
+               cfg: ObjectiveConfig, diff_threshold: float = 0.5) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one packed micro-batch from its logits, with the batch's per-token values."""
     dev = logits.device
     logprobs, ent = response_logprobs(mb, logits, entropy=True)
     s = mb.samples
+    rollout, has = TrainBatch.rollout_logprobs(s)
     inp = LossInputs(
         logprobs=logprobs,
         old_logprobs=(tb.tokens(s, "old_logprobs").to(dev) if tb.old_logprobs is not None
                       else logprobs.detach()),
-        rollout_logprobs=TrainBatch.rollout_logprobs(s).to(dev),
+        rollout_logprobs=rollout.to(dev),
+        has_rollout=has.to(dev),
         advantages=tb.tokens(s, "advantages").to(dev),
         weights=tb.tokens(s, "weights").to(dev),
         mask=TrainBatch.loss_mask(s).to(dev),
@@ -93,16 +110,18 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
         ref_logprobs=tb.tokens(s, "ref_logprobs").to(dev) if tb.ref_logprobs is not None else None,
         entropy=ent if cfg.entropy_coef else ent.detach(),
     )
-    return objective(inp, policy_loss, cfg)
+    return objective(inp, policy_loss, cfg, diff_threshold)
 
 
 def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool):
-    """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel safe."""
+    """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel
+    safe, of the distribution each token was sampled from: the logits over its sampling temperature."""
     from megatron.core import tensor_parallel
 
     dev = logits.device
     pos = mb.response_positions.to(dev)
-    resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float()  # [T, V/tp]
+    temps = mb.temperatures.to(dev)[:, None]
+    resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float() / temps  # [T, V/tp]
     targets = mb.targets.to(dev)[pos]
     logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
                                                              targets[:, None])[:, 0]

@@ -23,6 +23,7 @@ class PackedBatch:
     targets: torch.Tensor  # [R * L] the next token at each position (0 where none)
     response_positions: torch.Tensor  # [T] flat positions (row * L + col) predicting a response token
     seq_index: torch.Tensor  # [T] which sample (0..n-1, in `samples` order) each response token is from
+    temperatures: torch.Tensor  # [T] the sampling temperature of each response token's distribution
     samples: list[Sample]  # in packed order
 
     @property
@@ -47,6 +48,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     targets = torch.zeros(len(rows), width, dtype=torch.long)
     resp_pos: list[int] = []
     seq_index: list[int] = []
+    temps: list[float] = []
     ordered: list[Sample] = []
     for r, row in enumerate(rows):
         col = 0
@@ -60,6 +62,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
             first = r * width + col + len(s.prompt_ids) - 1
             resp_pos += range(first, first + len(s.response_ids))
             seq_index += [len(ordered)] * len(s.response_ids)
+            temps += s.token_temperatures + [1.0] * (len(s.response_ids) - len(s.token_temperatures))
             ordered.append(s)
             col += len(full)
     pad = seg < 0
@@ -73,6 +76,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
         targets=targets.flatten(),
         response_positions=torch.tensor(resp_pos, dtype=torch.long),
         seq_index=torch.tensor(seq_index, dtype=torch.long),
+        temperatures=torch.tensor(temps, dtype=torch.float32),
         samples=ordered,
     )
 

@@ -30,7 +30,7 @@ from rlx.train.balance import FlopsModel, micro_batches
 from rlx.train.batch import TrainBatch
 from rlx.train.advantages import token_weights
 from rlx.train.model import ModelRole, ParallelState
-from rlx.train.objective import metric_keys, micro_loss, response_logprobs
+from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logprobs
 from rlx.train.packing import PackedBatch, pack
 from rlx.types import RolloutBatch, Sample
 
@@ -49,7 +49,26 @@ def prepare(batch: RolloutBatch, estimator: Any, loss_norm: str) -> TrainBatch:
     advantages = {s.sample_id: _per_token(adv[s.sample_id], s, estimator) for s in samples}
     w = token_weights(groups, loss_norm)
     weights = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
-    return TrainBatch(batch.step, groups, samples, advantages, weights)
+    return TrainBatch(batch.step, groups, samples, advantages, weights, metrics=batch_probes(samples))
+
+
+def batch_probes(samples: list[Sample]) -> dict[str, float]:
+    """What every run reports about the data it trains on: samples without engine log-probs (no importance
+    correction for them), and for agent samples whether every trained token is one the engine sampled."""
+    out = {"rollout_logprobs_missing": float(sum(s.rollout_logprobs is None for s in samples))}
+    agent = [s for s in samples if "sampled_tokens" in s.metadata]
+    if agent:
+        trained = [sum(s.loss_mask) for s in agent]
+        sampled = [int(s.metadata["sampled_tokens"]) for s in agent]
+        out["tito/trained_tokens"] = float(sum(trained))
+        out["tito/sampled_tokens"] = float(sum(sampled))
+        out["tito/mismatched_samples"] = float(sum(a != b for a, b in zip(trained, sampled, strict=True)))
+    return out
+
+
+def loss_norm(objective_cfg: Any, policy_loss: Any) -> str:
+    """``train.objective.loss_norm``, or when unset the policy loss's own (``default_norm``; token)."""
+    return objective_cfg.loss_norm or getattr(policy_loss, "default_norm", "token")
 
 
 def _per_token(value: float | Sequence[float], s: Sample, estimator: Any) -> torch.Tensor:
@@ -110,26 +129,40 @@ class RLStep:
             tb.old_logprobs = self.logprobs(actor, mine)
 
         # Every rank reduces the same keys, whether or not its stage computes losses.
-        keys = [*metric_keys(kl=reference is not None, entropy=True), "grad_norm"]
+        keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
         totals = dict.fromkeys(keys, 0.0)
+        maxes = dict.fromkeys(MAX_KEYS, 0.0)
         for mini in minis:
             actor.zero_grad()
-            loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj)
+            loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
+                                        diff_threshold=self.tc.logprob_diff_threshold)
             for m in actor.schedule(self.packed(mini), loss_fn, forward_only=False):
                 for k, v in m.items():
-                    totals[k] += v
+                    if k in maxes:
+                        maxes[k] = max(maxes[k], v)
+                    else:
+                        totals[k] += v
             totals["grad_norm"] += actor.optimizer_step() / self.par.world
 
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers, other stages add zeros
+        top = torch.tensor([maxes[k] for k in MAX_KEYS], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
         vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
         vals["grad_norm"] = vals["grad_norm"] * self.par.tp / updates
         w = vals.pop("weight") or 1.0
         # Losses are sums of weighted terms per update; the rest are weighted sums: make them means.
         metrics = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
-        for k in ("clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff", "entropy"):
+        for k in ("clip_frac", "tis_weight", "tis_masked", "entropy"):
             if k in vals:
                 metrics[k] = vals[k] / w
+        # the probes average over tokens that have engine log-probs
+        counted = vals.pop("rollout_tokens")
+        metrics["train_rollout_logprob_diff"] = vals["train_rollout_logprob_diff"] / counted if counted else 0.0
+        metrics["train_rollout_logprob_diff_frac"] = (vals["train_rollout_logprob_diff_over"] / counted
+                                                      if counted else 0.0)
+        metrics.update(dict(zip(MAX_KEYS, top.tolist(), strict=True)))
+        metrics.update(tb.metrics)
         metrics["grad_norm"] = vals["grad_norm"]
         metrics["lr"] = actor.lr
         metrics["samples"] = float(len(tb.samples))

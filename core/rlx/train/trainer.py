@@ -20,7 +20,7 @@ from rlx.config import Config
 from rlx.models.tiny import resolve_model_path
 from rlx.train.model import ModelRole, ParallelState, init_distributed
 from rlx.train.spec import HFCheckpoint, model_spec
-from rlx.train.step import RLStep, prepare
+from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
 
 
@@ -47,13 +47,14 @@ class Trainer:
             self.reference.freeze()
         self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step)
         self.estimator = plugins.build("advantages", tc.objective.advantage)
-        self.step_fn = RLStep(tc, plugins.build("losses", tc.objective.loss), plugins.build("balancers", tc.balancer),
-                              self.spec.flops, self.par)
+        policy_loss = plugins.build("losses", tc.objective.loss)
+        self.loss_norm = loss_norm(tc.objective, policy_loss)
+        self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.step = 0
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on every trainable sample of the batch; returns global metrics."""
-        tb = prepare(batch, self.estimator, self.tc.objective.loss_norm)
+        tb = prepare(batch, self.estimator, self.loss_norm)
         metrics = self.step_fn.run(tb, self.actor, self.reference)
         self.step += 1
         return metrics

@@ -17,18 +17,21 @@ from typing import Any
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext, buckets
-from rlx.transport.verify import Fingerprints, verify
+from rlx.transport.verify import Fingerprints, served_dtypes, verify
 
 SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
 
 
 class WeightSender:
-    def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: bool):
+    def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: str = "sample",
+                 full_interval: int = 10):
         self.trainer = trainer
         self.par = trainer.par
         self.plugins = plugins
         self.spec = transport_spec
-        self.verify_weights = verify_weights
+        self.verify_weights = verify_weights  # "full", "sample" or "off"
+        self.full_interval = full_interval
+        self.pushes = 0
         self.transport: Any = None
         self.ctx: TransportContext | None = None
 
@@ -61,15 +64,19 @@ class WeightSender:
         on any rank fails the push on every rank (never a rank left waiting in a collective).
         """
         assert self.ctx is not None, "setup() first"
-        prints = Fingerprints()
+        full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
+        self.pushes += 1
+        dtypes = asyncio.run(served_dtypes(self.ctx.engines)) if full and self.sending else {}
+        prints = Fingerprints(hash_dtypes={d for d in dtypes.values() if d})
         for stage in range(self.par.pp):
             if self.par.pp_rank == stage:
                 self._agree(self._send_stage, version, prints)
             else:
                 self._agree(lambda: None)
         self._agree(lambda: asyncio.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
-        if self.verify_weights:
-            self._agree(lambda: asyncio.run(verify(self.ctx.engines, prints, version)) if self.sending else None)
+        if self.verify_weights != "off":
+            check = verify(self.ctx.engines, prints, version, dtypes) if self.sending else None
+            self._agree(lambda: asyncio.run(check) if check is not None else None)
 
     def _send_stage(self, version: int, prints: Fingerprints) -> None:
         named = self.trainer.hf_tensors()

@@ -1,30 +1,45 @@
 """Checking after a push that every engine reports the new version and serves the values sent.
 
-The sender keeps the first few values of every tensor it sent (`Fingerprints`), so verification needs
-no second copy of the model; it then asks each engine for a few tensors spread over what it sent.
+The sender keeps the first few values of every tensor it sent (`Fingerprints`), so the ``sample`` check
+needs no second copy of the model; it asks each engine for a few tensors spread over what it sent. The
+``full`` check also hashes every tensor as it streams by, in the dtype each engine serves, and compares
+the engines' own per-tensor hashes (the embedded engine's ``/weights_checksum``); an engine without such
+a route gets the sample check and a warning, once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from rlx.errors import RLXError
+from rlx.rollout.engines.protocol import EngineError
+
+_WARNED: set[str] = set()
 
 
 class Fingerprints:
-    """The first `values` entries of each tensor that went through a push, in order."""
+    """The first `values` entries of each tensor that went through a push, in order; with `hash_dtypes`,
+    a hash of each tensor's bytes in each of those dtypes as well."""
 
-    def __init__(self, values: int = 8):
+    def __init__(self, values: int = 8, hash_dtypes: set[str] | None = None):
         self.values = values
         self.names: list[str] = []
         self.heads: dict[str, Any] = {}
+        self.hashes: dict[str, dict[str, str]] = {d: {} for d in (hash_dtypes or ())}
 
     def watch(self, named: Any):
-        """Pass `named` through, remembering each tensor's first values."""
+        """Pass `named` through, remembering each tensor's first values (and hashes)."""
+        import torch
+
+        from rlx.transport.wire import tensor_hash
+
         for name, t in named:
             self.names.append(name)
             self.heads[name] = t.detach().flatten()[: self.values].float().cpu().clone()
+            for dtype, table in self.hashes.items():
+                table[name] = tensor_hash(t, getattr(torch, dtype))
             yield name, t
 
     def sample_names(self, k: int = 3) -> list[str]:
@@ -35,8 +50,29 @@ class Fingerprints:
         return [self.names[i] for i in idx]
 
 
-async def verify(engines: list[Any], prints: Fingerprints, version: int) -> None:
-    """Every engine reports `version` and holds the pushed values of a few tensors."""
+async def served_dtypes(engines: list[Any]) -> dict[str, str | None]:
+    """Each engine's weight dtype from its checksum route (None where it has no such route)."""
+
+    async def one(engine) -> str | None:
+        async with engine.client(timeout_s=60) as c:
+            try:
+                return (await c.weights_checksum([]))["dtype"]
+            except EngineError as e:
+                if e.status in (404, 405):
+                    if engine.url not in _WARNED:
+                        _WARNED.add(engine.url)
+                        print(f"rlx: warning: engine {engine.url} serves no per-tensor checksums; "
+                              f"train.verify_weights: full falls back to sample checks there", file=sys.stderr)
+                    return None
+                raise
+
+    return dict(zip((e.url for e in engines), await asyncio.gather(*(one(e) for e in engines)), strict=True))
+
+
+async def verify(engines: list[Any], prints: Fingerprints, version: int,
+                 dtypes: dict[str, str | None] | None = None) -> None:
+    """Every engine reports `version` and holds the pushed values of a few tensors; where `dtypes` names an
+    engine's dtype (a full check), its hash of every pushed tensor equals the sender's."""
     import torch
 
     checks = prints.sample_names()
@@ -53,5 +89,14 @@ async def verify(engines: list[Any], prints: Fingerprints, version: int) -> None
                 if served.shape != want.shape or not torch.allclose(served, want, rtol=1e-2, atol=1e-3):
                     raise RLXError(f"weight sync: engine {engine.url} serves different values for {name!r} "
                                    f"after version {version}: {served[:4].tolist()} vs {want[:4].tolist()}")
+            dtype = (dtypes or {}).get(engine.url)
+            if dtype is None:
+                return
+            served_hashes = (await c.weights_checksum(prints.names))["checksums"]
+            wrong = [n for n in prints.names if served_hashes.get(n) != prints.hashes[dtype][n]]
+            if wrong:
+                raise RLXError(f"weight sync: engine {engine.url} serves {len(wrong)} of {len(prints.names)} tensors "
+                               f"that differ from what was sent for version {version} (bytes as {dtype}), e.g. "
+                               f"{wrong[:3]}")
 
     await asyncio.gather(*(one(e) for e in engines))

@@ -45,3 +45,15 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
         raise WireError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
     return named
+
+
+def tensor_hash(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    """A hash of a tensor's bytes as `dtype` (default its own): what the trainer sent and what the engine
+    holds compare equal exactly when the engine serves those bytes."""
+    import hashlib
+
+    t = t.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    raw = t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()

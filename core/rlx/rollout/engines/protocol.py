@@ -58,6 +58,7 @@ class GenerateResult:
     prompt_tokens: int
     rid: str | None
     raw: dict[str, Any]
+    temperature: float | None = None  # the request's sampling temperature (set by the caller)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateResult:
@@ -246,6 +247,10 @@ class EngineClient:
         """Set the served weight version once every part of a push has arrived."""
         return _checked(await self.request("POST", "/update_weight_version", {
             "new_version": version, "abort_all_requests": abort_all_requests}), self.base_url)
+
+    async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Per-tensor hashes of the served weights (rlx's embedded engine; a 404 elsewhere)."""
+        return await self.request("POST", "/weights_checksum", {"names": names})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

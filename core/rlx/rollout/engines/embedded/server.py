@@ -61,6 +61,7 @@ class EngineServer:
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/weights_checksum", self.weights_checksum)
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/release_memory_occupation", self.release_memory)
@@ -399,6 +400,14 @@ class EngineServer:
         # Receive outside the scheduler thread (generation goes on), then swap in between two steps.
         named = await asyncio.to_thread(group.receive, names, dtypes, shapes)
         return await self._update(body, lambda: W.load_named(self.s.model, named))
+
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        """rlx's own route (SGLang has none): per-tensor hashes of the served weights, for full verification."""
+        body = await self._json(request)
+        names = body.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise BadRequest("names: a list of weight names, or null for all")
+        return web.json_response(await self._call(lambda: W.checksums(self.s.model, names)))
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await self._json(request) if request.method == "POST" else dict(request.query)

@@ -15,7 +15,7 @@ import torch
 
 from rlx.transport.wire import WireError, deserialize_named_tensors
 
-__all__ = ["BroadcastGroup", "WeightError", "WireError", "deserialize_named_tensors", "load_from_disk",
+__all__ = ["BroadcastGroup", "WeightError", "WireError", "checksums", "deserialize_named_tensors", "load_from_disk",
            "load_named", "weights_by_name"]
 
 DTYPES = {
@@ -94,6 +94,18 @@ class BroadcastGroup:
             self.pg.broadcast(t, 0).wait()
             out.append((name, t))
         return out
+
+
+def checksums(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
+    """Per-tensor hashes of the weights as served (all of them when `names` is None), with their dtype."""
+    from rlx.transport.wire import tensor_hash
+
+    state = model.state_dict(keep_vars=True)
+    unknown = [n for n in (names or []) if n not in state]
+    if unknown:
+        raise WeightError(f"unknown weight {unknown[0]!r}")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"dtype": dtype, "checksums": {n: tensor_hash(state[n]) for n in (state if names is None else names)}}
 
 
 def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
