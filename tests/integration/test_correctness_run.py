@@ -29,13 +29,13 @@ def test_at_temperature_0_6_trainer_and_engine_log_probs_agree(tiny_model_path, 
 
 
 def test_full_verification_sees_what_a_sampled_check_cannot(tiny_model_path, tmp_path):
-    import torch
     from safetensors.torch import load_file
 
     from rlx.errors import RLXError
     from rlx.rollout.engines.fleet import Engine
     from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
-    from rlx.transport.verify import Fingerprints, served_dtypes, verify
+    from rlx.transport.sender import Fingerprints
+    from rlx.transport.verify import served_dtypes, verify
     from rlx.transport.wire import serialize_named_tensors
 
     state = load_file(f"{tiny_model_path}/model.safetensors")

@@ -3,7 +3,8 @@ import random
 import pytest
 
 from rlx.plugins import build_plugins
-from rlx.train.balance import FlopsModel, karmarkar_karp, micro_batches
+from rlx.train.balance import FlopsModel, karmarkar_karp
+from rlx.train.packing import micro_batches
 
 
 def spread(parts, costs):

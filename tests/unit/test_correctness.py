@@ -50,8 +50,7 @@ def test_a_trajectory_branched_into_samples_counts_once_in_sequence_mean():
 
 
 def test_token_weights_add_up_to_one_however_the_batch_is_cut_into_micro_batches():
-    from rlx.train.balance import micro_batches
-    from rlx.train.packing import pack
+    from rlx.train.packing import micro_batches, pack
 
     samples = [sample(i, float(i % 2), [1] * (2 + i % 5) + [0] * (i % 3)) for i in range(9)]
     w = token_weights([Group(0, samples)], "token")

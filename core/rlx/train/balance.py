@@ -1,13 +1,11 @@
-"""Splitting a step's samples across data-parallel ranks and into micro-batches.
+"""Splitting a step's samples across data-parallel ranks.
 
 * Across ranks: Karmarkar–Karp (largest differencing) into k parts of near-equal cost, the cost of a
   sample being its tokens or its FLOPs, ``a·L + b·L²`` with ``a`` and ``b`` from the model's shape
   (dense matmuls grow with L, attention with L²). Karmarkar–Karp beats greedy on the long-tailed
   lengths RL produces.
-* Into micro-batches: first-fit decreasing into bins of at most ``max_tokens`` tokens, so each
-  micro-batch is one packed sequence with no padding. A single sample longer than the bound gets a
-  bin of its own.
-Both keep each part's samples in their original order, so training order stays deterministic.
+Each part keeps its samples in their original order, so training order stays deterministic. Cutting a
+rank's share into micro-batches is packing's job (`rlx.train.packing.micro_batches`).
 """
 
 from __future__ import annotations
@@ -59,16 +57,3 @@ def karmarkar_karp(costs: list[float], k: int) -> list[list[int]]:
     if not heap:
         return [[] for _ in range(k)]
     return [sorted(p) for p in heap[0][3]]
-
-
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """First-fit decreasing of sample indices into bins of at most `max_tokens` tokens."""
-    bins: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, (used, items) in enumerate(bins):
-            if used + lengths[i] <= max_tokens:
-                bins[b] = (used + lengths[i], items + [i])
-                break
-        else:
-            bins.append((lengths[i], [i]))
-    return [sorted(items) for _, items in bins]

@@ -1,4 +1,7 @@
-"""Packing samples into one row without padding, and reading per-token results back out.
+"""Packing samples into micro-batches and rows without padding, and reading per-token results back out.
+
+Micro-batches: first-fit decreasing into bins of at most ``max_tokens`` tokens (`micro_batches`); a single
+sample longer than the bound gets a bin of its own. The same bins cut a micro-batch into rows.
 
 A micro-batch is one sequence of concatenated samples. Attention is block-diagonal causal, so no
 token sees another sample. Positions run on across samples: RoPE depends only on the distance
@@ -38,8 +41,6 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     row costs its length squared, so on dense (non-varlen) attention short rows are much cheaper than
     one long row, for a little padding at the ends of rows.
     """
-    from rlx.train.balance import micro_batches
-
     lengths = [s.total_len for s in samples]
     rows = [list(range(len(samples)))] if row_tokens is None else micro_batches(lengths, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
@@ -88,3 +89,16 @@ def per_token(samples: list[Sample], values: dict[int, float] | dict[int, list[f
         v = values[s.sample_id]
         out += v if isinstance(v, list) else [v] * len(s.response_ids)
     return torch.tensor(out, dtype=torch.float32)
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing of sample indices into bins of at most `max_tokens` tokens."""
+    bins: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, (used, items) in enumerate(bins):
+            if used + lengths[i] <= max_tokens:
+                bins[b] = (used + lengths[i], items + [i])
+                break
+        else:
+            bins.append((lengths[i], [i]))
+    return [sorted(items) for _, items in bins]

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from rlx.errors import RLXError
-from rlx.train.balance import FlopsModel, micro_batches
-from rlx.train.batch import TrainBatch
 from rlx.train.advantages import token_weights
+from rlx.train.balance import FlopsModel
+from rlx.train.batch import TrainBatch
 from rlx.train.model import ModelRole, ParallelState
 from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logprobs
-from rlx.train.packing import PackedBatch, pack
+from rlx.train.packing import PackedBatch, micro_batches, pack
 from rlx.types import RolloutBatch, Sample
 
 

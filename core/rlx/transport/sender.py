@@ -17,9 +17,40 @@ from typing import Any
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext, buckets
-from rlx.transport.verify import Fingerprints, served_dtypes, verify
+from rlx.transport.verify import served_dtypes, verify
 
 SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
+
+
+class Fingerprints:
+    """The first `values` entries of each tensor that went through a push, in order; with `hash_dtypes`,
+    a hash of each tensor's bytes in each of those dtypes as well."""
+
+    def __init__(self, values: int = 8, hash_dtypes: set[str] | None = None):
+        self.values = values
+        self.names: list[str] = []
+        self.heads: dict[str, Any] = {}
+        self.hashes: dict[str, dict[str, str]] = {d: {} for d in (hash_dtypes or ())}
+
+    def watch(self, named: Any):
+        """Pass `named` through, remembering each tensor's first values (and hashes)."""
+        import torch
+
+        from rlx.transport.wire import tensor_hash
+
+        for name, t in named:
+            self.names.append(name)
+            self.heads[name] = t.detach().flatten()[: self.values].float().cpu().clone()
+            for dtype, table in self.hashes.items():
+                table[name] = tensor_hash(t, getattr(torch, dtype))
+            yield name, t
+
+    def sample_names(self, k: int = 3) -> list[str]:
+        """A few tensors spread over the push (first, middle, last) to check."""
+        if not self.names:
+            return []
+        idx = sorted({0, len(self.names) // 2, len(self.names) - 1})[:k]
+        return [self.names[i] for i in idx]
 
 
 class WeightSender:

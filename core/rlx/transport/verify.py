@@ -1,7 +1,7 @@
 """Checking after a push that every engine reports the new version and serves the values sent.
 
-The sender keeps the first few values of every tensor it sent (`Fingerprints`), so the ``sample`` check
-needs no second copy of the model; it asks each engine for a few tensors spread over what it sent. The
+The sender keeps the first few values of every tensor it sent (`rlx.transport.sender.Fingerprints`), so
+the ``sample`` check needs no second copy of the model; it asks each engine for a few tensors spread over what it sent. The
 ``full`` check also hashes every tensor as it streams by, in the dtype each engine serves, and compares
 the engines' own per-tensor hashes (the embedded engine's ``/weights_checksum``); an engine without such
 a route gets the sample check and a warning, once.
@@ -11,43 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RLXError
 from rlx.rollout.engines.protocol import EngineError
 
+if TYPE_CHECKING:
+    from rlx.transport.sender import Fingerprints
+
 _WARNED: set[str] = set()
-
-
-class Fingerprints:
-    """The first `values` entries of each tensor that went through a push, in order; with `hash_dtypes`,
-    a hash of each tensor's bytes in each of those dtypes as well."""
-
-    def __init__(self, values: int = 8, hash_dtypes: set[str] | None = None):
-        self.values = values
-        self.names: list[str] = []
-        self.heads: dict[str, Any] = {}
-        self.hashes: dict[str, dict[str, str]] = {d: {} for d in (hash_dtypes or ())}
-
-    def watch(self, named: Any):
-        """Pass `named` through, remembering each tensor's first values (and hashes)."""
-        import torch
-
-        from rlx.transport.wire import tensor_hash
-
-        for name, t in named:
-            self.names.append(name)
-            self.heads[name] = t.detach().flatten()[: self.values].float().cpu().clone()
-            for dtype, table in self.hashes.items():
-                table[name] = tensor_hash(t, getattr(torch, dtype))
-            yield name, t
-
-    def sample_names(self, k: int = 3) -> list[str]:
-        """A few tensors spread over the push (first, middle, last) to check."""
-        if not self.names:
-            return []
-        idx = sorted({0, len(self.names) // 2, len(self.names) - 1})[:k]
-        return [self.names[i] for i in idx]
 
 
 async def served_dtypes(engines: list[Any]) -> dict[str, str | None]:
