@@ -58,9 +58,9 @@ def test_sglang_servers_get_what_the_model_family_needs(tmp_path, tiny_model_pat
         model_types = ("qwen3",)
 
         def spec(self, hf_config):
-            from rlx.train.spec import ModelSpec
+            from rlx.builtins.models import LlamaSpec
 
-            return type("RoutedSpec", (ModelSpec,), {"engine_args": Spec.engine_args})(
+            return type("RoutedSpec", (LlamaSpec,), {"engine_args": Spec.engine_args})(
                 model_type="qwen3", hf_config=hf_config, num_layers=2, vocab_size=8, hidden_size=4,
                 max_positions=8, tied=True, flops=None)
 

@@ -17,6 +17,7 @@ Placement (``ray.placement``):
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +81,13 @@ class TrainerWorker:
             self.sender.close()
 
 
-class TrainerGroup:
+class TrainerGroup(ABC):
     """Every trainer rank, called at once: the typed interface the loop uses. Subclasses say how a
     method reaches the ranks (`_all`)."""
 
+    @abstractmethod
     def _all(self, method: str, *args: Any) -> list[Any]:
-        raise NotImplementedError
+        """Call `method` on every rank with `args`; the results in rank order."""
 
     def hosts(self) -> list[str]:
         """Each rank's address, in rank order."""

@@ -356,7 +356,8 @@ class ModelBridgeContract(_Contract):
         return self.bridge_name
 
     def make_checkpoint(self, folder: Any) -> None:
-        raise NotImplementedError("write a tiny HF checkpoint of the bridge's family into `folder`")
+        """Write a tiny HF checkpoint of the bridge's family into `folder` (override this)."""
+        pytest.fail(f"{type(self).__name__} must define make_checkpoint(folder): a tiny checkpoint of its family")
 
     def test_config_has_defaults(self):
         self._plugins().bridge_for(self.model_type)
@@ -476,10 +477,12 @@ class KernelContract(_Contract):
         return self.kernel_name
 
     def example(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        raise NotImplementedError
+        """(args, kwargs) of one call of the kernel (override this)."""
+        pytest.fail(f"{type(self).__name__} must define example() -> (args, kwargs)")
 
     def reference(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """What the kernel must compute, in plain torch (override this)."""
+        pytest.fail(f"{type(self).__name__} must define reference(*args, **kwargs)")
 
     def test_supports_answers_without_raising(self):
         k = self.build()

@@ -33,8 +33,8 @@ class SDPACoreAttention(MegatronModule):
                 packed_seq_params: Any = None, **kwargs: Any) -> torch.Tensor:
         """query [sq, b, heads, dk], key [sk, b, groups, dk], value [sk, b, groups, dv] -> [sq, b, heads * dv]."""
         if packed_seq_params is not None:
-            raise NotImplementedError("SDPACoreAttention takes packed rows through the attention mask, "
-                                      "not packed_seq_params")
+            raise ValueError("SDPACoreAttention takes packed rows through the attention mask, "
+                             "not packed_seq_params")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         if k.size(1) != q.size(1):  # grouped-query attention
             rep = q.size(1) // k.size(1)

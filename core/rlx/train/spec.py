@@ -21,6 +21,7 @@ are shared by bridges; families with experts or latent attention add their own o
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,7 @@ class HFCheckpoint:
 
 
 @dataclass
-class ModelSpec:
+class ModelSpec(ABC):
     """What the trainer needs to build and convert one model. Bridges subclass it and fill the methods.
 
     The defaults cover megatron's GPTModel with rotary embeddings; a bridge overrides `build` for
@@ -134,14 +135,14 @@ class ModelSpec:
 
     # -- megatron side ---------------------------------------------------------------------------
 
+    @abstractmethod
     def transformer_config(self, parallel: Any, dtype: torch.dtype, **common: Any) -> Any:
         """megatron's TransformerConfig for `parallel` (a ParallelConfig). `common` holds what the
         trainer needs set on every model (loss per token, variable sequence lengths...)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def layer_spec(self, config: Any, stage: Stage) -> Any:
         """megatron's ModuleSpec of a transformer layer (local, non Transformer Engine, on CPU)."""
-        raise NotImplementedError
 
     def build(self, config: Any, stage: Stage) -> torch.nn.Module:
         """The megatron model of one pipeline stage, with uninitialised-but-allocated weights."""
@@ -154,14 +155,14 @@ class ModelSpec:
 
     # -- weights ---------------------------------------------------------------------------------
 
+    @abstractmethod
     def to_megatron(self, ckpt: HFCheckpoint, stage: Stage) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's megatron tensors (local names), one at a time, read from the HF checkpoint."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_hf(self, stage: Stage, gather: Gather) -> Iterator[tuple[str, torch.Tensor]]:
         """The stage's full HF tensors, one at a time. Every tensor-parallel rank of the stage runs it
         (`gather` is collective); only what tensor-parallel rank 0 yields is used."""
-        raise NotImplementedError
 
     def engine_args(self) -> dict[str, Any]:
         """SGLang server arguments this model family needs (``{}`` for most)."""
