@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlx.errors import ConfigError
 
@@ -205,6 +205,14 @@ class ObjectiveConfig(Section):
     def _component(cls, v: Any) -> Any:
         return ComponentSpec.coerce(v)
 
+    @model_validator(mode="after")
+    def _tis_bounds(self) -> ObjectiveConfig:
+        if self.tis_low is not None and self.tis_cap is None:
+            raise ValueError("tis_low is a bound of importance sampling, which is off: set tis_cap too")
+        if self.tis_low is not None and self.tis_cap is not None and self.tis_low > self.tis_cap:
+            raise ValueError(f"tis_low ({self.tis_low}) must not exceed tis_cap ({self.tis_cap})")
+        return self
+
 
 class AsyncConfig(Section):
     """train.mode: async only: how far generation may run ahead of training."""
@@ -254,6 +262,12 @@ class TrainConfig(Section):
     @classmethod
     def _component(cls, v: Any) -> Any:
         return ComponentSpec.coerce(v)
+
+    @field_validator("verify_weights", mode="before")
+    @classmethod
+    def _verify(cls, v: Any) -> Any:
+        # YAML reads a bare off/on as a boolean
+        return {False: "off", True: "sample"}.get(v, v) if isinstance(v, bool) else v
 
 
 class RayConfig(Section):

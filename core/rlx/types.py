@@ -81,6 +81,8 @@ class Sample:
         d = dict(d)
         d["status"] = SampleStatus(d.get("status", "pending"))
         d["rewards"] = {k: RewardResult(**v) for k, v in (d.get("rewards") or {}).items()}
+        if (d.get("metadata") or {}).pop("no_rollout_logprobs", False):  # saved before None meant "missing"
+            d["rollout_logprobs"] = None
         return cls(**d)
 
 

@@ -239,3 +239,47 @@ def test_a_jump_in_the_log_prob_difference_is_reported():
     assert [w.see(i, d) for i, d in enumerate([1e-7, 2e-7, 1e-7])] == [None, None, None]
     assert w.see(3, 0.09) == "step 3: train_rollout_logprob_diff jumped to 0.09 (median of the last 3 steps 1e-07)"
     assert w.see(4, None) is None
+
+
+def test_each_update_normalises_over_its_own_mini_batch():
+    from rlx.train.step import mini_batch_scales, prepare
+    from rlx.types import RolloutBatch
+
+    class Flat:
+        name = "flat"
+
+        def advantages(self, groups):
+            return {s.sample_id: 1.0 for g in groups for s in g.trainable}
+
+    g = Group(0, [sample(0, 1.0, [1, 1]), sample(1, 0.0, [1]), sample(2, 0.0, [1, 1, 1])])
+    tb = prepare(RolloutBatch(1, [g]), Flat(), "token")  # 6 loss tokens: 1/6 each
+    cuts = [tb.samples[0::2], tb.samples[1::2]]  # samples 0 and 2 (5 tokens), sample 1 (1 token)
+    assert mini_batch_scales(tb, cuts) == pytest.approx([6 / 5, 6.0])
+    assert mini_batch_scales(tb, [tb.samples]) == [1.0]
+
+
+def test_tokens_masked_for_staleness_are_not_a_tito_mismatch():
+    from rlx.train.step import batch_probes
+
+    s = sample(0, 1.0, [1, 0, 1])  # one of three sampled tokens masked as stale
+    s.metadata.update(sampled_tokens=3, stale_masked_tokens=1)
+    assert batch_probes([s])["tito/mismatched_samples"] == 0.0
+
+
+def test_samples_saved_with_zeros_for_missing_log_probs_load_as_missing():
+    old = Sample([1], [2, 3], [1, 1], [0.0, 0.0], metadata={"no_rollout_logprobs": True}).to_dict()
+    again = Sample.from_dict(old)
+    assert again.rollout_logprobs is None and "no_rollout_logprobs" not in again.metadata
+    assert Sample.from_dict(sample(1, 1.0, [1]).to_dict()).rollout_logprobs == [-1.0]
+
+
+def test_objective_settings_that_cannot_mean_anything_are_config_errors():
+    from rlx.config import parse_config
+    from rlx.errors import ConfigError
+
+    assert parse_config("model: {path: /m}\ntrain: {verify_weights: off}").train.verify_weights == "off"
+    assert parse_config("model: {path: /m}\ntrain: {verify_weights: true}").train.verify_weights == "sample"
+    with pytest.raises(ConfigError, match="tis_low is a bound of importance sampling, which is off"):
+        parse_config("model: {path: /m}\ntrain: {objective: {tis_low: 0.5}}")
+    with pytest.raises(ConfigError, match=r"tis_low \(3.0\) must not exceed tis_cap \(2.0\)"):
+        parse_config("model: {path: /m}\ntrain: {objective: {tis_low: 3.0, tis_cap: 2.0}}")

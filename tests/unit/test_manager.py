@@ -189,3 +189,13 @@ def test_a_trajectory_is_scored_once_on_the_branch_with_its_answer(tmp_path):
     out = [branch(2, "7"), branch(3, "nope")]
     asyncio.run(m._score_trajectory(out))
     assert [s.reward for s in out] == [0.0, 0.0]
+
+
+def test_a_regenerated_group_keeps_dataset_metadata_only(tmp_path):
+    from rlx.types import Group, Sample
+
+    m = make(tmp_path, ROWS)
+    s = Sample([1], [2], [1], [-1.0], sample_id=4, group_id=0, metadata={"task": "t", "final": True,
+                                                                        "sampled_tokens": 1, "agent_turns": 2})
+    m.regenerate(Group(0, [s]))
+    assert m.pending[0].samples[0].metadata == {"task": "t"}

@@ -184,6 +184,7 @@ class Session:
             if template is not None:
                 s.group_id, s.index, s.label = template.group_id, template.index, template.label
                 s.prompt_text, s.metadata = template.prompt_text, dict(template.metadata)
+            s.metadata.pop("final", None)  # a regenerated sample's template may carry an earlier run's mark
             s.metadata["sampled_tokens"] = sum(t.sampled for t in self.turns if t.chain == i)
             if i == last:
                 s.metadata["final"] = True

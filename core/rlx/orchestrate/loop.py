@@ -151,13 +151,14 @@ def objective_notes(cfg: Config, plugins: Any) -> list[str]:
     """What a user should know about the objective they configured, before it runs."""
     obj, sampling = cfg.train.objective, cfg.rollout.sampling
     notes = []
-    own = getattr(plugins.get("losses", obj.loss.name), "default_norm", "token")
-    if obj.loss_norm is not None and obj.loss_norm != own:
+    own = getattr(plugins.get("losses", obj.loss.name), "default_norm", None)  # only losses whose paper says
+    if own is not None and obj.loss_norm is not None and obj.loss_norm != own:
         notes.append(f"train.objective.loss_norm: {obj.loss_norm} with the {obj.loss.name!r} loss, whose paper "
                      f"averages per {own}: the objective is not the paper's")
     if obj.tis_cap is not None and (sampling.top_p < 1 or sampling.top_k > 0 or sampling.min_p > 0):
         notes.append("rollout.sampling truncates the distribution (top_p/top_k/min_p); engines report log-probs of "
-                     "the untruncated one, so importance correction is not exact for the tokens sampled")
+                     "the untruncated one, so importance correction is not exact for the tokens sampled "
+                     "(agent requests that set their own top_p are not exact either)")
     return notes
 
 

@@ -173,10 +173,14 @@ class AsyncBatches:
         oldest_ok = version - self.ac.max_staleness
         n = 0
         for s in group.samples:
+            masked = 0
             for i, v in enumerate(s.token_versions):
                 if v < oldest_ok and s.loss_mask[i]:
                     s.loss_mask[i] = 0
-                    n += 1
+                    masked += 1
+            if masked:  # the trainer's TITO count compares sampled tokens with trained + masked ones
+                s.metadata["stale_masked_tokens"] = s.metadata.get("stale_masked_tokens", 0) + masked
+            n += masked
         return n
 
     async def before_train(self) -> None:

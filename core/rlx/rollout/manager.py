@@ -36,6 +36,9 @@ from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 
+#: Metadata a generation writes (not the dataset's): dropped when a group is generated again.
+GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_turns", "tito_mismatches")
+
 
 class RolloutManager:
     def __init__(self, cfg: Config, plugins: Any, dataset: PromptDataset, ctx: GenerateContext,
@@ -286,9 +289,10 @@ class RolloutManager:
         """Run `group` again from its prompt, first in line: the same group and sample ids, no tokens."""
         fresh: dict[int, Sample] = {}
         for s in group.samples:  # one sample per index: a branching generator's extra outputs go
+            metadata = {k: v for k, v in s.metadata.items() if k not in GENERATED_METADATA}
             fresh.setdefault(s.index, Sample(prompt_ids=s.prompt_ids, prompt_text=s.prompt_text, label=s.label,
                                              group_id=s.group_id, sample_id=s.sample_id, index=s.index,
-                                             metadata=dict(s.metadata)))
+                                             metadata=metadata))
         group.samples = [fresh[i] for i in sorted(fresh)]
         self.pending.insert(0, group)
 

@@ -91,8 +91,10 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig,
 
 
 def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_loss: Any,
-               cfg: ObjectiveConfig, diff_threshold: float = 0.5) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one packed micro-batch from its logits, with the batch's per-token values."""
+               cfg: ObjectiveConfig, diff_threshold: float = 0.5,
+               scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one packed micro-batch from its logits, with the batch's per-token values; `scale`
+    multiplies the normalisation weights (so that one update's mini-batch sums to one)."""
     dev = logits.device
     logprobs, ent = response_logprobs(mb, logits, entropy=True)
     s = mb.samples
@@ -104,7 +106,7 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
         rollout_logprobs=rollout.to(dev),
         has_rollout=has.to(dev),
         advantages=tb.tokens(s, "advantages").to(dev),
-        weights=tb.tokens(s, "weights").to(dev),
+        weights=tb.tokens(s, "weights").to(dev) * scale,
         mask=TrainBatch.loss_mask(s).to(dev),
         seq_index=mb.seq_index.to(dev),
         ref_logprobs=tb.tokens(s, "ref_logprobs").to(dev) if tb.ref_logprobs is not None else None,

@@ -58,12 +58,21 @@ def batch_probes(samples: list[Sample]) -> dict[str, float]:
     out = {"rollout_logprobs_missing": float(sum(s.rollout_logprobs is None for s in samples))}
     agent = [s for s in samples if "sampled_tokens" in s.metadata]
     if agent:
-        trained = [sum(s.loss_mask) for s in agent]
+        # tokens masked for staleness were sampled, and deliberately not trained
+        trained = [sum(s.loss_mask) + int(s.metadata.get("stale_masked_tokens", 0)) for s in agent]
         sampled = [int(s.metadata["sampled_tokens"]) for s in agent]
         out["tito/trained_tokens"] = float(sum(trained))
         out["tito/sampled_tokens"] = float(sum(sampled))
         out["tito/mismatched_samples"] = float(sum(a != b for a, b in zip(trained, sampled, strict=True)))
     return out
+
+
+def mini_batch_scales(tb: TrainBatch, cuts: list[list[Sample]]) -> list[float]:
+    """Per update, the factor that makes its mini-batch's normalisation weights sum to one: each update
+    optimises the mean over its own mini-batch (as PPO does), not its share of the step's. One update: 1."""
+    if len(cuts) == 1:
+        return [1.0]
+    return [1.0 / (sum(float(tb.weights[s.sample_id].sum()) for s in cut) or 1.0) for cut in cuts]
 
 
 def loss_norm(objective_cfg: Any, policy_loss: Any) -> str:
@@ -121,7 +130,9 @@ class RLStep:
         import torch.distributed as dist
 
         updates = self.tc.updates_per_step
-        minis = [self.my_share(tb.samples[i::updates]) for i in range(updates)]
+        cuts = [tb.samples[i::updates] for i in range(updates)]
+        minis = [self.my_share(g) for g in cuts]
+        scales = mini_batch_scales(tb, cuts)
         mine = [s for m in minis for s in m]
         if reference is not None:
             tb.ref_logprobs = self.logprobs(reference, mine)
@@ -132,10 +143,10 @@ class RLStep:
         keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
         totals = dict.fromkeys(keys, 0.0)
         maxes = dict.fromkeys(MAX_KEYS, 0.0)
-        for mini in minis:
+        for mini, scale in zip(minis, scales, strict=True):
             actor.zero_grad()
             loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
-                                        diff_threshold=self.tc.logprob_diff_threshold)
+                                        diff_threshold=self.tc.logprob_diff_threshold, scale=scale)
             for m in actor.schedule(self.packed(mini), loss_fn, forward_only=False):
                 for k, v in m.items():
                     if k in maxes:
@@ -151,7 +162,7 @@ class RLStep:
         vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
         vals["grad_norm"] = vals["grad_norm"] * self.par.tp / updates
         w = vals.pop("weight") or 1.0
-        # Losses are sums of weighted terms per update; the rest are weighted sums: make them means.
+        # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
         metrics = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
         for k in ("clip_frac", "tis_weight", "tis_masked", "entropy"):
             if k in vals:

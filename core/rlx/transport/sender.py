@@ -23,14 +23,15 @@ SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
 
 
 class Fingerprints:
-    """The first `values` entries of each tensor that went through a push, in order; with `hash_dtypes`,
-    a hash of each tensor's bytes in each of those dtypes as well."""
+    """The first `values` entries of each tensor that went through a push, in order; with `plans` (each
+    engine's dtype per tensor), a hash of each tensor's bytes in every dtype an engine holds it in."""
 
-    def __init__(self, values: int = 8, hash_dtypes: set[str] | None = None):
+    def __init__(self, values: int = 8, plans: list[dict[str, str]] | None = None):
         self.values = values
+        self.plans = plans or []
         self.names: list[str] = []
         self.heads: dict[str, Any] = {}
-        self.hashes: dict[str, dict[str, str]] = {d: {} for d in (hash_dtypes or ())}
+        self.hashes: dict[tuple[str, str], str] = {}
 
     def watch(self, named: Any):
         """Pass `named` through, remembering each tensor's first values (and hashes)."""
@@ -41,8 +42,8 @@ class Fingerprints:
         for name, t in named:
             self.names.append(name)
             self.heads[name] = t.detach().flatten()[: self.values].float().cpu().clone()
-            for dtype, table in self.hashes.items():
-                table[name] = tensor_hash(t, getattr(torch, dtype))
+            for dtype in {plan[name] for plan in self.plans if name in plan}:
+                self.hashes[(name, dtype)] = tensor_hash(t, getattr(torch, dtype))
             yield name, t
 
     def sample_names(self, k: int = 3) -> list[str]:
@@ -97,8 +98,14 @@ class WeightSender:
         assert self.ctx is not None, "setup() first"
         full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
         self.pushes += 1
-        dtypes = asyncio.run(served_dtypes(self.ctx.engines)) if full and self.sending else {}
-        prints = Fingerprints(hash_dtypes={d for d in dtypes.values() if d})
+        dtypes: dict[str, dict[str, str] | None] = {}
+
+        def plan() -> None:  # which dtype each engine holds each tensor in
+            if full and self.sending:
+                dtypes.update(asyncio.run(served_dtypes(self.ctx.engines)))
+
+        self._agree(plan)
+        prints = Fingerprints(plans=[d for d in dtypes.values() if d])
         for stage in range(self.par.pp):
             if self.par.pp_rank == stage:
                 self._agree(self._send_stage, version, prints)

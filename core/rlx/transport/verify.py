@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 _WARNED: set[str] = set()
 
 
-async def served_dtypes(engines: list[Any]) -> dict[str, str | None]:
-    """Each engine's weight dtype from its checksum route (None where it has no such route)."""
+async def served_dtypes(engines: list[Any]) -> dict[str, dict[str, str] | None]:
+    """Each engine's dtype per tensor, from its checksum route (None where it has no such route)."""
 
-    async def one(engine) -> str | None:
+    async def one(engine) -> dict[str, str] | None:
         async with engine.client(timeout_s=60) as c:
             try:
-                return (await c.weights_checksum([]))["dtype"]
+                return (await c.weights_checksum([]))["dtypes"]
             except EngineError as e:
                 if e.status in (404, 405):
                     if engine.url not in _WARNED:
@@ -42,9 +42,9 @@ async def served_dtypes(engines: list[Any]) -> dict[str, str | None]:
 
 
 async def verify(engines: list[Any], prints: Fingerprints, version: int,
-                 dtypes: dict[str, str | None] | None = None) -> None:
-    """Every engine reports `version` and holds the pushed values of a few tensors; where `dtypes` names an
-    engine's dtype (a full check), its hash of every pushed tensor equals the sender's."""
+                 dtypes: dict[str, dict[str, str] | None] | None = None) -> None:
+    """Every engine reports `version` and holds the pushed values of a few tensors; where `dtypes` gives an
+    engine's dtype per tensor (a full check), its hash of every pushed tensor equals the sender's."""
     import torch
 
     checks = prints.sample_names()
@@ -61,14 +61,17 @@ async def verify(engines: list[Any], prints: Fingerprints, version: int,
                 if served.shape != want.shape or not torch.allclose(served, want, rtol=1e-2, atol=1e-3):
                     raise RLXError(f"weight sync: engine {engine.url} serves different values for {name!r} "
                                    f"after version {version}: {served[:4].tolist()} vs {want[:4].tolist()}")
-            dtype = (dtypes or {}).get(engine.url)
-            if dtype is None:
+            plan = (dtypes or {}).get(engine.url)
+            if plan is None:
                 return
+            missing = [n for n in prints.names if n not in plan]
+            if missing:
+                raise RLXError(f"weight sync: engine {engine.url} has no tensor {missing[0]!r} that was sent")
             served_hashes = (await c.weights_checksum(prints.names))["checksums"]
-            wrong = [n for n in prints.names if served_hashes.get(n) != prints.hashes[dtype][n]]
+            wrong = [n for n in prints.names if served_hashes.get(n) != prints.hashes.get((n, plan[n]))]
             if wrong:
                 raise RLXError(f"weight sync: engine {engine.url} serves {len(wrong)} of {len(prints.names)} tensors "
-                               f"that differ from what was sent for version {version} (bytes as {dtype}), e.g. "
-                               f"{wrong[:3]}")
+                               f"that differ from what was sent for version {version} (compared as the bytes "
+                               f"it holds), e.g. {wrong[:3]}")
 
     await asyncio.gather(*(one(e) for e in engines))

@@ -97,15 +97,16 @@ class BroadcastGroup:
 
 
 def checksums(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
-    """Per-tensor hashes of the weights as served (all of them when `names` is None), with their dtype."""
+    """Per-tensor hashes of the weights as served (all of them when `names` is None), and every tensor's
+    dtype (a model may keep some modules in another dtype than the rest)."""
     from rlx.transport.wire import tensor_hash
 
     state = model.state_dict(keep_vars=True)
     unknown = [n for n in (names or []) if n not in state]
     if unknown:
         raise WeightError(f"unknown weight {unknown[0]!r}")
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return {"dtype": dtype, "checksums": {n: tensor_hash(state[n]) for n in (state if names is None else names)}}
+    return {"dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in state.items()},
+            "checksums": {n: tensor_hash(state[n]) for n in (state if names is None else names)}}
 
 
 def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
