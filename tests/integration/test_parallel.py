@@ -64,10 +64,21 @@ def run(tmp_path, nproc, tp, pp=1):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"out-{nproc}-{tp}-{pp}.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                        f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), str(tp),
-                        str(pp), str(nproc), str(out)], capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    def launch():
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                               f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), str(tp),
+                               str(pp), str(nproc), str(out)], capture_output=True, text=True, timeout=600,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+    r = launch()
+    if r.returncode != 0 and "SIGABRT" in r.stderr and "terminate called" in r.stderr:
+        # Seen once in about thirty runs: a worker aborted inside gloo's C++ ("terminate called without an
+        # active exception") a second after start. That is not a difference in the numbers, which this test
+        # checks; run it once more, and say so.
+        import warnings
+
+        warnings.warn(f"tp={tp} pp={pp} nproc={nproc}: a worker aborted in C++; ran again", stacklevel=1)
+        r = launch()
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
 
