@@ -53,6 +53,7 @@ class RunConfig(Section):
     output_dir: str = "runs/rlx"  # checkpoints, metrics.jsonl and plots go here
     seed: int = 1234  # seeds python, numpy and torch; data order and sampling follow from it
     loggers: list[ComponentSpec] = Field(default_factory=list)  # experiment trackers (`rl plugins`: loggers)
+    log_samples_interval: int = Field(10, ge=1)  # loggers get a table of sample responses every N steps
 
     @field_validator("loggers", mode="before")
     @classmethod

@@ -131,8 +131,9 @@ def register_agents(register: Register) -> None:
 
 @hookspec
 def register_loggers(register: Register) -> None:
-    """Register experiment loggers, selected by ``run.loggers``: ``log_metrics(step, metrics)`` for every
-    step, ``close()`` at the end of the run.
+    """Register experiment loggers, selected by ``run.loggers``: ``open(run)`` once (a `RunInfo`: output
+    folder, resolved config), ``log_metrics(step, metrics)`` every step, ``log_samples(step, rows)`` every
+    ``run.log_samples_interval`` steps (rows of prompt, response, reward), ``close()`` at the end.
 
     :param register: call once per logger class.
     """

@@ -19,7 +19,7 @@ transports     ``async setup/send/commit/close``           ``train.transport``
 models         ``spec(hf_config) -> ModelSpec``            the checkpoint's ``model_type``
 kernels        ``supports(**query)``, ``__call__``         by name, from model bridges
 agents         ``async run(base_url, api_key, task)``      ``rollout.generator.args.function``
-loggers        ``log_metrics(step, metrics)``, ``close()``  ``run.loggers``
+loggers        ``open(run)``, ``log_metrics``, ``log_samples``  ``run.loggers``
 =============  ==========================================  =================================
 
 A component is a class (instantiated with its validated ``Config`` when it has one) or an object.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -136,13 +137,28 @@ class Agent(Protocol):
 
 @runtime_checkable
 class Logger(Protocol):
-    """Receives every step's metrics (and is closed at the end of the run)."""
+    """An experiment tracker: opened once with the run (its output folder and resolved config), then given
+    every step's metrics and, every few steps, a table of samples; closed at the end of the run."""
 
     name: ClassVar[str]
 
+    def open(self, run: RunInfo) -> None: ...
+
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+
     def close(self) -> None: ...
+
+
+@dataclass
+class RunInfo:
+    """What a logger learns about the run when it opens."""
+
+    name: str  # run.name
+    output_dir: Path  # where metrics.jsonl and checkpoints go; a logger writes beside them
+    config: dict[str, Any]  # the resolved config tree, as YAML would spell it
+    resumed_from: int | None = None  # the step a resumed run continues after (None: a fresh run)
 
 
 # -- what registration checks ------------------------------------------------------------------
@@ -171,7 +187,8 @@ CONTRACTS: dict[str, list[Method]] = {
     "models": [Method("spec", ("hf_config",))],
     "kernels": [Method("supports", ()), Method("__call__", (), check_args=False)],
     "agents": [Method("run", ("base_url", "api_key", "task"), "async")],
-    "loggers": [Method("log_metrics", ("step", "metrics")), Method("close", ())],
+    "loggers": [Method("open", ("run",)), Method("log_metrics", ("step", "metrics")),
+                Method("log_samples", ("step", "rows")), Method("close", ())],
 }
 
 #: Class attributes a kind needs beside ``name``: (attribute, the type its value must have).

@@ -9,4 +9,5 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.balancers",
     "rlx.builtins.models",
     "rlx.builtins.transports",
+    "rlx.builtins.loggers",
 )

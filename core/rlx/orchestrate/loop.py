@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rlx.config import Config
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.metrics import MetricsLog
+from rlx.protocols import RunInfo
 from rlx.rollout.batches import BatchSource, batch_source
 from rlx.rollout.session import RolloutSession
 
@@ -56,6 +57,9 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                 # the engines started from the original weights
                 await asyncio.to_thread(trainer.push_weights, version)
             log = MetricsLog(out, resume_step=start - 1 if resume else None)
+            run_info = RunInfo(cfg.run.name, out, cfg.to_data(), start - 1 if resume else None)
+            for logger in loggers:
+                logger.open(run_info)
             watch = DiffWatch()
             batches.start()
 
@@ -68,8 +72,12 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                     if warning:
                         print(f"rlx: warning: {warning}", file=sys.stderr, flush=True)
                     log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
+                    rows = (sample_rows(batch) if step % cfg.run.log_samples_interval == 0 or step == start
+                            else None)
                     for logger in loggers:
                         logger.log_metrics(step, record)
+                        if rows:
+                            logger.log_samples(step, rows)
                     if progress is not None:
                         progress(step, record)
                     every = cfg.train.checkpoint.interval
@@ -123,6 +131,12 @@ async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, ste
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                    "time/step_s": time.monotonic() - t0})
     return batch, record
+
+
+def sample_rows(batch: Any, n: int = 8) -> list[dict[str, Any]]:
+    """A few of the step's trained samples as loggers tabulate them."""
+    samples = [s for g in batch.groups for s in g.trainable][:n]
+    return [{"prompt": s.prompt_text, "response": s.response_text, "reward": s.reward} for s in samples]
 
 
 class DiffWatch:
