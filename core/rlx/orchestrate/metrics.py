@@ -43,35 +43,64 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _wall(rows: list[dict[str, Any]]) -> list[float]:
+    out, t = [], 0.0
+    for r in rows:
+        t += r.get("time/step_s") or 0.0
+        out.append(t)
+    return out
+
+
+def _per_second(r: dict[str, Any]) -> float | None:
+    return r["tokens"] / r["time/step_s"] if r.get("tokens") and r.get("time/step_s") else None
+
+
+#: The panels of `rl plot`: (title, x axis, y of a row or None where the run did not log it, log scale).
+PANELS: list[tuple[str, str, Any, bool]] = [
+    ("mean reward", "step", lambda r: r.get("reward/mean"), False),
+    ("mean reward by time", "wall", lambda r: r.get("reward/mean"), False),
+    ("KL to the reference", "step", lambda r: r.get("kl"), False),
+    ("entropy", "step", lambda r: r.get("entropy"), False),
+    ("response length", "step", lambda r: r.get("response_len/mean"), False),
+    ("trainer vs engine log-prob diff", "step", lambda r: r.get("train_rollout_logprob_diff") or None, True),
+    ("throughput (tokens/s)", "step", _per_second, False),
+    ("seconds per step", "step", None, False),  # the time split, drawn below
+]
+
+
 def plot(run_dirs: list[Path], out: Path) -> Path:
-    """Reward and timing curves of one or more runs, side by side, as a PNG."""
+    """Training curves of one or more runs, overlaid: reward (by step and by time), KL, entropy, response
+    length, trainer-vs-engine log-prob difference, throughput and the time split of a step, as a PNG.
+    A run that did not log a metric (KL without a reference model) leaves that panel out for it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_w, ax_t) = plt.subplots(1, 3, figsize=(17, 4.5))
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
     for run in run_dirs:
         rows = read(run)
-        steps = [r["step"] for r in rows]
         label = Path(run).name
-        rewards = [r["reward/mean"] for r in rows]
-        ax_r.plot(steps, rewards, label=label)
-        wall, t = [], 0.0
-        for r in rows:
-            t += r.get("time/step_s") or 0.0
-            wall.append(t)
-        ax_w.plot(wall, rewards, label=label)
-        for key, style in (("time/rollout_s", "-"), ("time/train_s", "--"), ("time/weight_sync_s", ":")):
-            ax_t.plot(steps, [r.get(key) or 0.0 for r in rows], style, label=f"{label} {key[5:-2]}")
-    ax_r.set(title="mean reward", xlabel="step")
-    ax_w.set(title="mean reward", xlabel="seconds (sum of step times)")
-    ax_w.legend()
-    ax_t.set(title="seconds per step", xlabel="step")
-    ax_r.legend()
-    ax_t.legend(fontsize=7)
+        steps, wall = [r["step"] for r in rows], _wall(rows)
+        for ax, (title, x, y, _) in zip(axes.flat, PANELS, strict=True):
+            if y is None:
+                for key, style in (("time/rollout_s", "-"), ("time/train_s", "--"), ("time/weight_sync_s", ":")):
+                    ax.plot(steps, [r.get(key) or 0.0 for r in rows], style, label=f"{label} {key[5:-2]}")
+                continue
+            points = [(xv, y(r)) for xv, r in zip(wall if x == "wall" else steps, rows, strict=True)
+                      if y(r) is not None]
+            if points:
+                ax.plot(*zip(*points, strict=True), label=label)
+    for ax, (title, x, _, log) in zip(axes.flat, PANELS, strict=True):
+        ax.set(title=title, xlabel="seconds (sum of step times)" if x == "wall" else "step")
+        if log and ax.lines:
+            ax.set_yscale("log")
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
