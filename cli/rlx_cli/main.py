@@ -143,6 +143,7 @@ def train_cmd(
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint.")] = False,
     save_hf: Annotated[Path | None, typer.Option("--save-hf", help="Export an HF checkpoint here at the end.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Show Ray's own output here too.")] = False,
 ) -> None:
     """Train: rollout, train, push weights, log and checkpoint, every step."""
     import asyncio
@@ -153,6 +154,8 @@ def train_cmd(
     from rlx.orchestrate.loop import train
 
     cfg = load_config(file, set_ or [], plugins=_plugins())
+    err.print(f"logs (Ray, engines, trainers): {Path(cfg.run.output_dir) / 'logs'}", highlight=False,
+              soft_wrap=True)
     with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=err) as bar:
         task = bar.add_task("train", total=cfg.train.num_steps, info="starting engines and trainer")
@@ -162,7 +165,8 @@ def train_cmd(
                                                   f"lp-diff {m.get('train_rollout_logprob_diff', 0.0):.2e}  "
                                                   f"{m['time/step_s']:.2f}s/step")
 
-        out_dir = asyncio.run(train(cfg, _plugins(), resume=resume, save_hf=save_hf, progress=progress))
+        out_dir = asyncio.run(train(cfg, _plugins(), resume=resume, save_hf=save_hf, progress=progress,
+                                    verbose=verbose))
     rows = __import__("rlx.orchestrate.metrics", fromlist=["read"]).read(out_dir)
     first, last = rows[:5], rows[-5:]
     mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731

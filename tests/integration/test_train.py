@@ -57,6 +57,11 @@ def uninterrupted(tiny_model_path, tmp_path_factory):
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
     assert "Traceback" not in err
+    # the terminal shows rlx's own lines only: Ray's go to the run's logs, which the first line names
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0] == f"logs (Ray, engines, trainers): {tmp / 'run' / 'logs'}", lines
+    assert all(line.startswith(("logs (", "train ", "rlx: ")) for line in lines), lines
+    assert "Connecting to existing Ray cluster" in (tmp / "run" / "logs" / "driver.log").read_text()
     assert wait_gone(tag) == [], "rl train left processes behind"
     return tmp
 

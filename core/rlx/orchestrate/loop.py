@@ -32,13 +32,13 @@ if TYPE_CHECKING:
 
 
 async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Path | None = None,
-                progress: Callable[[int, dict[str, Any]], None] | None = None) -> Path:
+                progress: Callable[[int, dict[str, Any]], None] | None = None, verbose: bool = False) -> Path:
     out = Path(cfg.run.output_dir)
     ckpt_root = out / "checkpoints"
     save_hf = save_hf.resolve() if save_hf is not None else None  # workers run in other folders
     for line in objective_notes(cfg, plugins):
         print(f"rlx: note: {line}", file=sys.stderr, flush=True)
-    placement, trainer = await asyncio.to_thread(start_trainers, cfg)
+    placement, trainer = await asyncio.to_thread(start_trainers, cfg, verbose)
     loggers: list[Any] = []
     try:
         loggers += [plugins.build("loggers", spec) for spec in cfg.run.loggers]
@@ -184,13 +184,13 @@ def write_placement(out: Path, trainer_hosts: list[str], engine_urls: list[str])
     (out / "placement.json").write_text(json.dumps({"trainers": trainer_hosts, "engines": engine_urls}, indent=1))
 
 
-def start_trainers(cfg: Config) -> tuple[Any, TrainerGroup]:
+def start_trainers(cfg: Config, verbose: bool = False) -> tuple[Any, TrainerGroup]:
     """(placement or None, trainer group): Ray actors when ``ray.enabled``, else one local rank."""
     from rlx.orchestrate.workers import LocalTrainerGroup, RayPlacement, RayTrainerGroup
 
     if not cfg.ray.enabled:
         return None, LocalTrainerGroup(cfg)
-    placement = RayPlacement(cfg)
+    placement = RayPlacement(cfg, verbose)
     try:
         return placement, RayTrainerGroup(cfg, placement.pg, first_bundle=0)
     except BaseException:

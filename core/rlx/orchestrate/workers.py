@@ -16,7 +16,9 @@ Placement (``ray.placement``):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -183,7 +185,8 @@ def _reraise(e: Any) -> None:
 class RayPlacement:
     """A Ray cluster (started here, or joined at ``ray.address``) and one placement group for the run."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, verbose: bool = False):
+        """`verbose`: let Ray print to this terminal while it connects (else it goes to logs/driver.log)."""
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -195,10 +198,12 @@ class RayPlacement:
         self.head = None
         init = dict(log_to_driver=rc.log_to_driver,
                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
-        if rc.address is None and not ray.is_initialized():
-            self.head = start_head(rc.num_cpus, Path(cfg.run.output_dir) / "logs", init)
-        elif not ray.is_initialized():
-            ray.init(address=rc.address, **init)
+        logs = Path(cfg.run.output_dir) / "logs"
+        with stderr_to(None if verbose else logs / "driver.log"):
+            if rc.address is None and not ray.is_initialized():
+                self.head = start_head(rc.num_cpus, logs, init)
+            elif not ray.is_initialized():
+                ray.init(address=rc.address, **init)
         self.trainer_bundles = cfg.train.parallel.world_size
         engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
         self.colocated = rc.placement == "colocated"
@@ -262,6 +267,26 @@ class RayPlacement:
         ray.shutdown()
         if self.head is not None:
             self.head.stop(grace_s=30)
+
+
+@contextlib.contextmanager
+def stderr_to(log_path: Path | None):
+    """Send this process's standard error (the file descriptor: Ray's driver writes from C++ as well as
+    Python while it connects) to `log_path` for the block; None leaves it alone."""
+    if log_path is None:
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(log_path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
