@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.config import parse_config
-from rlx.transport.wire import serialize_named_tensors
+from rlx.transport.wire import serialize_named_tensors, tensor_hash
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest
 
@@ -162,19 +162,20 @@ def test_weight_updates_from_disk_tensor_and_broadcast(fleet, model, tmp_path):
         for p in new.parameters():
             p.mul_(0.5)
     payload = serialize_named_tensors(list(new.state_dict().items()))
+    # As SGLang 0.5.23: tensor and distributed updates only inside a weight-update session.
+    with pytest.raises(EngineError, match="between begin_weight_update"):
+        call(engine.url, lambda c: c.update_weights_from_tensor([payload], weight_version="2"))
+    assert call(engine.url, lambda c: c.begin_weight_update()) is True
     call(engine.url, lambda c: c.update_weights_from_tensor([payload], weight_version="2"))
     check("2", new)
 
-    # Broadcast: this process is rank 0 of a two-rank gloo group, the engine rank 1.
-    import torch.distributed as dist
-    from datetime import timedelta
-
+    # Broadcast: this process is rank 0 of a two-rank gloo group, the engine rank 1 (SGLang's layout).
     from rlx.rollout.engines.launch import free_port
+    from rlx.transport.group import open_group
 
     port = free_port()
-    store = dist.PrefixStore("g", dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False))
     holder = {}
-    t = threading.Thread(target=lambda: holder.setdefault("pg", dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))))
+    t = threading.Thread(target=lambda: holder.setdefault("pg", open_group("127.0.0.1", port, 0, 2, "g", "gloo", 60)))
     t.start()
     call(engine.url, lambda c: c.init_weights_update_group("127.0.0.1", port, 1, 2, "g", "gloo"))
     t.join(60)
@@ -194,10 +195,15 @@ def test_weight_updates_from_disk_tensor_and_broadcast(fleet, model, tmp_path):
             await task
 
     run(push())
+    call(engine.url, lambda c: c.end_weight_update())
     check("3", new)
+    # SGLang serves weights by name for Llama-family models only; the tiny Qwen3 gets its 400.
     name = "model.layers.0.mlp.down_proj.weight"
-    got = call(engine.url, lambda c: c.get_weights_by_name(name, 5))
-    assert got == pytest.approx(new.state_dict()[name].flatten()[:5].tolist())
+    with pytest.raises(EngineError, match="Get parameter by name failed") as e:
+        call(engine.url, lambda c: c.get_weights_by_name(name, 5))
+    assert e.value.status == 400
+    sums = call(engine.url, lambda c: c.request("POST", "/weights_checksum", {"names": [name], "head": 5}))
+    assert sums["checksums"][name] == tensor_hash(new.state_dict()[name].flatten()[:5])
 
 
 def fleet_model_path(model):
@@ -216,7 +222,7 @@ def test_bad_requests_get_400_in_sglang_error_shape(fleet):
             run(go(body))
         assert e.value.status == 400 and text in str(e.value)
     with pytest.raises(EngineError, match="unknown weight"):
-        call(fleet.engines[0].url, lambda c: c.get_weights_by_name("nope"))
+        call(fleet.engines[0].url, lambda c: c.weights_checksum(["nope"]))
 
 
 def test_router_removes_and_adds_workers(fleet):

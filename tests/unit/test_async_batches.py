@@ -242,7 +242,9 @@ def test_sync_batches_release_engine_memory_around_train_steps_when_asked(tmp_pa
     class Fleet:
         async def for_each(self, fn):
             client = types.SimpleNamespace(release_memory=lambda: asyncio.sleep(0, calls.append("release")),
-                                           resume_memory=lambda: asyncio.sleep(0, calls.append("resume")))
+                                           resume_memory=lambda: asyncio.sleep(0, calls.append("resume")),
+                                           pause=lambda mode: asyncio.sleep(0, calls.append(f"pause:{mode}")),
+                                           resume=lambda: asyncio.sleep(0, calls.append("continue")))
             return [await fn(client)]
 
     assert not batch_source(cfg, manager, Fleet()).offload  # CPU, disaggregated: off by default
@@ -255,4 +257,5 @@ def test_sync_batches_release_engine_memory_around_train_steps_when_asked(tmp_pa
         await batches.after_train()
 
     asyncio.run(go())
-    assert calls == ["release", "train", "resume"]
+    # SGLang releases memory only on an idle server: generation is paused (aborting what runs) first
+    assert calls == ["pause:abort", "release", "train", "resume", "continue"]

@@ -30,6 +30,35 @@ async def _set_version(engines, version: int) -> None:
     await asyncio.gather(*(one(e) for e in engines))
 
 
+class _Sessions:
+    """SGLang's weight-update session on every engine for the duration of one send (0.5.23 refuses tensor
+    and distributed updates outside one; engines without sessions, 0.5.5, need none)."""
+
+    def __init__(self, engines):
+        self.engines = engines
+        self.opened: list = []
+
+    async def __aenter__(self):
+        async def begin(e):
+            async with e.client() as c:
+                if await c.begin_weight_update():
+                    self.opened.append(e)
+
+        await asyncio.gather(*(begin(e) for e in self.engines))
+        return self
+
+    async def __aexit__(self, *exc):
+        async def end(e):
+            async with e.client() as c:
+                await c.end_weight_update()
+
+        results = await asyncio.gather(*(end(e) for e in self.opened), return_exceptions=True)
+        if exc[0] is None:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+
+
 class TensorTransport:
     """Serialized tensors over the engines' HTTP API: by value on CPU, CUDA IPC handles on GPU."""
 
@@ -46,14 +75,16 @@ class TensorTransport:
         from rlx.transport import buckets
         from rlx.transport.wire import serialize_named_tensors
 
-        for bucket in buckets(named, self.config.bucket_mb << 20):
-            payload = serialize_named_tensors(bucket)
+        async with _Sessions(ctx.engines):
+            for bucket in buckets(named, self.config.bucket_mb << 20):
+                payload = serialize_named_tensors(bucket)
 
-            async def one(e, payload=payload):
-                async with e.client() as c:
-                    await c.update_weights_from_tensor([payload])
+                async def one(e, payload=payload):
+                    async with e.client() as c:
+                        # every TP rank of the engine reads its own element; each gets the full tensors
+                        await c.update_weights_from_tensor([payload] * getattr(e, "tp_size", 1))
 
-            await asyncio.gather(*(one(e) for e in ctx.engines))
+                await asyncio.gather(*(one(e) for e in ctx.engines))
 
     async def commit(self, version: int, ctx) -> None:
         await _set_version(ctx.engines, version)
@@ -113,7 +144,8 @@ class DiskTransport:
 
 
 class BroadcastTransport:
-    """Each sender is rank 0 of a group with every engine (ranks 1..n); tensors are broadcast in buckets."""
+    """Each sender is rank 0 of a group with every TP rank of every engine (`rlx.transport.group`, SGLang's
+    layout); tensors are broadcast one by one in the order named, a bucket per update request."""
 
     name = "broadcast"
     Config = _Args
@@ -124,58 +156,51 @@ class BroadcastTransport:
         self.group_name = "rlx-weights"
 
     async def setup(self, ctx) -> None:
-        from datetime import timedelta
-
         import torch
-        import torch.distributed as dist
 
         from rlx.net import free_port
+        from rlx.transport.group import engine_ranks, open_group
 
         self.group_name = f"rlx-weights-{ctx.sender}"
         port = free_port(ctx.host)
-        world = len(ctx.engines) + 1
+        offsets, world = engine_ranks([getattr(e, "tp_size", 1) for e in ctx.engines])
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        store = dist.PrefixStore(self.group_name, dist.TCPStore(ctx.host, port, world, is_master=True,
-                                                                timeout=timedelta(seconds=300),
-                                                                wait_for_workers=False))
 
-        def make():
-            if backend == "gloo":
-                from rlx.net import gloo_options
-
-                opts = gloo_options(ctx.host)
-                opts._timeout = timedelta(seconds=300)
-                return dist.ProcessGroupGloo(store, 0, world, opts)
-            return dist.ProcessGroupNCCL(store, 0, world)
-
-        async def join(i, e):
+        async def join(offset, e):
             async with e.client() as c:
-                await c.init_weights_update_group(ctx.host, port, i + 1, world, self.group_name, backend)
+                await c.init_weights_update_group(ctx.host, port, offset, world, self.group_name, backend)
 
-        pg_task = asyncio.create_task(asyncio.to_thread(make))
-        await asyncio.gather(*(join(i, e) for i, e in enumerate(ctx.engines)))
+        # The engines' joins and ours meet in the store: both must be under way at once.
+        pg_task = asyncio.create_task(asyncio.to_thread(open_group, ctx.host, port, 0, world, self.group_name,
+                                                        backend, 300))
+        try:
+            await asyncio.gather(*(join(o, e) for o, e in zip(offsets, ctx.engines, strict=True)))
+        except BaseException:
+            pg_task.cancel()
+            raise
         self.pg = await pg_task
 
     async def send(self, named, version: int, ctx) -> None:
         from rlx.transport import buckets
 
-        for bucket in buckets(named, self.config.bucket_mb << 20):
-            names = [n for n, _ in bucket]
-            dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-            shapes = [list(t.shape) for _, t in bucket]
+        async with _Sessions(ctx.engines):
+            for bucket in buckets(named, self.config.bucket_mb << 20):
+                names = [n for n, _ in bucket]
+                dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+                shapes = [list(t.shape) for _, t in bucket]
 
-            async def one(e):
-                async with e.client() as c:
-                    await c.update_weights_from_distributed(names, dtypes, shapes, self.group_name)
+                async def one(e):
+                    async with e.client() as c:
+                        await c.update_weights_from_distributed(names, dtypes, shapes, self.group_name)
 
-            requests = [asyncio.create_task(one(e)) for e in ctx.engines]
+                requests = [asyncio.create_task(one(e)) for e in ctx.engines]
 
-            def send():
-                for _, t in bucket:
-                    self.pg.broadcast(t.detach().contiguous(), 0).wait()
+                def send():
+                    for _, t in bucket:
+                        self.pg.broadcast(t.detach().contiguous(), 0).wait()
 
-            await asyncio.to_thread(send)
-            await asyncio.gather(*requests)
+                await asyncio.to_thread(send)
+                await asyncio.gather(*requests)
 
     async def commit(self, version: int, ctx) -> None:
         await _set_version(ctx.engines, version)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 from rlx.config import Config
 from rlx.errors import RLXError
 from rlx.rollout.manager import RolloutManager
+from rlx.rollout.engines.fleet import offloads
 from rlx.types import Group, RolloutBatch
 
 Push = Callable[[], Awaitable[Any]]
@@ -58,10 +59,7 @@ class SyncBatches:
     def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
         self.manager = manager
         self.fleet = fleet
-        offload = cfg.rollout.offload_during_train
-        if offload is None:
-            offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
-        self.offload = bool(offload) and not cfg.rollout.external_engines
+        self.offload = offloads(cfg)
 
     def start(self) -> None:
         pass
@@ -70,12 +68,14 @@ class SyncBatches:
         return await self.manager.next_batch(step, version)
 
     async def before_train(self) -> None:
-        if self.offload:
+        if self.offload:  # SGLang releases only an idle server (and its scheduler dies otherwise): pause first
+            await self.fleet.for_each(lambda c: c.pause(mode="abort"))
             await self.fleet.for_each(lambda c: c.release_memory())
 
     async def after_train(self) -> None:
         if self.offload:
             await self.fleet.for_each(lambda c: c.resume_memory())
+            await self.fleet.for_each(lambda c: c.resume())
 
     async def swap(self, push: Push) -> None:
         await push()

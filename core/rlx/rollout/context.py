@@ -59,6 +59,7 @@ class GenerateContext:
     sampling: SamplingConfig
     retries: int = 0  # retries of a request that failed on a dead or unreachable engine
     gate: RequestGate = field(default_factory=RequestGate)
+    context_length: int | None = None  # the engines' context length, when they report one
     _rids: Any = field(default_factory=itertools.count)
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
@@ -75,6 +76,20 @@ class GenerateContext:
         return f"s{sample.sample_id}-{next(self._rids)}"
 
     async def generate(self, input_ids: list[int], params: dict[str, Any], rid: str | None = None) -> GenerateResult:
+        """One generation. Within the context length: SGLang refuses (400) a prompt that fills the context
+        and a ``max_new_tokens`` that would run past it, so the budget is cut to what fits, and a prompt with
+        no room left finishes at once with ``length`` and no tokens (a multi-turn sample that grew to the
+        limit), as the rest of rlx expects of a truncated sample."""
+        if self.context_length is not None:
+            # one token short of the limit: SGLang 0.5.5 refuses prompt + max_new_tokens == context, 0.5.23 not
+            room = self.context_length - len(input_ids) - 1
+            if room <= 0:
+                return GenerateResult(text="", output_ids=[], output_logprobs=[], finish_reason="length",
+                                      matched_stop=None, weight_version="", token_weight_versions=[],
+                                      prompt_tokens=len(input_ids), rid=rid, raw={},
+                                      temperature=float(params.get("temperature", 1.0)))
+            if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
+                params = {**params, "max_new_tokens": room}
         async with self.gate:
             (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
         res.temperature = float(params.get("temperature", 1.0))

@@ -24,14 +24,17 @@ SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
 
 class Fingerprints:
     """The first `values` entries of each tensor that went through a push, in order; with `plans` (each
-    engine's dtype per tensor), a hash of each tensor's bytes in every dtype an engine holds it in."""
+    engine's dtype per tensor), a hash of those first entries in every dtype an engine holds the tensor in,
+    and with `full` a hash of each whole tensor too."""
 
-    def __init__(self, values: int = 8, plans: list[dict[str, str]] | None = None):
+    def __init__(self, values: int = 8, plans: list[dict[str, str]] | None = None, full: bool = False):
         self.values = values
         self.plans = plans or []
+        self.full = full
         self.names: list[str] = []
         self.heads: dict[str, Any] = {}
         self.hashes: dict[tuple[str, str], str] = {}
+        self.head_hashes: dict[tuple[str, str], str] = {}
 
     def watch(self, named: Any):
         """Pass `named` through, remembering each tensor's first values (and hashes)."""
@@ -41,9 +44,12 @@ class Fingerprints:
 
         for name, t in named:
             self.names.append(name)
-            self.heads[name] = t.detach().flatten()[: self.values].float().cpu().clone()
+            head = t.detach().flatten()[: self.values]
+            self.heads[name] = head.float().cpu().clone()
             for dtype in {plan[name] for plan in self.plans if name in plan}:
-                self.hashes[(name, dtype)] = tensor_hash(t, getattr(torch, dtype))
+                self.head_hashes[(name, dtype)] = tensor_hash(head, getattr(torch, dtype))
+                if self.full:
+                    self.hashes[(name, dtype)] = tensor_hash(t, getattr(torch, dtype))
             yield name, t
 
     def sample_names(self, k: int = 3) -> list[str]:
@@ -52,6 +58,14 @@ class Fingerprints:
             return []
         idx = sorted({0, len(self.names) // 2, len(self.names) - 1})[:k]
         return [self.names[i] for i in idx]
+
+
+async def _tp_sizes(engines: list[Any]) -> list[int]:
+    async def one(e):
+        async with e.client(timeout_s=60) as c:
+            return await c.tp_size()
+
+    return list(await asyncio.gather(*(one(e) for e in engines)))
 
 
 class WeightSender:
@@ -75,9 +89,12 @@ class WeightSender:
         """Build the transport on each sender and set it up, one stage after another (see `push`)."""
         from rlx.rollout.engines.fleet import Engine
 
-        self.ctx = TransportContext(engines=[Engine(url, "target") for url in engine_urls],
-                                    output_dir=Path(output_dir), sender=self.par.pp_rank, senders=self.par.pp,
-                                    host=host)
+        engines = [Engine(url, "target") for url in engine_urls]
+        if self.sending:  # each TP rank of an engine is a member of a weight-update group
+            for e, tp in zip(engines, asyncio.run(_tp_sizes(engines)), strict=True):
+                e.tp_size = tp
+        self.ctx = TransportContext(engines=engines, output_dir=Path(output_dir), sender=self.par.pp_rank,
+                                    senders=self.par.pp, host=host)
         for stage in range(self.par.pp):
             if self.sending and self.par.pp_rank == stage:
                 self._agree(self._setup_transport)
@@ -101,11 +118,11 @@ class WeightSender:
         dtypes: dict[str, dict[str, str] | None] = {}
 
         def plan() -> None:  # which dtype each engine holds each tensor in
-            if full and self.sending:
+            if self.verify_weights != "off" and self.sending:
                 dtypes.update(asyncio.run(served_dtypes(self.ctx.engines)))
 
         self._agree(plan)
-        prints = Fingerprints(plans=[d for d in dtypes.values() if d])
+        prints = Fingerprints(plans=[d for d in dtypes.values() if d], full=full)
         for stage in range(self.par.pp):
             if self.par.pp_rank == stage:
                 self._agree(self._send_stage, version, prints)
@@ -113,7 +130,7 @@ class WeightSender:
                 self._agree(lambda: None)
         self._agree(lambda: asyncio.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
         if self.verify_weights != "off":
-            check = verify(self.ctx.engines, prints, version, dtypes) if self.sending else None
+            check = verify(self.ctx.engines, prints, version, dtypes, full) if self.sending else None
             self._agree(lambda: asyncio.run(check) if check is not None else None)
 
     def _send_stage(self, version: int, prints: Fingerprints) -> None:

@@ -1,15 +1,23 @@
 """Checking after a push that every engine reports the new version and serves the values sent.
 
 The sender keeps the first few values of every tensor it sent (`rlx.transport.sender.Fingerprints`), so
-the ``sample`` check needs no second copy of the model; it asks each engine for a few tensors spread over what it sent. The
-``full`` check also hashes every tensor as it streams by, in the dtype each engine serves, and compares
-the engines' own per-tensor hashes (the embedded engine's ``/weights_checksum``); an engine without such
-a route gets the sample check and a warning, once.
+no check needs a second copy of the model. What each engine can be asked decides the check, per engine:
+
+* rlx's ``/weights_checksum`` (the embedded engine): hashes by HF name in the dtype the engine holds,
+  compared exactly: of the first values of a few tensors spread over the push (``sample``), or of every
+  whole tensor (``full``, hashed by the sender as the tensors stream by);
+* ``/get_weights_by_name`` (SGLang, Llama/Granite/OPT families only): the first rows of a few tensors,
+  compared with the values sent at the engine's precision;
+* SGLang's ``/weights_checker`` (0.5.23+; hashes of SGLang's own fused, sharded parameters, which a
+  trainer cannot recompute): engines with the same layout must hold identical weights, and an engine's
+  weights must have changed when the pushed ones did;
+* nothing of these (SGLang 0.5.5 serving Qwen, say): the version alone, with a warning once per engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +27,15 @@ from rlx.rollout.engines.protocol import EngineError
 if TYPE_CHECKING:
     from rlx.transport.sender import Fingerprints
 
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
+_NO_BY_NAME: set[str] = set()  # engines whose get_weights_by_name answered that it cannot
+_LAST_CHECKER: dict[str, tuple[str, str]] = {}  # the last per-engine checksum each engine reported
+
+
+def _warn_once(url: str, what: str, message: str) -> None:
+    if (url, what) not in _WARNED:
+        _WARNED.add((url, what))
+        print(f"rlx: warning: engine {url} {message}", file=sys.stderr)
 
 
 async def served_dtypes(engines: list[Any]) -> dict[str, dict[str, str] | None]:
@@ -31,47 +47,118 @@ async def served_dtypes(engines: list[Any]) -> dict[str, dict[str, str] | None]:
                 return (await c.weights_checksum([]))["dtypes"]
             except EngineError as e:
                 if e.status in (404, 405):
-                    if engine.url not in _WARNED:
-                        _WARNED.add(engine.url)
-                        print(f"rlx: warning: engine {engine.url} serves no per-tensor checksums; "
-                              f"train.verify_weights: full falls back to sample checks there", file=sys.stderr)
                     return None
                 raise
 
     return dict(zip((e.url for e in engines), await asyncio.gather(*(one(e) for e in engines)), strict=True))
 
 
+def _flat_head(rows: Any, n: int) -> list[float]:
+    """The first `n` values of SGLang's get_weights_by_name answer (rows of the first dimension)."""
+    out: list[float] = []
+
+    def walk(x: Any) -> None:
+        if len(out) >= n:
+            return
+        if isinstance(x, list):
+            for v in x:
+                walk(v)
+        else:
+            out.append(float(x))
+
+    walk(rows)
+    return out[:n]
+
+
 async def verify(engines: list[Any], prints: Fingerprints, version: int,
-                 dtypes: dict[str, dict[str, str] | None] | None = None) -> None:
-    """Every engine reports `version` and holds the pushed values of a few tensors; where `dtypes` gives an
-    engine's dtype per tensor (a full check), its hash of every pushed tensor equals the sender's."""
+                 dtypes: dict[str, dict[str, str] | None] | None = None, full: bool = False) -> None:
+    """Every engine reports `version` and holds what was pushed, as far as it can be asked (see above)."""
     import torch
 
     checks = prints.sample_names()
+    dtypes = dtypes or {}
+    checker_sums: dict[str, tuple[Any, str]] = {}
+
+    async def by_checksum(c, engine, plan: dict[str, str]) -> None:
+        missing = [n for n in prints.names if n not in plan]
+        if missing:
+            raise RLXError(f"weight sync: engine {engine.url} has no tensor {missing[0]!r} that was sent")
+        if full:
+            names, want, how = prints.names, prints.hashes, "whole tensors"
+            served = (await c.weights_checksum(names))["checksums"]
+        else:
+            names, want, how = checks, prints.head_hashes, f"first {prints.values} values"
+            served = (await c.request("POST", "/weights_checksum", {"names": names, "head": prints.values}))[
+                "checksums"]
+        wrong = [n for n in names if served.get(n) != want.get((n, plan[n]))]
+        if wrong:
+            raise RLXError(f"weight sync: engine {engine.url} serves {len(wrong)} of {len(names)} checked tensors "
+                           f"that differ from what was sent for version {version} ({how}, compared as the bytes "
+                           f"it holds), e.g. {wrong[:3]}")
+
+    async def by_name(c, engine) -> bool:
+        for name in checks:
+            try:
+                rows = await c.get_weights_by_name(name, 1)
+            except EngineError as e:
+                if e.status == 400 and name == checks[0]:
+                    _NO_BY_NAME.add(engine.url)
+                    return False
+                raise
+            want = prints.heads[name]
+            served = torch.tensor(_flat_head(rows, len(want)), dtype=torch.float32)
+            # Engines may hold bf16: compare at that precision.
+            if served.shape != want.shape or not torch.allclose(served, want, rtol=1e-2, atol=1e-3):
+                raise RLXError(f"weight sync: engine {engine.url} serves different values for {name!r} "
+                               f"after version {version}: {served[:4].tolist()} vs {want[:4].tolist()}")
+        return True
+
+    async def by_checker(c, engine) -> bool:
+        try:
+            out = await c.weights_checker()
+        except EngineError as e:
+            if e.status in (404, 405):
+                return False
+            raise
+        layout = json.dumps([r.get("parallelism_info") for r in out.get("ranks", [])], sort_keys=True)
+        checker_sums[engine.url] = (layout, str(out.get("per_engine_checksum")))
+        return True
 
     async def one(engine) -> None:
         async with engine.client(timeout_s=120) as c:
             got = await c.weight_version()
             if got != str(version):
                 raise RLXError(f"weight sync: engine {engine.url} reports weight version {got!r}, expected {version}")
-            for name in checks:
-                served = torch.tensor(await c.get_weights_by_name(name, prints.values), dtype=torch.float32)
-                want = prints.heads[name]
-                # Engines may hold bf16: compare at that precision.
-                if served.shape != want.shape or not torch.allclose(served, want, rtol=1e-2, atol=1e-3):
-                    raise RLXError(f"weight sync: engine {engine.url} serves different values for {name!r} "
-                                   f"after version {version}: {served[:4].tolist()} vs {want[:4].tolist()}")
-            plan = (dtypes or {}).get(engine.url)
-            if plan is None:
+            plan = dtypes.get(engine.url)
+            if plan is not None:
+                return await by_checksum(c, engine, plan)
+            if engine.url not in _NO_BY_NAME and await by_name(c, engine):
                 return
-            missing = [n for n in prints.names if n not in plan]
-            if missing:
-                raise RLXError(f"weight sync: engine {engine.url} has no tensor {missing[0]!r} that was sent")
-            served_hashes = (await c.weights_checksum(prints.names))["checksums"]
-            wrong = [n for n in prints.names if served_hashes.get(n) != prints.hashes.get((n, plan[n]))]
-            if wrong:
-                raise RLXError(f"weight sync: engine {engine.url} serves {len(wrong)} of {len(prints.names)} tensors "
-                               f"that differ from what was sent for version {version} (compared as the bytes "
-                               f"it holds), e.g. {wrong[:3]}")
+            if await by_checker(c, engine):
+                _warn_once(engine.url, "checker", "cannot show weights by name; checking with SGLang's "
+                                                  "weights_checker that engines agree and that weights changed")
+                return
+            _warn_once(engine.url, "version", "offers no way to read weights back (no get_weights_by_name for "
+                                              "this model, no weights_checker); checking the version only")
 
     await asyncio.gather(*(one(e) for e in engines))
+    _check_agreement(checker_sums, prints, version)
+
+
+def _check_agreement(sums: dict[str, tuple[Any, str]], prints: Fingerprints, version: int) -> None:
+    """Engines with one layout hold identical weights; and each engine's weights changed when the pushed
+    ones did (a push every engine ignored would otherwise pass)."""
+    by_layout: dict[Any, dict[str, str]] = {}
+    for url, (layout, checksum) in sums.items():
+        by_layout.setdefault(layout, {})[url] = checksum
+    for group in by_layout.values():
+        if len(set(group.values())) > 1:
+            raise RLXError(f"weight sync: engines with the same layout hold different weights after version "
+                           f"{version} (SGLang weights_checker): {group}")
+    digest = "".join(f"{n}:{prints.heads[n].tolist()}" for n in prints.names)
+    for url, (_, checksum) in sums.items():
+        before = _LAST_CHECKER.get(url)
+        if before is not None and before[0] == checksum and before[1] != digest:
+            raise RLXError(f"weight sync: engine {url} holds the same weights as before version {version} "
+                           f"although different ones were pushed (SGLang weights_checker)")
+        _LAST_CHECKER[url] = (checksum, digest)

@@ -1,8 +1,11 @@
 """The wire format of tensor weight updates (SGLang's ``/update_weights_from_tensor``), both ends.
 
-A payload is a pickled list of ``(name, tensor)`` pairs, base64-encoded for JSON. CPU tensors travel
-by value; CUDA tensors through torch's reductions become IPC handles, so a colocated engine maps the
-trainer's memory instead of copying it over HTTP.
+A payload is a pickled list of ``(name, tensor)`` pairs, base64-encoded for JSON; a request carries one
+per TP rank of the engine. CPU tensors travel by value (plain pickle: both SGLang 0.5.5's and 0.5.23's
+restricted unpicklers accept it; torch's shared-memory reduction of CPU tensors does not work between
+unrelated processes). CUDA tensors travel as IPC handles, so a colocated engine maps the trainer's memory
+instead of copying it over HTTP; the device is named by its UUID, as SGLang's patched reductions write and
+read it, because trainer and engine may number the GPUs differently (CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
@@ -24,12 +27,51 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     colocated engine maps the trainer's memory instead of copying it over HTTP.
     """
     if any(t.is_cuda for _, t in named):
+        import io
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions)
 
-        return base64.b64encode(ForkingPickler.dumps(named)).decode()
+        buf = io.BytesIO()
+        pickler = ForkingPickler(buf)
+        pickler.dispatch_table.update({torch.Tensor: _reduce_by_uuid, torch.nn.Parameter: _reduce_by_uuid})
+        pickler.dump([(n, t.detach()) for n, t in named])
+        return base64.b64encode(buf.getvalue()).decode()
     return base64.b64encode(pickle.dumps([(n, _own_storage(t.detach().cpu())) for n, t in named])).decode()
+
+
+def _reduce_by_uuid(t: torch.Tensor):
+    """torch's reduction of a tensor, with a CUDA tensor's device index (argument 6 of
+    ``rebuild_cuda_tensor``) replaced by the device's UUID, as SGLang's patched reductions send it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    fn, args = reduce_tensor(t)
+    if t.is_cuda:
+        args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+    return fn, args
+
+
+def _device_index(device) -> int:
+    """A device index, or the index of the local GPU with this UUID (SGLang's convention)."""
+    if not isinstance(device, str):
+        return device
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == device:
+            return i
+    raise WireError(f"no GPU with UUID {device} is visible to this process")
+
+
+def _rebuild_cuda_tensor(*args):
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(*args[:6], _device_index(args[6]), *args[7:])
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
+        return super().find_class(module, name)
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +83,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
-    named = pickle.loads(base64.b64decode(payload))
+    import io
+
+    try:
+        named = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    except (ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise WireError(f"serialized_named_tensors: not a base64 pickle of (name, tensor) pairs: {e}") from None
     if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
         raise WireError("serialized_named_tensors must decode to a list of (name, tensor) pairs")
     return named

@@ -21,12 +21,22 @@ from rlx.rollout.engines.protocol import EngineClient
 from rlx.rollout.router import Router
 
 
+def offloads(cfg: Config) -> bool:
+    """Whether engines give their GPU memory back while the trainer trains (``rollout.offload_during_train``;
+    by default when colocated with GPU trainers); never for attached engines, which are not rlx's."""
+    offload = cfg.rollout.offload_during_train
+    if offload is None:
+        offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+    return bool(offload) and not cfg.rollout.external_engines
+
+
 @dataclass
 class Engine:
     url: str
     group: str
     worker_type: str = "regular"
     update_weights: bool = True
+    tp_size: int = 1  # tensor-parallel ranks: each is one member of a weight-update group
     process: Any = None  # a ManagedProcess or alike; None: attached, not ours to stop
 
     def client(self, timeout_s: float = 600) -> EngineClient:
@@ -66,9 +76,11 @@ class EngineFleet:
             args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
+        args = {**self.engine_args(path), **g.server_args}
+        if offloads(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
+            args.setdefault("enable_memory_saver", True)
         return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,
-                              worker_type=g.worker_type, server_args={**self.engine_args(path), **g.server_args},
-                              host=host)
+                              worker_type=g.worker_type, server_args=args, host=host)
 
     async def start(self) -> None:
         try:
@@ -85,8 +97,11 @@ class EngineFleet:
                 for i in range(g.num_engines):
                     proc, url = self.spawn(functools.partial(self._command, g),
                                            self.log_dir / f"engine-{g.name}-{i}.log")
-                    self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, proc))
+                    self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size, process=proc))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
+        if self.rc.external_engines:  # what an attached engine runs, it says itself
+            for e, tp in zip(self.engines, await self.for_each(lambda c: c.tp_size()), strict=True):
+                e.tp_size = tp
 
         prefill = [e.url for e in self.engines if e.worker_type == "prefill"]
         decode = [e.url for e in self.engines if e.worker_type == "decode"]

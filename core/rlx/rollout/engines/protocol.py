@@ -54,7 +54,7 @@ class GenerateResult:
     finish_reason: str  # "stop", "length" or "abort"
     matched_stop: int | str | None  # the stop token id or string that ended generation
     weight_version: str
-    token_weight_versions: list[str]  # per output id, when the engine reports it
+    token_weight_versions: list[str]  # per output id, when the engine reports it (SGLang >= 0.5.23)
     prompt_tokens: int
     rid: str | None
     raw: dict[str, Any]
@@ -77,11 +77,27 @@ class GenerateResult:
             finish_reason=fr.get("type", "unknown"),
             matched_stop=fr.get("matched"),
             weight_version=str(meta.get("weight_version", "")),
-            token_weight_versions=[str(v) for v in meta.get("output_token_weight_versions", [])],
+            token_weight_versions=token_versions(meta.get("weight_versions"), len(output_ids)),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             rid=meta.get("id"),
             raw=d,
         )
+
+
+def token_versions(spans: Any, n: int) -> list[str]:
+    """Per-token weight versions from SGLang's ``meta_info.weight_versions`` spans (0.5.23+: a list of
+    ``{"version", "start", "end"}`` over output-token positions, on finished results only); an empty list
+    when the engine sends none (0.5.5 reports one ``weight_version`` per result) or the spans do not cover
+    exactly the `n` output tokens."""
+    if not spans:
+        return []
+    out: list[str] = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(out) or end < start:
+            return []
+        out += [str(span["version"])] * (end - start)
+    return out if len(out) == n else []
 
 
 class EngineClient:
@@ -147,8 +163,17 @@ class EngineClient:
         return [GenerateResult.from_json(o) for o in items]
 
     async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
-        """Stream partial results (cumulative text and ids) until the engine finishes."""
+        """Stream partial results of one request (n = 1), each with the cumulative text and ids so far,
+        until the engine finishes.
+
+        SGLang sends cumulative ids by default from 0.5.23, only the new ids per chunk in 0.5.5 (where a
+        chunk can also replace queued ones, so deltas may be lost) and with ``--incremental-streaming-output``.
+        Ids are therefore taken, in order of trust: a chunk's ``output_ids`` when they are as many as its
+        ``completion_tokens``; the ids inside its cumulative ``output_token_logprobs``; the deltas so far.
+        A finished result whose ids cannot be made whole is an error, never a silently short sample."""
         body = req.to_json() | {"stream": True}
+        ids: list[int] = []
+        lps: list[float] = []
         url = f"{self.base_url}/generate"
         try:
             async with self._sess().post(url, json=body) as resp:
@@ -162,7 +187,32 @@ class EngineClient:
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         return
-                    yield GenerateResult.from_json(json.loads(data))
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineError(f"POST {url} (stream) -> {_error_text(data.decode())}", 400)
+                    res = GenerateResult.from_json(chunk)
+                    meta = chunk.get("meta_info", {})
+                    total = int(meta.get("completion_tokens", len(res.output_ids)))
+                    triples = meta.get("output_token_logprobs") or []
+                    if len(res.output_ids) == total:
+                        ids = list(res.output_ids)
+                    elif len(triples) == total:
+                        ids = [int(t[1]) for t in triples]
+                    else:
+                        ids = ids + list(res.output_ids)
+                    if len(triples) == total:
+                        lps = [float(t[0]) for t in triples]
+                    elif len(lps) + len(triples) == total:
+                        lps = lps + [float(t[0]) for t in triples]
+                    if meta.get("finish_reason") is not None and len(ids) != total:
+                        raise EngineError(f"engine at {self.base_url} streamed {len(ids)} of {total} token ids "
+                                          f"(an engine that sends deltas and drops chunks: ask with "
+                                          f"return_logprob, or use non-streaming generate)")
+                    res.output_ids = list(ids)
+                    res.output_logprobs = list(lps) if len(lps) == len(ids) else []
+                    if len(res.token_weight_versions) != len(ids):
+                        res.token_weight_versions = token_versions(meta.get("weight_versions"), len(ids))
+                    yield res
         except (aiohttp.ClientError, ConnectionError) as e:
             raise EngineError(f"engine at {self.base_url} unreachable on stream: {type(e).__name__}: {e}") from None
 
@@ -192,6 +242,15 @@ class EngineClient:
                 raise
             return await self.request("GET", old)
 
+    async def context_length(self) -> int | None:
+        """The model's context length as the engine enforces it (``/v1/models`` ``max_model_len``, served by
+        SGLang 0.5.5+ and the embedded engine); None when the engine does not say."""
+        try:
+            models = await self.request("GET", "/v1/models")
+            return int(models["data"][0]["max_model_len"])
+        except (EngineError, KeyError, IndexError, TypeError, ValueError):
+            return None
+
     async def weight_version(self) -> str:
         return str((await self.model_info()).get("weight_version", ""))
 
@@ -202,6 +261,8 @@ class EngineClient:
         return await self.request("POST", "/abort_request", body)
 
     async def pause(self, mode: str = "abort") -> Any:
+        """Pause generation. ``mode`` (abort, retract, in_place) is read by SGLang from 0.5.6; older versions
+        take no body and always abort what is running (rlx resumes aborted samples as partial rollouts)."""
         return await self.request("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> Any:
@@ -211,10 +272,16 @@ class EngineClient:
         return await self.request("POST", "/flush_cache")
 
     async def release_memory(self, tags: list[str] | None = None) -> Any:
+        """Free GPU memory (weights, KV cache); SGLang frees nothing unless launched with
+        ``--enable-memory-saver`` and requires an idle server (pause first)."""
         return await self.request("POST", "/release_memory_occupation", {"tags": tags})
 
     async def resume_memory(self, tags: list[str] | None = None) -> Any:
         return await self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    async def tp_size(self) -> int:
+        """The engine's tensor-parallel size (``tp_size`` in its server info; 1 when not reported)."""
+        return int((await self.server_info()).get("tp_size") or 1)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -224,11 +291,26 @@ class EngineClient:
             "model_path": model_path, "weight_version": weight_version,
             "abort_all_requests": abort_all_requests}), self.base_url)
 
+    async def begin_weight_update(self) -> bool:
+        """Open a tensor/distributed weight-update session (SGLang 0.5.23 refuses those updates outside
+        one); False where the engine has no sessions (0.5.5: 404), which then needs none."""
+        try:
+            _checked(await self.request("POST", "/begin_weight_update", {}), self.base_url)
+            return True
+        except EngineError as e:
+            if e.status == 404:
+                return False
+            raise
+
+    async def end_weight_update(self) -> Any:
+        return _checked(await self.request("POST", "/end_weight_update", {}), self.base_url)
+
     async def update_weights_from_tensor(self, serialized: list[str], weight_version: str | None = None,
                                          flush_cache: bool = True) -> Any:
+        """`serialized`: one payload per TP rank of the engine (SGLang's rank i reads element i)."""
         return _checked(await self.request("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized, "weight_version": weight_version,
-            "flush_cache": flush_cache}), self.base_url)
+            "serialized_named_tensors": serialized, "load_format": None, "weight_version": weight_version,
+            "flush_cache": flush_cache, "abort_all_requests": False}), self.base_url)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> Any:
@@ -241,7 +323,7 @@ class EngineClient:
                                               weight_version: str | None = None) -> Any:
         return _checked(await self.request("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": weight_version, "flush_cache": True}), self.base_url)
+            "weight_version": weight_version, "flush_cache": True, "abort_all_requests": False}), self.base_url)
 
     async def update_weight_version(self, version: str, abort_all_requests: bool = False) -> Any:
         """Set the served weight version once every part of a push has arrived."""
@@ -249,10 +331,17 @@ class EngineClient:
             "new_version": version, "abort_all_requests": abort_all_requests}), self.base_url)
 
     async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
-        """Per-tensor hashes of the served weights (rlx's embedded engine; a 404 elsewhere)."""
+        """Per-tensor hashes of the served weights by HF name (rlx's embedded engine; a 404 elsewhere)."""
         return await self.request("POST", "/weights_checksum", {"names": names})
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+    async def weights_checker(self) -> dict[str, Any]:
+        """SGLang's ``/weights_checker`` checksum (0.5.23; a 404 on older versions): per TP rank, hashes of
+        SGLang's own (fused, sharded) parameters, and ``per_engine_checksum`` over all of them."""
+        return _checked(await self.request("POST", "/weights_checker", {"action": "checksum"}), self.base_url)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """The first `truncate_size` rows of a weight (SGLang: Llama, Granite and OPT families only; other
+        models answer 400)."""
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
 

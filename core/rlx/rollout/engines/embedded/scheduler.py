@@ -64,6 +64,11 @@ class Request:
     first_token_at: float | None = None
 
 
+def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+    """SGLang's ``finish_reason`` of an aborted request."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
 class Command:
     """A function to run in the scheduler thread between steps, with a result to wait for."""
 
@@ -160,7 +165,8 @@ class Scheduler:
                     self._decode()
             except Exception as e:  # a model error fails the requests in flight, not the server
                 for r in self.rows + self.waiting:
-                    self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                    self._finish(r, abort_reason(f"engine error: {type(e).__name__}: {e}", 500,
+                                                 "InternalServerError"))
                 self._reset_batch()
                 self.waiting = []
 
@@ -189,7 +195,7 @@ class Scheduler:
     def _abort(self, rid: str | None, message: str) -> int:
         n = 0
         for r in self.rows + self.waiting:
-            if rid is None or r.rid == rid:
+            if rid is None or r.rid.startswith(rid):  # SGLang matches by prefix
                 r.aborted = message
                 n += 1
         self._finish_aborted()
@@ -198,12 +204,12 @@ class Scheduler:
     def _finish_aborted(self) -> None:
         for r in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(r)
-            self._finish(r, {"type": "abort", "message": r.aborted})
+            self._finish(r, abort_reason(r.aborted))
         keep = [i for i, r in enumerate(self.rows) if not r.aborted]
         if len(keep) != len(self.rows):
             for r in self.rows:
                 if r.aborted:
-                    self._finish(r, {"type": "abort", "message": r.aborted})
+                    self._finish(r, abort_reason(r.aborted))
             self._select(keep)
 
     # -- batch state ---------------------------------------------------------------------------
@@ -339,7 +345,7 @@ class Scheduler:
                 if s in tail:
                     return {"type": "stop", "matched": s}
         if len(r.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": len(r.output_ids)}
+            return {"type": "length", "length": p.max_new_tokens}
         if len(r.input_ids) + len(r.output_ids) >= self.max_context:
             return {"type": "length", "length": len(r.output_ids)}
         return None

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from typing import Any
 
 from aiohttp import web
 
 from rlx.rollout.engines.embedded import weights as W
 from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+from rlx.transport.group import DEFAULT_GROUP
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 # Accepted for compatibility with SGLang clients; they do not change what this engine does.
@@ -30,8 +32,25 @@ class BadRequest(Exception):
     pass
 
 
+class ContractError(BadRequest):
+    """A request SGLang's API schema refuses; SGLang 0.5.23 answers these with ``{"error": "<text>"}``."""
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
+
+
+def weight_version_spans(versions: list[str], fallback: str) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: the weight version of each output token as contiguous spans
+    ``{"version", "start", "end"}`` (half-open token ranges, adjacent spans differ), ``[{fallback, 0, 0}]``
+    when no token was generated."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": fallback, "start": 0, "end": 0}]
 
 
 class EngineServer:
@@ -40,8 +59,11 @@ class EngineServer:
         self.s = scheduler
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path
-        self.server_args = server_args or {}
+        self.server_args = {k: v for k, v in (server_args or {}).items() if v is not None}
+        self.tokenizer_path = self.server_args.get("tokenizer_path") or model_path
+        self.started = time.time()
         self.groups: dict[str, W.BroadcastGroup] = {}  # weight-update groups by name (one per sending rank)
+        self.session = False  # inside /begin_weight_update ... /end_weight_update
         self.app = web.Application(middlewares=[self._middleware], client_max_size=1 << 31)
         r = self.app.router
         r.add_post("/generate", self.generate)
@@ -51,6 +73,7 @@ class EngineServer:
             r.add_get(path, self.model_info)
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
+        r.add_get("/v1/models", self.models)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
@@ -60,6 +83,9 @@ class EngineServer:
         r.add_post("/init_weights_update_group", self.init_group)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
+        r.add_route("*", "/weights_checker", self.weights_checker)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/weights_checksum", self.weights_checksum)
         r.add_get("/get_weight_version", self.get_weight_version)
@@ -71,6 +97,8 @@ class EngineServer:
     async def _middleware(self, request: web.Request, handler):
         try:
             resp = await handler(request)
+        except ContractError as e:
+            resp = web.json_response({"error": str(e)}, status=400)
         except BadRequest as e:
             resp = _error(400, str(e))
         except W.WireError as e:
@@ -97,19 +125,16 @@ class EngineServer:
     async def _call(self, fn):
         return await asyncio.to_thread(self.s.call, fn)
 
-    def _ok(self, **extra: Any) -> web.Response:
-        return web.json_response({"success": True, "message": "ok", "weight_version": self.s.weight_version,
-                                  **extra})
-
     # -- generation ------------------------------------------------------------------------------
 
     def _params(self, raw: Any) -> SamplingParams:
         raw = raw or {}
         if not isinstance(raw, dict):
             raise BadRequest("sampling_params must be an object")
-        unknown = set(raw) - _SAMPLING_KEYS - _IGNORED_SAMPLING_KEYS
+        unknown = sorted(set(raw) - _SAMPLING_KEYS - _IGNORED_SAMPLING_KEYS)
         if unknown:
-            raise BadRequest(f"unknown sampling_params: {', '.join(sorted(unknown))}")
+            expected = ", ".join(f"`{k}`" for k in sorted(_SAMPLING_KEYS | _IGNORED_SAMPLING_KEYS))
+            raise ContractError(f"unknown field `{unknown[0]}`, expected one of {expected}")
         p = SamplingParams(**{k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None})
         if isinstance(p.stop, str):
             p.stop = [p.stop]
@@ -132,25 +157,51 @@ class EngineServer:
             raise BadRequest("either text or input_ids must be given")
         vocab = self.s.model.config.vocab_size
         for ids in batch:
-            if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise BadRequest(f"input_ids must be non-empty lists of ints in [0, {vocab})")
+            if not ids:
+                raise BadRequest("input_ids cannot be empty.")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise BadRequest(f"input_ids must be lists of ints in [0, {vocab})")
         return batch, single
 
-    def _output(self, r: Request, return_logprob: bool, prompt_len: int) -> dict[str, Any]:
+    def _check_length(self, ids: list[int], max_new_tokens: int | None) -> None:
+        """SGLang's checks before generation (0.5.23): a prompt that fills the context, or a prompt plus
+        ``max_new_tokens`` past it, is a 400 with SGLang's messages."""
+        n, ctx = len(ids), self.s.max_context
+        if n >= ctx:
+            raise BadRequest(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+        if max_new_tokens is not None and n + max_new_tokens > ctx:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                f"a total of {n + max_new_tokens} tokens: {n} tokens from the input messages and {max_new_tokens} "
+                f"tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                f"completion to fit within the limit.")
+
+    def _output(self, r: Request, return_logprob: bool, prompt_len: int, index: int | None = None
+                ) -> dict[str, Any]:
+        """One result as SGLang 0.5.23 writes it: cumulative text and ids; per-token weight versions as
+        ``weight_versions`` spans on the finished result only, whose ``weight_version`` is the last span's."""
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": prompt_len,
+            "weight_version": self.s.weight_version,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": 0,
-            "weight_version": self.s.weight_version,
-            "output_token_weight_versions": list(r.versions),
-            "e2e_latency": time.monotonic() - r.created,
         }
+        if r.finish_reason is not None:
+            spans = weight_version_spans(list(r.versions), self.s.weight_version)
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
+            meta["e2e_latency"] = time.monotonic() - r.created
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
-        return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+        out = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if self.s.released:
@@ -158,6 +209,8 @@ class EngineServer:
         body = await self._json(request)
         params = self._params(body.get("sampling_params"))
         prompts, single = self._prompts(body)
+        for ids in prompts:
+            self._check_length(ids, params.max_new_tokens)
         rid = body.get("rid")
         return_logprob = bool(body.get("return_logprob", False))
         stream = bool(body.get("stream", False))
@@ -168,8 +221,12 @@ class EngineServer:
             for j in range(params.n):
                 fut = loop.create_future()
                 r = Request(list(ids), params)
-                if rid is not None:
-                    r.rid = rid if (len(prompts) * params.n == 1) else f"{rid}-{i}-{j}" if isinstance(rid, str) else rid[i]
+                # SGLang gives every sample of an n > 1 request a fresh id (so an abort by the request's rid
+                # does not reach them), and keeps the caller's rid otherwise.
+                if params.n > 1:
+                    r.rid = uuid.uuid4().hex
+                elif rid is not None:
+                    r.rid = rid if single else rid[i] if isinstance(rid, list) else f"{rid}_{i}"
                 r.on_done = lambda req, f=fut: loop.call_soon_threadsafe(_resolve, f, req)
                 if stream:
                     r.on_token = lambda req: loop.call_soon_threadsafe(updates.put_nowait, req)
@@ -177,7 +234,8 @@ class EngineServer:
         for r, _, _ in reqs:
             self.s.submit(r)
         if stream:
-            return await self._stream(request, reqs, updates, return_logprob)
+            indexed = not (single and params.n == 1)
+            return await self._stream(request, reqs, updates, return_logprob, indexed)
         try:
             await asyncio.gather(*(f for _, f, _ in reqs))
         except asyncio.CancelledError:  # the client went away: free the engine
@@ -187,14 +245,17 @@ class EngineServer:
         outs = [self._output(r, return_logprob, n) for r, _, n in reqs]
         return web.json_response(outs[0] if single and params.n == 1 else outs)
 
-    async def _stream(self, request, reqs, updates: asyncio.Queue, return_logprob: bool) -> web.StreamResponse:
+    async def _stream(self, request, reqs, updates: asyncio.Queue, return_logprob: bool, indexed: bool
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Weight-Version": self.s.weight_version})
         await resp.prepare(request)
         pending = {id(r): (r, f, n) for r, f, n in reqs}
+        index = {id(r): i for i, (r, _, _) in enumerate(reqs)}
 
         async def send(r: Request, n: int) -> None:
-            await resp.write(f"data: {json.dumps(self._output(r, return_logprob, n))}\n\n".encode())
+            out = self._output(r, return_logprob, n, index[id(r)] if indexed else None)
+            await resp.write(f"data: {json.dumps(out)}\n\n".encode())
 
         try:
             while pending:
@@ -238,20 +299,46 @@ class EngineServer:
         return web.Response(text="")
 
     async def model_info(self, request: web.Request) -> web.Response:
+        config = self.s.model.config
         return web.json_response({
             "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.served_model_name,
             "is_generation": True,
+            "preferred_sampling_params": None,
             "weight_version": self.s.weight_version,
-            "model_type": getattr(self.s.model.config, "model_type", None),
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": list(getattr(config, "architectures", None) or []),
         })
 
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI's model list as SGLang serves it; ``max_model_len`` is the context length."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": self.model_path, "max_model_len": self.s.max_context}]})
+
     async def server_info(self, request: web.Request) -> web.Response:
+        ctx = self.s.max_context
         return web.json_response({
             **self.server_args,
             "model_path": self.model_path,
-            "version": "rlx-embedded",
+            "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.served_model_name,
+            "tp_size": 1,
+            "dp_size": 1,
+            "incremental_streaming_output": False,
+            "disaggregation_mode": "null",
+            "status": "ready",
+            "max_req_input_len": ctx - 1,
+            "max_total_num_tokens": ctx * self.s.max_running,
+            "version": f"rlx-embedded-{_rlx_version()}",
+            "engine": "rlx-embedded",
             "weight_version": self.s.weight_version,
             "internal_states": [{
                 "running_requests": len(self.s.rows),
@@ -270,11 +357,12 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        rid = None if body.get("abort_all") else body.get("rid")
-        if rid is None and not body.get("abort_all"):
-            raise BadRequest("give rid, or abort_all: true")
-        n = await asyncio.to_thread(self.s.abort, rid, "aborted by request")
-        return self._ok(aborted=n)
+        rid = None if body.get("abort_all") else body.get("rid") or ""
+        if rid == "":  # SGLang ignores an abort that names no request
+            return web.Response(text="")
+        # SGLang matches rids by prefix and answers 200 with an empty body.
+        await asyncio.to_thread(self.s.abort, rid, "Aborted")
+        return web.Response(text="")
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -284,15 +372,15 @@ class EngineServer:
 
         def pause():
             if mode == "abort":
-                self.s._abort(None, "paused")
+                self.s._abort(None, "Aborted")
             self.s.paused = True
 
         await self._call(pause)
-        return self._ok()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._call(lambda: setattr(self.s, "paused", False))
-        return self._ok()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
@@ -300,8 +388,9 @@ class EngineServer:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         def release():
+            # SGLang asserts an idle server here (and its scheduler dies otherwise); this engine refuses.
             if self.s.rows or self.s.waiting:
-                raise BadRequest("cannot release memory while requests are running")
+                raise BadRequest("release_memory_occupation needs an idle server (pause generation first)")
             if self.s.device.type == "cuda":
                 import torch
 
@@ -310,70 +399,114 @@ class EngineServer:
             self.s.released = True
 
         await self._call(release)
-        return self._ok()
+        return web.json_response(None)
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         def resume():
+            if not self.s.released:
+                raise BadRequest("resume_memory_occupation: nothing was released")
             self.s.model.to(self.s.device)
             self.s.released = False
 
         await self._call(resume)
-        return self._ok()
+        return web.json_response(None)
 
     # -- weights ---------------------------------------------------------------------------------
+    # Answers as SGLang 0.5.23 gives them: {"success", "message"} with 200, or 400 and success false;
+    # tensor and distributed updates only inside a /begin_weight_update ... /end_weight_update session.
 
-    def _set_version(self, body: dict[str, Any]) -> None:
-        v = body.get("weight_version")
-        if v is not None:
-            self.s.weight_version = str(v)
+    @staticmethod
+    def _result(success: bool, message: str, **extra: Any) -> web.Response:
+        return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
-    async def _update(self, body: dict[str, Any], load) -> web.Response:
+    def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> web.Response:
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return self._result(True, message, **extra)
+
+    async def _update(self, body: dict[str, Any], load) -> int:
         def apply():
             if body.get("abort_all_requests"):
-                self.s._abort(None, "aborted for a weight update")
+                self.s._abort(None, "Aborted")
             n = load()
-            self._set_version(body)
+            v = body.get("weight_version")
+            if v is not None:
+                self.s.weight_version = str(v)
             return n
 
-        n = await self._call(apply)
-        return self._ok(num_tensors=n, num_paused_requests=0)
+        return await self._call(apply)
+
+    def _need_session(self, what: str) -> web.Response | None:
+        if not self.session:
+            return self._result(False, f"{what} must run between begin_weight_update() and end_weight_update()")
+        return None
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        if self.session:
+            return self._result(False, "a weight update session is already open")
+        self.session = True
+        return self._result(True, "Weight update session started.")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await self._json(request)
+        if not self.session:
+            return self._result(False, "no weight update session is open")
+        self.session = False
+        return self._result(True, "Weight update session ended.")
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         path = body.get("model_path")
         if not path:
             raise BadRequest("model_path is required")
-        return await self._update(body, lambda: W.load_from_disk(self.s.model, path))
+        try:
+            await self._update(body, lambda: W.load_from_disk(self.s.model, path))
+        except W.WeightError as e:
+            return self._result(False, f"Failed to update weights: {e}.", num_paused_requests=0)
+        return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = await self._json(request)
+        if (refused := self._need_session("update_weights_from_tensor")) is not None:
+            return refused
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or not payloads:
-            raise BadRequest("serialized_named_tensors must be a non-empty list")
-        # A payload per tensor-parallel rank; this engine has one rank.
-        named = await asyncio.to_thread(W.deserialize_named_tensors, payloads[0])
-        return await self._update(body, lambda: W.load_named(self.s.model, named))
+            raise BadRequest("serialized_named_tensors must be a non-empty list, one payload per TP rank")
+        if body.get("load_format") not in (None, "direct"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported by the embedded engine")
+        # One payload per tensor-parallel rank (SGLang reads serialized_named_tensors[tp_rank]); this
+        # engine is TP rank 0 of 1.
+        try:
+            named = await asyncio.to_thread(W.deserialize_named_tensors, payloads[0])
+            await self._update(body, lambda: W.load_named(self.s.model, named))
+        except W.WireError as e:
+            return self._result(False, f"Failed to update weights: {e}")
+        return self._updated("Success", body)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         try:
             args = dict(master_address=body["master_address"], master_port=int(body["master_port"]),
-                        rank=int(body["rank_offset"]), world_size=int(body["world_size"]),
-                        group_name=body.get("group_name", "weight_update_group"),
-                        backend=body.get("backend", "gloo"), local_address=self.server_args.get("host"))
+                        rank=int(body["rank_offset"]) + 0,  # rank_offset + tp_rank, as SGLang's ranks join
+                        world_size=int(body["world_size"]),
+                        group_name=body.get("group_name", DEFAULT_GROUP),
+                        backend=body.get("backend", "nccl"), local_address=self.server_args.get("host"))
         except (KeyError, ValueError) as e:
             raise BadRequest(f"init_weights_update_group needs master_address, master_port, rank_offset, "
                              f"world_size: {e}") from None
         try:
             self.groups[args["group_name"]] = await asyncio.to_thread(W.BroadcastGroup, **args)
         except Exception as e:
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=500)
-        return self._ok()
+            return self._result(False, f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+        return self._result(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        return self._ok()
+        name = body.get("group_name", DEFAULT_GROUP)
+        if self.groups.pop(name, None) is None:
+            return self._result(False, f"Failed to destroy custom process group: no group {name!r}.")
+        return self._result(True, "Succeeded to destroy custom process group.")
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._json(request)
@@ -381,41 +514,85 @@ class EngineServer:
             raise BadRequest("new_version is required")
 
         def apply():
-            if body.get("abort_all_requests"):
-                self.s._abort(None, "aborted for a weight update")
+            if body.get("abort_all_requests", True):  # SGLang's default aborts everything
+                self.s._abort(None, "Aborted")
             self.s.weight_version = str(body["new_version"])
 
         await self._call(apply)
-        return self._ok()
+        v = self.s.weight_version
+        return web.json_response({"success": True, "message": f"Weight version updated to {v}", "new_version": v})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        name = body.get("group_name", "weight_update_group")
+        if (refused := self._need_session("update_weights_from_distributed")) is not None:
+            return refused
+        name = body.get("group_name", DEFAULT_GROUP)
         group = self.groups.get(name)
         if group is None:
-            raise BadRequest(f"no weight update group {name!r}; call /init_weights_update_group first")
+            return self._result(False, f"Group {name} not in model update groups; call /init_weights_update_group")
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise BadRequest("names, dtypes and shapes are required lists")
         # Receive outside the scheduler thread (generation goes on), then swap in between two steps.
-        named = await asyncio.to_thread(group.receive, names, dtypes, shapes)
-        return await self._update(body, lambda: W.load_named(self.s.model, named))
+        try:
+            named = await asyncio.to_thread(group.receive, names, dtypes, shapes)
+            await self._update(body, lambda: W.load_named(self.s.model, named))
+        except W.WeightError as e:
+            return self._result(False, f"Failed to update parameter online: {e}")
+        return self._updated("Succeeded to update parameter online.", body)
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
-        """rlx's own route (SGLang has none): per-tensor hashes of the served weights, for full verification."""
+        """rlx's own route (SGLang has none): per-tensor hashes of the served weights by HF name, which a
+        trainer can recompute from what it sent, for exact verification."""
         body = await self._json(request)
         names = body.get("names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise BadRequest("names: a list of weight names, or null for all")
-        return web.json_response(await self._call(lambda: W.checksums(self.s.model, names)))
+        head = body.get("head")
+        if head is not None and not (isinstance(head, int) and head > 0):
+            raise BadRequest("head: a positive number of leading values, or null for whole tensors")
+        return web.json_response(await self._call(lambda: W.checksums(self.s.model, names, head)))
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang's ``/weights_checker`` (0.5.23), action ``checksum``: per-parameter hashes per TP rank and
+        one per engine; the other actions (snapshot, reset_tensors, compare) are not served here."""
+        body = await self._json(request)
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            return self._result(False, f"action {action!r} is not supported by the embedded engine (checksum is)")
+        sums = (await self._call(lambda: W.checksums(self.s.model, None)))["checksums"]
+        import hashlib
+
+        per_gpu = hashlib.sha256("".join(n + sums[n] for n in sorted(sums)).encode()).hexdigest()
+        info = [{"role": "tp", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                 "rank": 0, "size": 1}]
+        return self._result(True, "checksum", ranks=[{"checksums": sums, "per_gpu_checksum": per_gpu,
+                                                      "parallelism_info": info}],
+                            per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest())
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await self._json(request) if request.method == "POST" else dict(request.query)
         if "name" not in body:
             raise BadRequest("name is required")
-        values = await self._call(lambda: W.weights_by_name(self.s.model, body["name"],
-                                                             int(body.get("truncate_size", 100))))
+        # SGLang implements this for the Llama, Granite and OPT families only (Qwen2/Qwen3 answer 400).
+        archs = set(getattr(self.s.model.config, "architectures", None) or [])
+        if not archs & W.BY_NAME_ARCHITECTURES:
+            raise BadRequest("Get parameter by name failed")
+        try:
+            values = await self._call(lambda: W.weights_by_name(self.s.model, body["name"],
+                                                                 int(body.get("truncate_size", 100))))
+        except W.WeightError:
+            raise BadRequest("Get parameter by name failed") from None
         return web.json_response(values)
+
+
+def _rlx_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlx")
+    except PackageNotFoundError:
+        return "dev"
 
 
 def _resolve(fut: asyncio.Future, value: Any) -> None:

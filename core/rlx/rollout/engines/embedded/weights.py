@@ -7,7 +7,6 @@ gives up its default group: the trainer keeps Megatron's, the engine has none. T
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,11 @@ import torch
 
 from rlx.transport.wire import WireError, deserialize_named_tensors
 
-__all__ = ["BroadcastGroup", "WeightError", "WireError", "checksums", "deserialize_named_tensors", "load_from_disk",
-           "load_named", "weights_by_name"]
+__all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
+           "deserialize_named_tensors", "load_from_disk", "load_named", "weights_by_name"]
 
-DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "torch.float32": torch.float32, "torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16,
-}
+# SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class WeightError(WireError):
@@ -56,32 +53,23 @@ def load_from_disk(model: torch.nn.Module, path: str) -> int:
 
 
 class BroadcastGroup:
-    """The engine's end of a trainer→engines broadcast group."""
+    """The engine's end of the trainer→engines weight-update group (`rlx.transport.group`, SGLang's layout);
+    this engine has one TP rank, so it joins as ``rank_offset``."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
-                 group_name: str, backend: str, timeout_s: float = 300, local_address: str | None = None):
+                 group_name: str, backend: str, timeout_s: float = 1800, local_address: str | None = None):
         """`local_address`: the address this engine serves on; gloo binds to it (across hosts the
         default, the hostname's address, is often loopback)."""
-        import torch.distributed as dist
+        from rlx.transport.group import open_group
 
         if rank <= 0:
             raise WeightError("engine ranks start at 1 (the trainer is rank 0)")
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(group_name, store)
-        self.name, self.rank, self.world_size = group_name, rank, world_size
-        if backend == "gloo":
-            from rlx.net import gloo_options
-
-            opts = gloo_options(local_address)
-            opts._timeout = timedelta(seconds=timeout_s)
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
-            self.device = torch.device("cpu")
-        elif backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
+        if backend not in ("gloo", "nccl"):
             raise WeightError(f"unknown backend {backend!r}; use gloo or nccl")
+        self.name, self.rank, self.world_size = group_name, rank, world_size
+        self.pg = open_group(master_address, master_port, rank, world_size, group_name, backend, timeout_s,
+                             bind=local_address)
+        self.device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -96,21 +84,33 @@ class BroadcastGroup:
         return out
 
 
-def checksums(model: torch.nn.Module, names: list[str] | None) -> dict[str, Any]:
-    """Per-tensor hashes of the weights as served (all of them when `names` is None), and every tensor's
-    dtype (a model may keep some modules in another dtype than the rest)."""
+def checksums(model: torch.nn.Module, names: list[str] | None, head: int | None = None) -> dict[str, Any]:
+    """Per-tensor hashes of the weights as served (all of them when `names` is None; of only the first
+    `head` values of each when given), and every tensor's dtype (a model may keep some modules in another
+    dtype than the rest)."""
     from rlx.transport.wire import tensor_hash
 
     state = model.state_dict(keep_vars=True)
     unknown = [n for n in (names or []) if n not in state]
     if unknown:
         raise WeightError(f"unknown weight {unknown[0]!r}")
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().flatten()[:head] if head is not None else t
+
     return {"dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in state.items()},
-            "checksums": {n: tensor_hash(state[n]) for n in (state if names is None else names)}}
+            "checksums": {n: tensor_hash(part(state[n])) for n in (state if names is None else names)}}
+
+
+# The HF architectures whose SGLang model class implements get_weights_by_name (0.5.5-0.5.23).
+BY_NAME_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM",
+                         "GraniteForCausalLM", "OPTForCausalLM", "Llama4ForCausalLM", "Exaone4ForCausalLM"}
 
 
 def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
+    """SGLang's answer: the first `truncate_size` entries along the first dimension (rows at full width for a
+    matrix), as float32 values."""
     state = model.state_dict(keep_vars=True)
     if name not in state:
         raise WeightError(f"unknown weight {name!r}")
-    return state[name].detach().float().flatten()[:truncate_size].cpu().tolist()
+    return state[name].detach().float().cpu().numpy().tolist()[:truncate_size]
