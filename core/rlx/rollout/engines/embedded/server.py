@@ -218,7 +218,7 @@ class EngineServer:
         reqs: list[tuple[Request, asyncio.Future, int]] = []
         updates: asyncio.Queue = asyncio.Queue()
         for i, ids in enumerate(prompts):
-            for j in range(params.n):
+            for _ in range(params.n):
                 fut = loop.create_future()
                 r = Request(list(ids), params)
                 # SGLang gives every sample of an n > 1 request a fresh id (so an abort by the request's rid
