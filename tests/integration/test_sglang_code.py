@@ -307,3 +307,46 @@ def test_tensor_payloads_load_with_sglangs_loader(version, tp, tmp_path):
     report = sglang_side(version, "payloads", str(tmp_path / "payloads.json"))
     want = {n: tensor_hash(t) for n, t in named}
     assert report["ranks"] == [want] * tp
+
+
+def test_streams_with_delta_ids_as_sglang_0_5_5_sends_them():
+    """0.5.5 streams only the new ids per chunk and can drop queued chunks, with cumulative log-probs."""
+    from aiohttp import web
+
+    def chunk(ids, total, lps, finished):
+        meta = {"completion_tokens": total, "weight_version": "2",
+                "finish_reason": {"type": "length", "length": total} if finished else None}
+        if lps is not None:
+            meta["output_token_logprobs"] = [[-0.5 * (i + 1), t, None] for i, t in enumerate(lps)]
+        return f"data: {json.dumps({'text': '', 'output_ids': ids, 'meta_info': meta})}\n\n".encode()
+
+    async def handler(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        lps = body["return_logprob"]
+        await resp.write(chunk([11], 1, [11] if lps else None, False))
+        await resp.write(chunk([13], 3, [11, 12, 13] if lps else None, True))  # the chunk with 12 was dropped
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, HOST, port).start()
+        try:
+            async with EngineClient(f"http://{HOST}:{port}") as c:
+                got = [r async for r in c.generate_stream(GenerateRequest([1], {"max_new_tokens": 3}))]
+                with pytest.raises(EngineError, match="streamed 2 of 3 token ids"):
+                    async for _ in c.generate_stream(GenerateRequest([1], {"max_new_tokens": 3}, False)):
+                        pass
+            return got
+        finally:
+            await runner.cleanup()
+
+    got = asyncio.run(go())
+    assert [r.output_ids for r in got] == [[11], [11, 12, 13]]
+    assert got[-1].output_logprobs == [-0.5, -1.0, -1.5]

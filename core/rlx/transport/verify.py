@@ -99,7 +99,7 @@ async def verify(engines: list[Any], prints: Fingerprints, version: int,
     async def by_name(c, engine) -> bool:
         for name in checks:
             try:
-                rows = await c.get_weights_by_name(name, 1)
+                rows = await c.get_weights_by_name(name, prints.values)  # rows: enough for the head
             except EngineError as e:
                 if e.status == 400 and name == checks[0]:
                     _NO_BY_NAME.add(engine.url)

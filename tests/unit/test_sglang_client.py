@@ -1,0 +1,147 @@
+"""rlx's side of SGLang's API without a server: per-token versions from spans, weight verification by what
+each engine serves, device names in tensor payloads, the memory-saver flag. (SGLang's own side of these is
+checked in tests/integration/test_sglang_code.py.)"""
+
+import asyncio
+
+import pytest
+import torch
+
+from rlx.config import parse_config
+from rlx.errors import RLXError
+from rlx.rollout.engines.fleet import EngineFleet
+from rlx.rollout.engines.protocol import EngineError, GenerateResult, token_versions
+from rlx.transport import verify as V
+from rlx.transport.group import engine_ranks
+from rlx.transport.sender import Fingerprints
+from rlx.transport.wire import WireError, _device_index
+
+
+def test_token_versions_from_sglang_spans():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(spans, 5) == ["3", "3", "4", "4", "4"]
+    assert token_versions([{"version": "3", "start": 0, "end": 0}], 0) == []
+    assert token_versions(None, 3) == []  # 0.5.5: one version per result
+    assert token_versions(spans, 4) == []  # spans that do not cover the tokens are not trusted
+    res = GenerateResult.from_json({"text": "", "output_ids": [1, 2, 3], "meta_info": {
+        "weight_version": "4", "weight_versions": spans[:1] + [{"version": "4", "start": 2, "end": 3}],
+        "finish_reason": {"type": "length", "length": 3}}})
+    assert res.token_weight_versions == ["3", "3", "4"] and res.finish_reason == "length"
+
+
+def test_engine_ranks_count_every_tp_rank():
+    assert engine_ranks([1]) == ([1], 2)
+    assert engine_ranks([2, 1, 4]) == ([1, 3, 4], 8)
+    with pytest.raises(ValueError):
+        engine_ranks([0])
+
+
+def test_payload_devices_named_by_uuid_map_to_a_local_gpu_or_fail_clearly():
+    assert _device_index(1) == 1
+    with pytest.raises(WireError, match="no GPU with UUID GPU-0000"):
+        _device_index("GPU-0000")
+
+
+def test_offloading_sglang_engines_get_the_memory_saver(tmp_path):
+    text = "model: {path: /m}\nrollout: {engines: [{backend: sglang}], offload_during_train: %s}"
+    on = EngineFleet(parse_config(text % "true"), tmp_path)._command(parse_config(text % "true").rollout.engines[0],
+                                                                    "127.0.0.1", 1)
+    off_cfg = parse_config(text % "false")
+    off = EngineFleet(off_cfg, tmp_path)._command(off_cfg.rollout.engines[0], "127.0.0.1", 1)
+    assert "--enable-memory-saver" in on and "--enable-memory-saver" not in off
+
+
+class FakeEngine:
+    """An engine answering the verification calls from a table of routes (a missing route: 404)."""
+
+    def __init__(self, url, version="1", by_name=None, checker=None):
+        self.url, self.version, self.by_name, self.checker = url, version, by_name, checker
+        self.calls = []
+
+    def client(self, timeout_s=60):
+        engine = self
+
+        class C:
+            async def __aenter__(self):
+                return self
+
+            async def __aexit__(self, *exc):
+                pass
+
+            async def weight_version(self):
+                return engine.version
+
+            async def get_weights_by_name(self, name, n):
+                engine.calls.append(("by_name", name))
+                if engine.by_name is None:
+                    raise EngineError("Get parameter by name failed", 400)
+                return engine.by_name[name]
+
+            async def weights_checker(self):
+                engine.calls.append(("checker",))
+                if engine.checker is None:
+                    raise EngineError("not found", 404)
+                return {"success": True, "ranks": [{"parallelism_info": [{"tp_rank": 0}]}],
+                        "per_engine_checksum": engine.checker}
+
+        return C()
+
+
+def prints_of(tensors):
+    p = Fingerprints(values=4)
+    for _ in p.watch(iter(tensors.items())):
+        pass
+    return p
+
+
+@pytest.fixture(autouse=True)
+def fresh_verify_state():
+    V._WARNED.clear()
+    V._NO_BY_NAME.clear()
+    V._LAST_CHECKER.clear()
+
+
+def test_verify_reads_sglang_rows_by_name(capsys):
+    tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.ones(5)}
+    prints = prints_of(tensors)
+    rows = {"a": [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]], "b": [1.0] * 5}  # SGLang: rows at full width
+    asyncio.run(V.verify([FakeEngine("e", by_name=rows)], prints, 1))
+    wrong = {"a": [[0.0, 1.0, 2.5, 3.0]], "b": [1.0] * 5}
+    with pytest.raises(RLXError, match="serves different values for 'a'"):
+        asyncio.run(V.verify([FakeEngine("e2", by_name=wrong)], prints, 1))
+    with pytest.raises(RLXError, match="reports weight version '0', expected 1"):
+        asyncio.run(V.verify([FakeEngine("e3", version="0", by_name=rows)], prints, 1))
+
+
+def test_verify_falls_back_to_the_version_with_one_warning(capsys):
+    prints = prints_of({"a": torch.ones(3)})
+    engine = FakeEngine("qwen-on-0.5.5")  # no get_weights_by_name for the model, no weights_checker
+    for _ in range(2):
+        asyncio.run(V.verify([engine], prints, 1))
+    err = capsys.readouterr().err
+    assert err.count("checking the version only") == 1
+    assert engine.calls.count(("by_name", "a")) == 1  # not asked again once it said it cannot
+
+
+def test_verify_with_sglangs_weights_checker(capsys):
+    first, second = prints_of({"a": torch.ones(3)}), prints_of({"a": torch.full((3,), 2.0)})
+    e1, e2 = FakeEngine("e1", checker="x1"), FakeEngine("e2", checker="x1")
+    asyncio.run(V.verify([e1, e2], first, 1))
+    e2.checker = "y"
+    with pytest.raises(RLXError, match="same layout hold different weights"):
+        asyncio.run(V.verify([e1, e2], second, 1))
+    V._LAST_CHECKER.clear()
+    asyncio.run(V.verify([e1], first, 1))
+    with pytest.raises(RLXError, match="holds the same weights as before"):  # a push it ignored
+        asyncio.run(V.verify([e1], second, 2 - 1))
+    assert "weights_checker" in capsys.readouterr().err
+
+
+def test_fingerprints_hash_heads_in_the_served_dtype():
+    t = torch.randn(10)
+    p = Fingerprints(values=4, plans=[{"a": "bfloat16"}])
+    list(p.watch(iter([("a", t)])))
+    from rlx.transport.wire import tensor_hash
+
+    assert p.head_hashes[("a", "bfloat16")] == tensor_hash(t[:4], torch.bfloat16)
+    assert p.hashes == {}  # whole tensors only for a full check
