@@ -47,7 +47,9 @@ def test_full_verification_sees_what_a_sampled_check_cannot(tiny_model_path, tmp
 
     async def push(named, version):
         async with engine.client() as c:
+            await c.begin_weight_update()
             await c.update_weights_from_tensor([serialize_named_tensors(named)])
+            await c.end_weight_update()
             await c.update_weight_version(str(version))
 
     async def run():
@@ -55,18 +57,23 @@ def test_full_verification_sees_what_a_sampled_check_cannot(tiny_model_path, tmp
         dtypes = await served_dtypes([engine])
         assert set(dtypes[engine.url].values()) == {"float32"} and set(state) <= set(dtypes[engine.url])
         new = {k: v + 0.5 for k, v in state.items()}
-        prints = Fingerprints(plans=[dtypes[engine.url]])
+        prints = Fingerprints(plans=[dtypes[engine.url]], full=True)
         named = list(prints.watch(new.items()))
         await push(named, 1)
-        await verify([engine], prints, 1, dtypes)  # every tensor's bytes match
+        await verify([engine], prints, 1, dtypes, full=True)  # every tensor's bytes match
         # one element far from the start of a tensor changes: the sampled check (first values) passes ...
         name = prints.sample_names()[1]
         bad = new[name].clone()
         bad.view(-1)[-1] += 1.0
         await push([(name, bad)], 1)
-        await verify([engine], prints, 1)
+        await verify([engine], prints, 1, dtypes)
         # ... the full check does not
-        with pytest.raises(RLXError, match=rf"serves 1 of {len(named)} tensors that differ .*{name}"):
+        with pytest.raises(RLXError, match=rf"serves 1 of {len(named)} checked tensors that differ .*{name}"):
+            await verify([engine], prints, 1, dtypes, full=True)
+        # and the sampled check sees a change among the first values
+        bad.view(-1)[0] += 1.0
+        await push([(name, bad)], 1)
+        with pytest.raises(RLXError, match=rf"serves 1 of 3 checked tensors .*first 8 values.*{name}"):
             await verify([engine], prints, 1, dtypes)
 
     try:

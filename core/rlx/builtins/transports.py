@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.transport import update_sessions
 
 
 class _Args(BaseModel):
@@ -28,35 +29,6 @@ async def _set_version(engines, version: int) -> None:
             await c.update_weight_version(str(version))
 
     await asyncio.gather(*(one(e) for e in engines))
-
-
-class _Sessions:
-    """SGLang's weight-update session on every engine for the duration of one send (0.5.23 refuses tensor
-    and distributed updates outside one; engines without sessions, 0.5.5, need none)."""
-
-    def __init__(self, engines):
-        self.engines = engines
-        self.opened: list = []
-
-    async def __aenter__(self):
-        async def begin(e):
-            async with e.client() as c:
-                if await c.begin_weight_update():
-                    self.opened.append(e)
-
-        await asyncio.gather(*(begin(e) for e in self.engines))
-        return self
-
-    async def __aexit__(self, *exc):
-        async def end(e):
-            async with e.client() as c:
-                await c.end_weight_update()
-
-        results = await asyncio.gather(*(end(e) for e in self.opened), return_exceptions=True)
-        if exc[0] is None:
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
 
 
 class TensorTransport:
@@ -75,7 +47,7 @@ class TensorTransport:
         from rlx.transport import buckets
         from rlx.transport.wire import serialize_named_tensors
 
-        async with _Sessions(ctx.engines):
+        async with update_sessions(ctx.engines):
             for bucket in buckets(named, self.config.bucket_mb << 20):
                 payload = serialize_named_tensors(bucket)
 
@@ -183,7 +155,7 @@ class BroadcastTransport:
     async def send(self, named, version: int, ctx) -> None:
         from rlx.transport import buckets
 
-        async with _Sessions(ctx.engines):
+        async with update_sessions(ctx.engines):
             for bucket in buckets(named, self.config.bucket_mb << 20):
                 names = [n for n, _ in bucket]
                 dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]

@@ -22,6 +22,7 @@ A push, as the trainer runs it (`sender.WeightSender`):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,3 +54,34 @@ def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[lis
         size += n
     if out:
         yield out
+
+
+class update_sessions:  # noqa: N801  (used as `async with update_sessions(engines)`)
+    """SGLang's weight-update session on every engine for the duration of one send: a transport that sends
+    tensors (``update_weights_from_tensor``) or broadcasts (``update_weights_from_distributed``) does it
+    inside ``async with update_sessions(ctx.engines):``. SGLang 0.5.23 refuses those updates outside one;
+    engines without sessions (0.5.5) need none."""
+
+    def __init__(self, engines):
+        self.engines = engines
+        self.opened: list = []
+
+    async def __aenter__(self):
+        async def begin(e):
+            async with e.client() as c:
+                if await c.begin_weight_update():
+                    self.opened.append(e)
+
+        await asyncio.gather(*(begin(e) for e in self.engines))
+        return self
+
+    async def __aexit__(self, *exc):
+        async def end(e):
+            async with e.client() as c:
+                await c.end_weight_update()
+
+        results = await asyncio.gather(*(end(e) for e in self.opened), return_exceptions=True)
+        if exc[0] is None:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r

@@ -124,16 +124,18 @@ class OneByOne:
         pass
 
     async def send(self, named, version, ctx) -> None:
+        from rlx.transport import update_sessions
         from rlx.transport.wire import serialize_named_tensors
 
-        for name, t in named:
-            payload = serialize_named_tensors([(name, t)])
+        async with update_sessions(ctx.engines):
+            for name, t in named:
+                payload = serialize_named_tensors([(name, t)])
 
-            async def one(engine, payload=payload):
-                async with engine.client() as c:
-                    await c.update_weights_from_tensor([payload])
+                async def one(engine, payload=payload):
+                    async with engine.client() as c:
+                        await c.update_weights_from_tensor([payload] * engine.tp_size)
 
-            await asyncio.gather(*(one(e) for e in ctx.engines))
+                await asyncio.gather(*(one(e) for e in ctx.engines))
 
     async def commit(self, version, ctx) -> None:
         async def one(engine):
