@@ -252,9 +252,11 @@ class EngineServer:
         await resp.prepare(request)
         pending = {id(r): (r, f, n) for r, f, n in reqs}
         index = {id(r): i for i, (r, _, _) in enumerate(reqs)}
+        sent: dict[int, int] = {}  # tokens already streamed per request: a chunk carries something new
 
         async def send(r: Request, n: int) -> None:
             out = self._output(r, return_logprob, n, index[id(r)] if indexed else None)
+            sent[id(r)] = out["meta_info"]["completion_tokens"]
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())
 
         try:
@@ -270,7 +272,8 @@ class EngineServer:
                 finished, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if getter in finished:
                     r = getter.result()
-                    if id(r) in pending and not pending[id(r)][1].done():
+                    if (id(r) in pending and not pending[id(r)][1].done()
+                            and len(r.output_ids) > sent.get(id(r), 0)):
                         await send(r, pending[id(r)][2])
                 else:
                     getter.cancel()
