@@ -1,0 +1,238 @@
+"""The engine side: a weights agent beside each engine host, with no change to the engine.
+
+It keeps a host-local checkpoint (``<local>/weight_v{N:06d}/``, safetensors) of the version its engine
+serves, pulls the versions it lacks from the shared store (a fresh host, or one whose next delta is gone,
+seeds from the newest full version), applies each delta to its copy, checks every tensor's checksum, writes
+the new local checkpoint (complete or absent: written as ``.tmp``, fsynced, renamed), and only then asks the
+engine to load it with its stock ``/update_weights_from_disk`` and the new weight version. Generation goes
+on while it pulls and applies; only the engine's reload pauses it. Any failure (a checksum mismatch, a
+missing version, an unreachable store or engine) is logged loudly and written to ``<local>/status.json``
+(which the trainer's commit reads), and the engine keeps serving the last good version.
+
+    rl weights-agent --source DIR --local DIR --engine URL      (or python -m rlx_transport_delta.agent)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlx_transport_delta import codec
+from rlx_transport_delta.codec import DeltaError
+
+
+class Agent:
+    def __init__(self, source: Path, local: Path, engine: str, poll_s: float = 0.05):
+        self.source, self.local, self.engine, self.poll_s = Path(source), Path(local), engine.rstrip("/"), poll_s
+        self.local.mkdir(parents=True, exist_ok=True)
+        for tmp in self.local.glob("*.tmp"):  # left by an agent killed mid-apply: never used
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.version: int | None = None
+        self.tensors: dict[str, Any] = {}  # name -> bytes of the local version (numpy uint8)
+        self.meta: dict[str, Any] = {}  # name -> manifest entry of the local version
+        self.last_error: str | None = None
+        self._load_local()
+
+    # -- local state -------------------------------------------------------------------------------
+
+    def _load_local(self) -> None:
+        state = self.local / "state.json"
+        if not state.is_file():
+            return
+        v = json.loads(state.read_text())["version"]
+        folder = self.local / codec.folder_name(v)
+        if not folder.is_dir():
+            return
+        self._read_checkpoint(folder, codec.read_manifest(folder))
+        self.version = v
+
+    def _read_checkpoint(self, folder: Path, manifest: dict[str, Any]) -> None:
+        """Load a full checkpoint's tensors as bytes, each checked against the manifest."""
+        from safetensors.torch import load_file
+
+        files: dict[str, dict[str, Any]] = {}
+        tensors, meta = {}, {}
+        for name, entry in manifest["tensors"].items():
+            if entry["file"] not in files:
+                try:
+                    files[entry["file"]] = load_file(str(folder / entry["file"]))
+                except Exception as e:
+                    raise DeltaError(f"{folder / entry['file']}: unreadable ({type(e).__name__}: {e})") from None
+            if name not in files[entry["file"]]:
+                raise DeltaError(f"{folder / entry['file']}: no tensor {name!r}")
+            raw = codec.to_bytes(files[entry["file"]][name])
+            if codec.checksum(raw) != entry["checksum"]:
+                raise DeltaError(f"version {manifest['version']}: tensor {name!r} does not match its checksum")
+            tensors[name] = raw
+            meta[name] = {k: entry[k] for k in ("shape", "dtype", "nbytes", "itemsize", "checksum")}
+        self.tensors, self.meta = tensors, meta
+
+    def _write_local(self, version: int) -> Path:
+        from safetensors.torch import save_file
+
+        final = self.local / codec.folder_name(version)
+        tmp = self.local / (codec.folder_name(version) + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        tensors = {n: codec.from_bytes(raw, self.meta[n]["dtype"], self.meta[n]["shape"])
+                   for n, raw in self.tensors.items()}
+        _fault("write", tmp / "model.safetensors")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        manifest = {"format": codec.FORMAT, "version": version, "kind": "full", "base": None,
+                    "tensors": {n: {**m, "encoding": "safetensors", "file": "model.safetensors"}
+                                for n, m in self.meta.items()}}
+        codec.finish_folder(tmp, final, manifest)
+        return final
+
+    # -- pulling -----------------------------------------------------------------------------------
+
+    def plan(self) -> list[int]:
+        """The versions to apply, in order, to reach the newest published one."""
+        versions = codec.published(self.source)
+        if not versions:
+            return []
+        newest = max(versions)
+        if self.version is not None and self.version >= newest:
+            return []
+        chain, v = [], newest
+        while True:  # walk back from the newest to what we hold or to a full version
+            if v not in versions:
+                raise DeltaError(f"version {v} is missing from {self.source} (deleted, or never published)")
+            m = codec.read_manifest(versions[v])
+            chain.append(v)
+            if m["kind"] == "full" or m.get("base") == self.version:
+                break
+            if m.get("base") is None:
+                raise DeltaError(f"version {v}: a delta without a base")
+            v = m["base"]
+        return chain[::-1]
+
+    def apply(self, version: int) -> None:
+        """Apply one published version to the local tensors (nothing changes if it fails)."""
+        folder = self.source / codec.folder_name(version)
+        m = codec.read_manifest(folder)
+        if m["kind"] == "full":
+            self._read_checkpoint(folder, m)
+            return
+        if m.get("base") != self.version:
+            raise DeltaError(f"version {version} is a delta on version {m.get('base')}, but this host has "
+                             f"version {self.version}")
+        new_tensors, new_meta = dict(self.tensors), dict(self.meta)
+        for name, entry in m["tensors"].items():
+            try:
+                blob = (folder / entry["file"]).read_bytes()
+            except FileNotFoundError:
+                raise DeltaError(f"version {version}: file {entry['file']} of {name!r} is missing") from None
+            old = self.tensors.get(name)
+            raw = codec.decode(entry["encoding"], blob, old, entry["nbytes"], entry["itemsize"])
+            if codec.checksum(raw) != entry["checksum"]:
+                raise DeltaError(f"version {version}: tensor {name!r} does not match its checksum after applying "
+                                 f"the delta (corrupt data, or a base that differs from the publisher's)")
+            new_tensors[name] = raw
+            new_meta[name] = {k: entry[k] for k in ("shape", "dtype", "nbytes", "itemsize", "checksum")}
+        self.tensors, self.meta = new_tensors, new_meta
+
+    async def step(self) -> int | None:
+        """Bring the engine to the newest published version; returns the version now served (None: nothing
+        to do). Raises on any failure, having changed neither the engine nor the local state."""
+        chain = self.plan()
+        if not chain:
+            return None
+        before = (self.version, self.tensors, self.meta)
+        try:
+            t0 = time.perf_counter()
+            for v in chain:
+                self.apply(v)
+            target = chain[-1]
+            folder = self._write_local(target)
+            applied = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            await self._reload(folder, target)
+            reload_s = time.perf_counter() - t1
+        except BaseException:
+            self.version, self.tensors, self.meta = before
+            raise
+        previous = self.version
+        self.version = target
+        codec.write_file(self.local / "state.json.tmp", json.dumps({"version": target}).encode())
+        os.replace(self.local / "state.json.tmp", self.local / "state.json")
+        if previous is not None and previous != target:
+            shutil.rmtree(self.local / codec.folder_name(previous), ignore_errors=True)
+        self._status(None, target, pull_apply_s=applied, reload_s=reload_s)
+        return target
+
+    async def _reload(self, folder: Path, version: int) -> None:
+        from rlx.rollout.engines.protocol import EngineClient
+
+        async with EngineClient(self.engine, timeout_s=600) as c:
+            await c.update_weights_from_disk(str(folder), weight_version=str(version))
+
+    def _status(self, error: str | None, for_version: int | None, **figures: float) -> None:
+        """Write what this agent serves and its last error beside its checkpoint and into the store
+        (``agents/<engine>.json``), where the trainer's commit reads it, wherever the agent runs."""
+        body = {"engine": self.engine, "version": self.version, "error": error, "for_version": for_version,
+                "time": time.time(), **figures}
+        data = json.dumps(body).encode()
+        for path in (self.local / "status.json", self.source / "agents" / f"{codec.engine_slug(self.engine)}.json"):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+                codec.write_file(tmp, data)
+                os.replace(tmp, path)
+            except OSError as e:  # an unreachable store must not hide the error being reported
+                print(f"rlx weights-agent: cannot write {path}: {e}", file=sys.stderr, flush=True)
+
+    async def run(self, once: bool = False) -> int:
+        """Poll the store; with `once`, bring the engine up to date and return (1 on failure)."""
+        while True:
+            try:
+                await self.step()
+                self.last_error = None
+                if once:
+                    return 0
+            except Exception as e:
+                message = f"{type(e).__name__}: {e}"
+                newest = max(codec.published(self.source), default=None)
+                if message != self.last_error:
+                    print(f"rlx weights-agent: ERROR for engine {self.engine}: {message}; it keeps serving "
+                          f"version {self.version}", file=sys.stderr, flush=True)
+                self.last_error = message
+                self._status(message, newest)
+                if once:
+                    return 1
+            await asyncio.sleep(self.poll_s)
+
+
+def _fault(stage: str, path: Path) -> None:
+    """Fault injection for tests: ``RLX_DELTA_AGENT_FAULT=write`` kills the agent (exit 137) half way through
+    writing a local checkpoint, as a kill -9 would."""
+    if os.environ.get("RLX_DELTA_AGENT_FAULT") == stage:
+        path.write_bytes(b"\0" * 4096)
+        os._exit(137)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rl weights-agent", description=__doc__.split("\n\n")[0])
+    p.add_argument("--source", required=True, help="the shared store the trainer publishes versions to")
+    p.add_argument("--local", required=True, help="a host-local folder for this engine's checkpoint")
+    p.add_argument("--engine", required=True, help="the engine's base URL")
+    p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--once", action="store_true", help="update the engine once and exit (1 on failure)")
+    args = p.parse_args(argv)
+    agent = Agent(Path(args.source), Path(args.local), args.engine, args.poll_s)
+    try:
+        return asyncio.run(agent.run(once=args.once))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
