@@ -77,6 +77,14 @@ def _zstd():
     return zstandard
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _elements(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """A tensor's bytes as one unsigned integer per element (or rows of `itemsize` bytes for odd sizes)."""
+    return raw.view(_UINT[itemsize]) if itemsize in _UINT else raw.reshape(-1, itemsize)
+
+
 def encode(new: np.ndarray, old: np.ndarray | None, itemsize: int, level: int = 3) -> tuple[str, bytes]:
     """The smaller lossless encoding of `new` given `old` (same length): ``(encoding, compressed bytes)``;
     ``full`` when there is no base."""
@@ -85,9 +93,10 @@ def encode(new: np.ndarray, old: np.ndarray | None, itemsize: int, level: int = 
         return "full", z.compress(new.tobytes())
     if new.size != old.size:
         raise DeltaError(f"a tensor changed size ({old.size} -> {new.size} bytes): publish a full version")
-    xor = z.compress(np.bitwise_xor(new, old).tobytes())
-    elems_new, elems_old = new.reshape(-1, itemsize), old.reshape(-1, itemsize)
-    changed = np.flatnonzero((elems_new != elems_old).any(axis=1)).astype(np.int64)
+    xor = z.compress(np.bitwise_xor(new, old))
+    elems_new, elems_old = _elements(new, itemsize), _elements(old, itemsize)
+    changed = np.flatnonzero(elems_new != elems_old if elems_new.ndim == 1
+                             else (elems_new != elems_old).any(axis=1)).astype(np.int64)
     gaps = np.diff(changed, prepend=0).astype(np.uint32) if changed.size else np.zeros(0, np.uint32)
     if changed.size and int(changed.max()) >= 1 << 32:
         return "xor", xor
@@ -108,17 +117,22 @@ def decode(encoding: str, blob: bytes, old: np.ndarray | None, nbytes: int, item
     elif encoding == "xor":
         out = np.bitwise_xor(np.frombuffer(raw, np.uint8), old)
     elif encoding == "sparse":
+        if len(raw) < 8:
+            raise DeltaError("corrupt sparse delta (no count)")
         count = int(np.frombuffer(raw[:8], np.uint64)[0])
+        if 8 + 4 * count > len(raw):
+            raise DeltaError("corrupt sparse delta (fewer positions than its count)")
         gaps = np.frombuffer(raw[8:8 + 4 * count], np.uint32).astype(np.int64)
-        values = np.frombuffer(raw[8 + 4 * count:], np.uint8).reshape(-1, itemsize)
-        if values.shape[0] != count:
+        values = _elements(np.frombuffer(raw[8 + 4 * count:], np.uint8), itemsize) \
+            if (len(raw) - 8 - 4 * count) % itemsize == 0 else None
+        if values is None or values.shape[0] != count:
             raise DeltaError("corrupt sparse delta (values do not match positions)")
-        out = old.copy().reshape(-1, itemsize)
+        out = _elements(old.copy(), itemsize)
         idx = np.cumsum(gaps)
         if count and (idx[-1] >= out.shape[0] or idx.min() < 0):
             raise DeltaError("corrupt sparse delta (a position past the tensor)")
         out[idx] = values
-        out = out.reshape(-1)
+        out = out.reshape(-1).view(np.uint8)
     else:
         raise DeltaError(f"unknown encoding {encoding!r}")
     if out.size != nbytes:

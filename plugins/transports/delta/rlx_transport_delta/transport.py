@@ -35,7 +35,7 @@ class DeltaTransport:
         path: str | None = None  # the shared store (default <output_dir>/weights-delta)
         dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # what engines serve; auto: ask
         # engines that say (the embedded engine), else each tensor's own dtype
-        full_every: int = Field(10, ge=1)  # a full checkpoint every this many versions (and the first)
+        full_every: int = Field(50, ge=1)  # a full checkpoint every this many versions (and the first)
         keep_full: int = Field(1, ge=1)  # full versions kept (with every delta after the oldest kept)
         agents: Literal["local", "external"] = "local"  # start an agent per engine here, or expect them
         poll_s: float = Field(0.05, gt=0)  # how often local agents look for versions

@@ -223,9 +223,11 @@ def test_an_agent_killed_mid_apply_leaves_the_engine_on_its_version_and_recovers
     assert asyncio.run(served(bf16_engine, names)) == ("2", expected(new))
 
 
-def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, tmp_path, mode):
     """`rl weights-agent` beside an engine rlx does not own; `rl train` attaches by address and publishes
-    deltas to the store; after training, the engine serves exactly the exported model."""
+    deltas to the store (in async mode while the engine keeps generating); after training, the engine
+    serves exactly the exported model."""
     from rlx.testing.runs import small_run_config
 
     engine, proc = start_engine(model_path, tmp_path)
@@ -236,7 +238,7 @@ def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, 
     agent.start()
     try:
         cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [engine.url]},
-                               train={"num_steps": 3, "transport": {"name": "delta",
+                               train={"num_steps": 3, "mode": mode, "transport": {"name": "delta",
                                                                     "args": {"path": str(store), "agents": "external",
                                                                              "full_every": 10}}})
         run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf",
