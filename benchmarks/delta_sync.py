@@ -35,7 +35,13 @@ MODELS = {"quickstart": ("builtin://tiny-qwen3", "float32", [1e-3]),
 
 async def start(model_path: str, dtype: str, folder: Path):
     from rlx.rollout.engines.fleet import Engine
-    from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
+    from rlx.rollout.engines.launch import (
+        HOST,
+        ManagedProcess,
+        embedded_command,
+        free_port,
+        wait_healthy,
+    )
 
     port = free_port()
     proc = ManagedProcess(embedded_command(model_path, port, server_args={"num_threads": 1, "dtype": dtype}),
@@ -62,13 +68,12 @@ def folder_bytes(path: Path) -> int:
 
 
 async def run_one(model: str, dtype: str, lr: float, steps: int, full_every: int, work: Path) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from rlx.builtins.transports import DiskTransport
     from rlx.models.tiny import resolve_model_path
     from rlx.transport import TransportContext
     from rlx_transport_delta import codec
     from rlx_transport_delta.transport import DeltaTransport
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model)
     from safetensors import safe_open

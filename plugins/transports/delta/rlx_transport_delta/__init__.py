@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
 from rlx import hookimpl
 
 

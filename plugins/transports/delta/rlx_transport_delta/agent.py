@@ -35,6 +35,9 @@ class Agent:
         for tmp in self.local.glob("*.tmp"):  # left by an agent killed mid-apply: never used
             shutil.rmtree(tmp, ignore_errors=True)
         self.version: int | None = None
+        self.id: str | None = None  # the publication id of the local version (a version number can be
+        # published again, by a run resumed from an earlier checkpoint: the id tells them apart)
+        self.engine_checked = False
         self.tensors: dict[str, Any] = {}  # name -> bytes of the local version (numpy uint8)
         self.meta: dict[str, Any] = {}  # name -> manifest entry of the local version
         self.last_error: str | None = None
@@ -50,8 +53,9 @@ class Agent:
         folder = self.local / codec.folder_name(v)
         if not folder.is_dir():
             return
-        self._read_checkpoint(folder, codec.read_manifest(folder))
-        self.version = v
+        m = codec.read_manifest(folder)
+        self._read_checkpoint(folder, m)
+        self.version, self.id = v, m.get("id")
 
     def _read_checkpoint(self, folder: Path, manifest: dict[str, Any]) -> None:
         """Load a full checkpoint's tensors as bytes, each checked against the manifest."""
@@ -82,11 +86,11 @@ class Agent:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        tensors = {n: codec.from_bytes(raw, self.meta[n]["dtype"], self.meta[n]["shape"])
+        tensors = {n: codec.from_bytes(raw, self.meta[n]["dtype"], self.meta[n]["shape"], copy=False)
                    for n, raw in self.tensors.items()}
         _fault("write", tmp / "model.safetensors")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        manifest = {"format": codec.FORMAT, "version": version, "kind": "full", "base": None,
+        manifest = {"format": codec.FORMAT, "version": version, "id": self.id, "kind": "full", "base": None,
                     "tensors": {n: {**m, "encoding": "safetensors", "file": "model.safetensors"}
                                 for n, m in self.meta.items()}}
         codec.finish_folder(tmp, final, manifest)
@@ -100,7 +104,7 @@ class Agent:
         if not versions:
             return []
         newest = max(versions)
-        if self.version is not None and self.version >= newest:
+        if newest == self.version and codec.read_manifest(versions[newest]).get("id") == self.id:
             return []
         chain, v = [], newest
         while True:  # walk back from the newest to what we hold or to a full version
@@ -108,7 +112,7 @@ class Agent:
                 raise DeltaError(f"version {v} is missing from {self.source} (deleted, or never published)")
             m = codec.read_manifest(versions[v])
             chain.append(v)
-            if m["kind"] == "full" or m.get("base") == self.version:
+            if m["kind"] == "full" or (m.get("base") == self.version and m.get("base_id") == self.id):
                 break
             if m.get("base") is None:
                 raise DeltaError(f"version {v}: a delta without a base")
@@ -121,10 +125,11 @@ class Agent:
         m = codec.read_manifest(folder)
         if m["kind"] == "full":
             self._read_checkpoint(folder, m)
+            self.version, self.id = version, m.get("id")
             return
-        if m.get("base") != self.version:
-            raise DeltaError(f"version {version} is a delta on version {m.get('base')}, but this host has "
-                             f"version {self.version}")
+        if m.get("base") != self.version or m.get("base_id") != self.id:
+            raise DeltaError(f"version {version} is a delta on version {m.get('base')} (publication "
+                             f"{m.get('base_id')}), but this host has version {self.version} ({self.id})")
         new_tensors, new_meta = dict(self.tensors), dict(self.meta)
         for name, entry in m["tensors"].items():
             try:
@@ -139,14 +144,17 @@ class Agent:
             new_tensors[name] = raw
             new_meta[name] = {k: entry[k] for k in ("shape", "dtype", "nbytes", "itemsize", "checksum")}
         self.tensors, self.meta = new_tensors, new_meta
+        self.version, self.id = version, m.get("id")
 
     async def step(self) -> int | None:
         """Bring the engine to the newest published version; returns the version now served (None: nothing
         to do). Raises on any failure, having changed neither the engine nor the local state."""
+        if not self.engine_checked:
+            await self._check_engine()
         chain = self.plan()
         if not chain:
             return None
-        before = (self.version, self.tensors, self.meta)
+        before = (self.version, self.id, self.tensors, self.meta)
         try:
             t0 = time.perf_counter()
             for v in chain:
@@ -158,16 +166,29 @@ class Agent:
             await self._reload(folder, target)
             reload_s = time.perf_counter() - t1
         except BaseException:
-            self.version, self.tensors, self.meta = before
+            self.version, self.id, self.tensors, self.meta = before
             raise
-        previous = self.version
-        self.version = target
-        codec.write_file(self.local / "state.json.tmp", json.dumps({"version": target}).encode())
+        codec.write_file(self.local / "state.json.tmp", json.dumps({"version": target, "id": self.id}).encode())
         os.replace(self.local / "state.json.tmp", self.local / "state.json")
-        if previous is not None and previous != target:
-            shutil.rmtree(self.local / codec.folder_name(previous), ignore_errors=True)
-        self._status(None, target, pull_apply_s=applied, reload_s=reload_s)
+        for old in self.local.glob("weight_v*"):  # earlier copies, and any a failed reload left behind
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        self._status(None, target, self.id, pull_apply_s=applied, reload_s=reload_s)
         return target
+
+    async def _check_engine(self) -> None:
+        """Once, at start: an engine that does not serve this host's version (it restarted, or another agent
+        ran) gets the local checkpoint again."""
+        from rlx.rollout.engines.protocol import EngineClient
+
+        if self.version is not None:
+            async with EngineClient(self.engine, timeout_s=60) as c:
+                served = await c.weight_version()
+            if served != str(self.version):
+                print(f"rlx weights-agent: engine {self.engine} serves version {served!r}, this host holds "
+                      f"{self.version}: reloading it", file=sys.stderr, flush=True)
+                await self._reload(self.local / codec.folder_name(self.version), self.version)
+        self.engine_checked = True
 
     async def _reload(self, folder: Path, version: int) -> None:
         from rlx.rollout.engines.protocol import EngineClient
@@ -175,11 +196,11 @@ class Agent:
         async with EngineClient(self.engine, timeout_s=600) as c:
             await c.update_weights_from_disk(str(folder), weight_version=str(version))
 
-    def _status(self, error: str | None, for_version: int | None, **figures: float) -> None:
+    def _status(self, error: str | None, for_version: int | None, for_id: str | None, **figures: float) -> None:
         """Write what this agent serves and its last error beside its checkpoint and into the store
         (``agents/<engine>.json``), where the trainer's commit reads it, wherever the agent runs."""
-        body = {"engine": self.engine, "version": self.version, "error": error, "for_version": for_version,
-                "time": time.time(), **figures}
+        body = {"engine": self.engine, "version": self.version, "id": self.id, "error": error,
+                "for_version": for_version, "for_id": for_id, "time": time.time(), **figures}
         data = json.dumps(body).encode()
         for path in (self.local / "status.json", self.source / "agents" / f"{codec.engine_slug(self.engine)}.json"):
             try:
@@ -200,15 +221,27 @@ class Agent:
                     return 0
             except Exception as e:
                 message = f"{type(e).__name__}: {e}"
-                newest = max(codec.published(self.source), default=None)
+                newest, newest_id = self._newest()
                 if message != self.last_error:
                     print(f"rlx weights-agent: ERROR for engine {self.engine}: {message}; it keeps serving "
                           f"version {self.version}", file=sys.stderr, flush=True)
                 self.last_error = message
-                self._status(message, newest)
+                self._status(message, newest, newest_id)
                 if once:
                     return 1
             await asyncio.sleep(self.poll_s)
+
+
+    def _newest(self) -> tuple[int | None, str | None]:
+        """The newest published version and its publication id (None where they cannot be read)."""
+        try:
+            versions = codec.published(self.source)
+            if not versions:
+                return None, None
+            newest = max(versions)
+            return newest, codec.read_manifest(versions[newest]).get("id")
+        except (OSError, DeltaError):
+            return None, None
 
 
 def _fault(stage: str, path: Path) -> None:

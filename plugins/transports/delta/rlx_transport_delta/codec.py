@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +96,14 @@ def encode(new: np.ndarray, old: np.ndarray | None, itemsize: int, level: int = 
         raise DeltaError(f"a tensor changed size ({old.size} -> {new.size} bytes): publish a full version")
     xor = z.compress(np.bitwise_xor(new, old))
     elems_new, elems_old = _elements(new, itemsize), _elements(old, itemsize)
-    changed = np.flatnonzero(elems_new != elems_old if elems_new.ndim == 1
-                             else (elems_new != elems_old).any(axis=1)).astype(np.int64)
-    gaps = np.diff(changed, prepend=0).astype(np.uint32) if changed.size else np.zeros(0, np.uint32)
-    if changed.size and int(changed.max()) >= 1 << 32:
+    differs = elems_new != elems_old if elems_new.ndim == 1 else (elems_new != elems_old).any(axis=1)
+    count = int(np.count_nonzero(differs))
+    # positions + values as large as the tensor itself (a dense change) never beat the XOR: skip building them
+    if count * (4 + itemsize) >= new.size or elems_new.shape[0] > 1 << 32:
         return "xor", xor
+    changed = np.flatnonzero(differs)
+    del differs
+    gaps = np.diff(changed, prepend=0).astype(np.uint32) if count else np.zeros(0, np.uint32)
     sparse = z.compress(np.uint64(changed.size).tobytes() + gaps.tobytes() + elems_new[changed].tobytes())
     return ("sparse", sparse) if len(sparse) < len(xor) else ("xor", xor)
 
@@ -140,8 +144,9 @@ def decode(encoding: str, blob: bytes, old: np.ndarray | None, nbytes: int, item
     return out
 
 
-def from_bytes(raw: np.ndarray, dtype: str, shape: list[int]) -> torch.Tensor:
-    return torch.from_numpy(raw.copy()).view(getattr(torch, dtype)).reshape(shape)
+def from_bytes(raw: np.ndarray, dtype: str, shape: list[int], copy: bool = True) -> torch.Tensor:
+    """A tensor from its bytes; with ``copy=False`` it shares `raw`'s memory."""
+    return torch.from_numpy(raw.copy() if copy else raw).view(getattr(torch, dtype)).reshape(shape)
 
 
 def fsync_dir(path: Path) -> None:
@@ -159,6 +164,16 @@ def write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def remove_folder(path: Path) -> None:
+    """Delete a version folder so that no reader sees it half-deleted: renamed away (no longer a version
+    name, atomic), then removed."""
+    if not path.exists():
+        return
+    gone = path.with_name(f"{path.name}.deleting-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def finish_folder(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest into `tmp`, fsync everything, and rename it to `final` (atomic on one filesystem)."""
     write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -167,8 +182,7 @@ def finish_folder(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
             with open(f, "rb") as h:
                 os.fsync(h.fileno())
     fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    remove_folder(final)
     os.rename(tmp, final)
     fsync_dir(final.parent)
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
 from rlx.errors import RLXError
+
 from rlx_transport_delta import codec
 
 
@@ -89,6 +89,8 @@ class DeltaTransport:
 
         assert self.root is not None, "setup() first"
         full = self.pushes % self.config.full_every == 0 or not self.snapshot
+        if ctx.sender == 0:
+            self._drop_newer(version)
         tmp = self.root / (codec.folder_name(version) + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         mine = f"s{ctx.sender:02d}"
@@ -141,27 +143,43 @@ class DeltaTransport:
         self.stats = {"full": float(full), "published_bytes": float(written), "raw_bytes": float(raw_total),
                       "encode_s": encode_s}
 
+    def _drop_newer(self, version: int) -> None:
+        """Versions >= `version` in the store were published by an earlier run (this one resumed from an
+        earlier checkpoint, or reuses the store): remove them, so that agents follow this run."""
+        for v, folder in codec.published(self.root).items():
+            if v >= version:
+                print(f"delta transport: removing {folder}, published before this run's version {version}",
+                      file=sys.stderr, flush=True)
+                codec.remove_folder(folder)
+
     async def commit(self, version: int, ctx) -> None:
         """Publish version N (every sender has sent its part) and wait until every engine serves it."""
-        self.publish(version, ctx)
-        await self._wait_served(version, ctx)
+        final = self.publish(version, ctx)
+        await self._wait_served(version, codec.read_manifest(final)["id"], ctx)
 
     def publish(self, version: int, ctx) -> Path:
         """Merge the senders' parts into the manifest and make the version folder appear, complete; prune."""
         assert self.root is not None, "setup() first"
         tmp = self.root / (codec.folder_name(version) + ".tmp")
         parts = sorted(tmp.glob("part-s*.json")) if tmp.is_dir() else []
-        if len(parts) != ctx.senders:
-            raise RLXError(f"delta transport: version {version} has the parts of {len(parts)} of {ctx.senders} "
-                           f"senders in {tmp} (a sender failed, or senders do not share this store)")
+        expected = [f"part-s{i:02d}.json" for i in range(ctx.senders)]
+        if [p.name for p in parts] != expected:
+            raise RLXError(f"delta transport: version {version} has parts {[p.name for p in parts]} in {tmp}, "
+                           f"expected {expected} (a sender failed, senders do not share this store, or an "
+                           f"earlier attempt with another number of pipeline stages left its parts: remove {tmp})")
         tensors: dict[str, Any] = {}
-        for p in parts:
+        for p in parts:  # the parts stay in the folder: a commit retried after a crash finds them again
             tensors.update(json.loads(p.read_text()))
-            p.unlink()
         encodings = {e["encoding"] for e in tensors.values()}
+        if "safetensors" in encodings and encodings != {"safetensors"}:
+            raise RLXError(f"delta transport: the senders of version {version} disagree on whether it is a full "
+                           f"version (they must push the same number of times; after a restart every sender "
+                           f"starts with a full version)")
         kind = "full" if encodings <= {"safetensors"} else "delta"
-        manifest = {"format": codec.FORMAT, "version": version, "kind": kind,
-                    "base": None if kind == "full" else self._previous(version), "tensors": tensors}
+        base = None if kind == "full" else self._previous(version)
+        manifest = {"format": codec.FORMAT, "version": version, "id": uuid.uuid4().hex, "kind": kind,
+                    "base": base, "base_id": None if base is None else
+                    codec.read_manifest(self.root / codec.folder_name(base)).get("id"), "tensors": tensors}
         final = self.root / codec.folder_name(version)
         codec.finish_folder(tmp, final, manifest)
         self._prune()
@@ -183,12 +201,10 @@ class DeltaTransport:
         oldest_kept = fulls[-self.config.keep_full]
         for v, p in versions.items():
             if v < oldest_kept:
-                shutil.rmtree(p, ignore_errors=True)
+                codec.remove_folder(p)
 
-    async def _wait_served(self, version: int, ctx) -> None:
+    async def _wait_served(self, version: int, publication: str, ctx) -> None:
         deadline = time.monotonic() + self.config.timeout_s
-        since = time.time() - 5  # an agent's status from before this commit is not about it (a failing agent
-        # rewrites its status at every poll)
         pending = list(ctx.engines)
         while pending:
             still = []
@@ -197,7 +213,7 @@ class DeltaTransport:
                     if await c.weight_version() == str(version):
                         continue
                 status = self._agent_status(e.url)
-                if status.get("error") and (status.get("for_version") or -1) >= version and status["time"] >= since:
+                if status.get("error") and status.get("for_id") == publication:
                     raise RLXError(f"delta transport: the weights agent of engine {e.url} failed on version "
                                    f"{version}: {status['error']} (the engine keeps serving version "
                                    f"{status.get('version')})")

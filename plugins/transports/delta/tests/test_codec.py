@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-
 from rlx_transport_delta import codec
 from rlx_transport_delta.codec import DeltaError
 

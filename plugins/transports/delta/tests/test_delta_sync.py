@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.fleet import Engine
-from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
+from rlx.rollout.engines.launch import (
+    HOST,
+    ManagedProcess,
+    embedded_command,
+    free_port,
+    wait_healthy,
+)
 from rlx.testing.contracts import TransportContract
 from rlx.transport import TransportContext
 from rlx.transport.wire import tensor_hash
@@ -27,6 +31,7 @@ from rlx_transport_delta import codec
 from rlx_transport_delta.agent import Agent
 from rlx_transport_delta.codec import DeltaError
 from rlx_transport_delta.transport import DeltaTransport
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.integration
 
@@ -111,7 +116,7 @@ def test_fifty_pushes_are_bit_exact_for_what_a_bf16_engine_serves(bf16_engine, m
     async def run():
         await pub.setup()
         for version in range(1, 51):
-            for n, t in masters.items():  # an optimizer step at a small learning rate
+            for t in masters.values():  # an optimizer step at a small learning rate
                 t.add_(torch.randn(t.shape, generator=gen) * 1e-3 * t.abs().mean())
             await pub.push(masters, version)
             full = pub.transports[0].stats["full"] == 1.0
@@ -256,3 +261,46 @@ def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, 
     finally:
         agent.stop()
         proc.stop()
+
+
+def test_hosts_catch_up_along_chains_follow_a_resumed_run_and_restore_a_restarted_engine(bf16_engine, model_path,
+                                                                                         tmp_path):
+    state = {k: v.float() for k, v in load_file(f"{model_path}/model.safetensors").items()}
+    names = list(state)
+    weights = {v: {k: t + 0.01 * v for k, t in state.items()} for v in range(1, 5)}
+
+    async def publish(pub, v, s):
+        await pub.send(s, v)
+        return pub.transports[0].publish(v, pub.ctxs[0])
+
+    async def run():
+        pub = Publisher([bf16_engine], tmp_path, senders=2, agents="external")
+        await pub.setup()
+        for v in (1, 2, 3, 4):
+            await publish(pub, v, weights[v])
+        assert [codec.read_manifest(p)["kind"] for p in codec.published(pub.root).values()] == ["full"] + ["delta"] * 3
+        # a fresh host: the full version, then three deltas in a row
+        agent = Agent(pub.root, tmp_path / "host", bf16_engine.url)
+        assert agent.plan() == [1, 2, 3, 4]
+        assert await agent.step() == 4
+        assert await served(bf16_engine, names) == ("4", expected(weights[4]))
+
+        # the run is resumed from its step-2 checkpoint: a new trainer (empty snapshot) pushes version 3 again,
+        # with other weights; the stale versions 3 and 4 go, and the host follows the new run
+        resumed = Publisher([bf16_engine], tmp_path, senders=2, agents="external")
+        await resumed.setup()
+        other = {k: t - 0.05 for k, t in state.items()}
+        folder = await publish(resumed, 3, other)
+        assert list(codec.published(pub.root)) == [3] and codec.read_manifest(folder)["kind"] == "full"  # 1, 2 pruned
+        assert await agent.step() == 3
+        assert await served(bf16_engine, names) == ("3", expected(other))
+        assert [p.name for p in (tmp_path / "host").glob("weight_v*")] == ["weight_v000003"]
+
+        # the engine restarts (here: reloads its original weights); the agent, restarted too, restores its copy
+        async with bf16_engine.client() as c:
+            await c.update_weights_from_disk(model_path, weight_version="0")
+        restarted = Agent(pub.root, tmp_path / "host", bf16_engine.url)
+        assert restarted.version == 3 and await restarted.step() is None
+        assert await served(bf16_engine, names) == ("3", expected(other))
+
+    asyncio.run(run())
