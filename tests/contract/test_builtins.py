@@ -1,9 +1,16 @@
 """The built-in components pass the contract suites plugin authors use."""
 
 import pytest
-
-from rlx.testing import (AdvantageContract, GeneratorContract, LossContract, ModelBridgeContract, RewardCase,
-                         RewardContract, TransportContract)
+from rlx.testing import (
+    AdvantageContract,
+    GeneratorContract,
+    LoggerContract,
+    LossContract,
+    ModelBridgeContract,
+    RewardCase,
+    RewardContract,
+    TransportContract,
+)
 
 
 class TestExactMatch(RewardContract):
@@ -103,3 +110,30 @@ class TestDiskTransport(TransportContract):
 @pytest.mark.integration
 class TestBroadcastTransport(TransportContract):
     transport_name = "broadcast"
+
+
+class TestTensorBoard(LoggerContract):
+    """Read back from the event files: scalars by step, the config from its YAML text, samples from the
+    markdown table (cells with `|` escaped and newlines as <br>)."""
+
+    logger_name = "tensorboard"
+
+    def read_back(self, output_dir):
+        import re
+
+        import yaml
+        from rlx.builtins.loggers import read_events
+
+        config, history, tables = {}, {}, {}
+        for e in read_events(output_dir / "tensorboard"):
+            for v in e.summary.value:
+                if v.HasField("simple_value"):
+                    history.setdefault(e.step, {})[v.tag] = v.simple_value
+                elif v.tag.startswith("config/"):
+                    config = yaml.safe_load(v.tensor.string_val[0].decode().strip("`\n"))
+                elif v.tag.startswith("samples/"):
+                    lines = v.tensor.string_val[0].decode().splitlines()[2:]
+                    cells = [[c.strip().replace("\\|", "|").replace("<br>", "\n")
+                              for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+                    tables[e.step] = [{"prompt": p, "response": r, "reward": float(w)} for p, r, w in cells]
+        return config, history, tables

@@ -1,36 +1,22 @@
 """Experiment loggers: the built-in TensorBoard logger writes every step's metrics, the resolved config and
-sample tables into event files that TensorBoard (here: its record format, read back) understands."""
+sample tables into event files that TensorBoard (here: its record format, read back) understands; the W&B
+(offline) and MLflow (file store) plugins, selected beside it in the same run, record the same."""
 
 import json
-import struct
+import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
+from rlx.builtins.loggers import read_events
 from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
 
-def read_events(folder: Path) -> list:
-    """Every event of the TensorBoard files under `folder` (length-prefixed records of `Event` protos)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
-            pos += 12 + n + 4  # length, its crc, the record, its crc
-    return events
-
-
-def test_a_run_logs_every_metric_its_config_and_samples_to_tensorboard(tiny_model_path, tmp_path):
-    cfg = small_run_config(tmp_path, "tb", run={"loggers": ["tensorboard"], "log_samples_interval": 2},
+def test_a_run_logs_every_metric_its_config_and_samples_to_every_logger(tiny_model_path, tmp_path):
+    loggers = ["tensorboard", {"name": "wandb", "args": {"mode": "offline"}}, "mlflow"]
+    cfg = small_run_config(tmp_path, "tb", run={"loggers": loggers, "log_samples_interval": 2},
                            ray={"enabled": False}, train={"num_steps": 3})
     r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
                        timeout=600)
@@ -53,3 +39,17 @@ def test_a_run_logs_every_metric_its_config_and_samples_to_tensorboard(tiny_mode
     assert step0 == 0 and "output_dir:" in config and "loggers:" in config
     assert [step for step, _ in texts["samples/text_summary"]] == [1, 2]  # the first step, then every 2nd
     assert "| prompt | response | reward |" in texts["samples/text_summary"][0][1]
+
+    # the plugins, read back with their trackers' own formats and clients
+    from rlx_logger_mlflow import read_run
+    from rlx_logger_wandb import read_offline_run
+
+    def finite(row):
+        return {k: float(v) for k, v in row.items() if isinstance(v, (int, float))
+                and not isinstance(v, bool) and math.isfinite(v)}
+
+    for name, got in (("wandb", read_offline_run(tmp_path / "tb")), ("mlflow", read_run(tmp_path / "tb"))):
+        for row in rows:
+            assert got["history"][row["step"]] == pytest.approx(finite(row), rel=1e-6, abs=1e-9), (name, row["step"])
+        assert got["config"]["run"]["output_dir"] == str(tmp_path / "tb"), name
+        assert sorted(got["tables"]) == [1, 2] and set(got["tables"][1][0]) == {"prompt", "response", "reward"}, name

@@ -37,8 +37,13 @@ class TensorBoard:
             from tensorboardX import SummaryWriter
         except ImportError:
             raise RLXError("run.loggers: tensorboard needs tensorboardX: pip install 'rlx[train]'") from None
+        import uuid
+
+        # a suffix of its own: event files are named by the second they were opened in, and a run resumed
+        # within the same second would otherwise overwrite the file it continues
         self.writer = SummaryWriter(logdir=str(run.output_dir / self.config.subdir),
-                                    purge_step=None if run.resumed_from is None else run.resumed_from + 1)
+                                    purge_step=None if run.resumed_from is None else run.resumed_from + 1,
+                                    filename_suffix=f".{uuid.uuid4().hex[:8]}")
         self.writer.add_text("config", "```\n" + yaml.safe_dump(run.config, sort_keys=False) + "```", 0)
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
@@ -63,3 +68,22 @@ class TensorBoard:
 @hookimpl
 def register_loggers(register):
     register(TensorBoard)
+
+
+def read_events(folder) -> list:
+    """Every event of the TensorBoard event files under `folder`, in file order (records: a length, its
+    CRC, an `Event` proto, its CRC). For tests and quick checks."""
+    import struct
+    from pathlib import Path
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+            pos += 12 + n + 4
+    return events

@@ -7,9 +7,18 @@ inside rlx. One suite per component kind: `RewardContract`, `AdvantageContract`,
 and `KernelContract`.
 """
 
-from rlx.testing.contracts import (AdvantageContract, GeneratorContract, KernelContract, LossContract,
-                                   ModelBridgeContract, RewardCase, RewardContract, ScriptedEngine,
-                                   TransportContract)
+from rlx.testing.contracts import (
+                                   AdvantageContract,
+                                   GeneratorContract,
+                                   KernelContract,
+                                   LoggerContract,
+                                   LossContract,
+                                   ModelBridgeContract,
+                                   RewardCase,
+                                   RewardContract,
+                                   ScriptedEngine,
+                                   TransportContract,
+)
 
-__all__ = ["AdvantageContract", "GeneratorContract", "KernelContract", "LossContract", "ModelBridgeContract",
-           "RewardCase", "RewardContract", "ScriptedEngine", "TransportContract"]
+__all__ = ["AdvantageContract", "GeneratorContract", "KernelContract", "LoggerContract", "LossContract",
+           "ModelBridgeContract", "RewardCase", "RewardContract", "ScriptedEngine", "TransportContract"]

@@ -338,6 +338,77 @@ class TransportContract(_Contract):
             proc.stop()
 
 
+# -- loggers ---------------------------------------------------------------------------------------
+
+
+class LoggerContract(_Contract):
+    """A logger records what rlx gives it: opened with a run, it gets metrics for several steps (numbers of
+    every kind, and values it must skip without failing: NaN, infinities, strings, booleans, None) and a
+    sample table, and is closed; `read_back(output_dir)`, which the plugin's test implements with the
+    tracker's own reader, returns ``(config, {step: {key: value}}, {step: sample rows}``); every finite
+    number of every step must be there, and the config. A resumed run (`resumed_from`) continues the record.
+    Set `logger_name` (and `args`)."""
+
+    kind = "loggers"
+    logger_name: ClassVar[str]
+
+    @property
+    def component_name(self) -> str:  # type: ignore[override]
+        return self.logger_name
+
+    def read_back(self, output_dir: Any) -> tuple[dict[str, Any], dict[int, dict[str, float]],
+                                                  dict[int, list[dict[str, Any]]]]:
+        raise NotImplementedError
+
+    STEPS: ClassVar[list[dict[str, Any]]] = [
+        {"reward/mean": 0.25, "train/loss": -1.5e-3, "rollout/n_samples": 8, "tito/mismatched_samples": 0,
+         "perf/step_s": 1.25, "bad/nan": float("nan"), "bad/inf": float("inf"), "bad/text": "x", "bad/flag": True,
+         "bad/none": None},
+        {"reward/mean": 0.5, "train/loss": 2.0, "rollout/n_samples": 8, "perf/step_s": 0.75, "train/kl": 1e-6},
+        {"reward/mean": 0.75, "train/loss": 0.0, "rollout/n_samples": 16, "perf/step_s": 0.5},
+    ]
+    ROWS: ClassVar[list[dict[str, Any]]] = [
+        {"prompt": "What is 2+2?", "response": "4 | four\nnew line", "reward": 1.0},
+        {"prompt": "∑ 🙂", "response": "", "reward": 0.0},
+    ]
+
+    def _log(self, tmp_path, steps, resumed_from=None, samples_at=2):
+        from rlx.protocols import RunInfo
+
+        logger = self.build()
+        run = RunInfo(name="contract", output_dir=tmp_path, config={"run": {"name": "contract", "seed": 3},
+                                                                     "train": {"optim": {"lr": 1e-3}}},
+                      resumed_from=resumed_from)
+        logger.open(run)
+        for step, metrics in steps:
+            logger.log_metrics(step, dict(metrics))
+            if step == samples_at:
+                logger.log_samples(step, [dict(r) for r in self.ROWS])
+        logger.close()
+
+    @staticmethod
+    def _finite(metrics):
+        return {k: float(v) for k, v in metrics.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+    def test_every_finite_number_of_every_step_the_config_and_the_samples(self, tmp_path):
+        self._log(tmp_path, list(enumerate(self.STEPS, start=1)))
+        config, history, tables = self.read_back(tmp_path)
+        assert config.get("run", {}).get("seed") == 3 and config.get("train", {}).get("optim", {}).get("lr") == 1e-3
+        for step, metrics in enumerate(self.STEPS, start=1):
+            assert history.get(step) == pytest.approx(self._finite(metrics)), f"step {step}"
+        assert [{k: str(r[k]) if k != "reward" else float(r[k]) for k in ("prompt", "response", "reward")}
+                for r in tables[2]] == self.ROWS
+
+    def test_a_resumed_run_continues_where_it_stopped(self, tmp_path):
+        steps = list(enumerate(self.STEPS, start=1))
+        self._log(tmp_path, steps[:2])
+        self._log(tmp_path, steps[2:], resumed_from=2, samples_at=-1)
+        _, history, _ = self.read_back(tmp_path)
+        assert sorted(history) == [1, 2, 3]
+        assert history[3] == pytest.approx(self._finite(self.STEPS[2]))
+
+
 # -- model bridges ---------------------------------------------------------------------------------
 
 
