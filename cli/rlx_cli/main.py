@@ -176,6 +176,28 @@ def train_cmd(
         out.print(f"HF checkpoint: {save_hf}")
 
 
+@app.command("eval")
+def eval_cmd(
+    file: ConfigArg,
+    set_: SetOpt = None,
+    checkpoint: Annotated[Path | None, typer.Option(
+        "--checkpoint", help="An rlx checkpoint (<output_dir>/checkpoints/step_N, or the checkpoints folder for "
+                             "the newest) or an HF model folder; default: the config's model.")] = None,
+) -> None:
+    """Evaluate a policy on the config's eval datasets: a table here, a row per dataset in eval.jsonl."""
+    import asyncio
+
+    from rlx.config import load_config
+    from rlx.orchestrate.evaluation import evaluate
+    from rlx.rollout.evaluate import table
+
+    cfg = load_config(file, set_ or [], plugins=_plugins())
+    err.print(f"logs (engines): {Path(cfg.run.output_dir) / 'logs'}", highlight=False, soft_wrap=True)
+    metrics, path = asyncio.run(evaluate(cfg, _plugins(), checkpoint))
+    out.print(table(metrics, [d.name for d in cfg.eval.datasets]), highlight=False, soft_wrap=True)
+    out.print(f"wrote {path}", highlight=False, soft_wrap=True)
+
+
 @app.command("plot")
 def plot_cmd(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run output folders (holding metrics.jsonl).")],

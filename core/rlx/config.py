@@ -286,6 +286,46 @@ class RayConfig(Section):
     log_to_driver: bool = False  # stream actors' output to this terminal
 
 
+class EvalDatasetConfig(Section):
+    """One held-out prompt file, evaluated through the run's engines and generator."""
+
+    name: str  # metrics are eval/<name>/...
+    path: str  # JSONL or Parquet, read with the data section's keys (prompt_key, label_key, ...)
+    n_samples: int = Field(1, ge=1)  # samples per prompt: pass@k for k = 1 and n_samples
+    max_prompts: int | None = Field(None, ge=1)  # the first N prompts of the file (default: all)
+    # sampling: default the rollout's, greedy (temperature 0) when n_samples is 1; given, it replaces it
+    sampling: SamplingConfig | None = None
+    rewards: list[RewardSpec] | None = None  # default: rollout.rewards
+    correct_at: float = 1.0  # a sample is correct (pass@k, success rate) when its reward is at least this
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _rewards(cls, v: Any) -> Any:
+        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
+
+    def effective_sampling(self, rollout: SamplingConfig) -> SamplingConfig:
+        if self.sampling is not None:
+            return self.sampling
+        return rollout.model_copy(update={"temperature": 0.0}) if self.n_samples == 1 else rollout
+
+
+class EvalConfig(Section):
+    """Evaluation on held-out prompts during training (and by `rl eval`)."""
+
+    datasets: list[EvalDatasetConfig] = Field(default_factory=list)
+    interval: int = Field(0, ge=0)  # evaluate after every N training steps (0: not during training)
+    at_start: bool = True  # and the initial policy, before the first step (not on --resume)
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique(cls, v: list[EvalDatasetConfig]) -> list[EvalDatasetConfig]:
+        names = [d.name for d in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dataset names must be unique (they name the metrics): {dupes}")
+        return v
+
+
 class Config(Section):
     """The root of the tree: one field per subsystem."""
 
@@ -295,6 +335,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_data(), sort_keys=False)
@@ -418,6 +459,9 @@ def resolve_paths(cfg: Config, base: Path) -> None:
         value = getattr(node, keys[-1])
         if value and "://" not in value:
             setattr(node, keys[-1], str((base / Path(value).expanduser()).resolve()))
+    for d in cfg.eval.datasets:
+        if "://" not in d.path:
+            d.path = str((base / Path(d.path).expanduser()).resolve())
     for g in cfg.rollout.engines:
         if g.model_path and "://" not in g.model_path:
             g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
@@ -455,10 +499,15 @@ def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...
     from rlx.plugins import unknown_component_message
 
     problems: list[tuple[tuple[Any, ...], str]] = []
+    fields: list[tuple[tuple[Any, ...], str, Any]] = []
     for path, kind in COMPONENT_FIELDS:
         value: Any = cfg
         for key in path:
             value = getattr(value, key)
+        fields.append((path, kind, value))
+    fields += [(("eval", "datasets", i, "rewards"), "rewards", d.rewards)
+               for i, d in enumerate(cfg.eval.datasets) if d.rewards is not None]
+    for path, kind, value in fields:
         specs = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for i, spec in specs:
             base = path + ((i,) if i is not None else ())

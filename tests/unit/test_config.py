@@ -157,3 +157,31 @@ def test_unknown_key_in_the_async_section_suggests_the_close_one():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async, async: {max_stalenes: 2}}\n")
     assert "train.async.max_stalenes: unknown key (did you mean 'max_staleness'?)" in str(e.value)
+
+
+def test_eval_datasets_are_checked_like_the_rest_of_the_tree(tmp_path):
+    got = dict(problems(
+        """
+        model: {path: /m}
+        eval:
+          interval: 5
+          datasets:
+            - {name: a, path: a.jsonl, rewards: [nope], n_samples: 0}
+            - {name: a, path: b.jsonl, temperature: 0.5}
+        """,
+        plugins=build_plugins(entry_points=False),
+    ))
+    assert "greater than or equal to 1" in got["<config>:6: eval.datasets[0].n_samples"]
+    assert "unknown key" in got["<config>:7: eval.datasets[1].temperature"]
+    got = dict(problems("""
+        model: {path: /m}
+        eval: {datasets: [{name: a, path: a.jsonl, rewards: [exact_match, nope]}]}
+        """, plugins=build_plugins(entry_points=False)))
+    assert "no reward named 'nope'" in got["<config>:3: eval.datasets[0].rewards[1].name"]
+    p = tmp_path / "c.yaml"
+    p.write_text("model: {path: m}\neval: {datasets: [{name: a, path: a.jsonl}, {name: a, path: b.jsonl}]}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "dataset names must be unique" in str(e.value) and "['a']" in str(e.value)
+    p.write_text("model: {path: m}\neval: {datasets: [{name: a, path: sub/a.jsonl}]}\n")
+    assert load_config(p).eval.datasets[0].path == str(tmp_path / "sub" / "a.jsonl")

@@ -1,7 +1,7 @@
 """Built-in experiment logger: TensorBoard event files beside ``metrics.jsonl``.
 
 ``run.loggers: [tensorboard]`` writes ``<output_dir>/tensorboard/events.out.tfevents.*``: every numeric
-metric of every step as a scalar, the resolved config as text at step 0, and every
+metric of every step as a scalar (``pass@k`` spelled ``pass_at_k``, see `tag`), the resolved config as text at step 0, and every
 ``run.log_samples_interval`` steps a table of sample prompts, responses and rewards. Written with
 tensorboardX (numpy and protobuf only), so it needs neither TensorFlow nor a TensorBoard install;
 ``tensorboard --logdir <output_dir>/tensorboard`` shows it.
@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
 from rlx.errors import RLXError
+
+
+def tag(key: str) -> str:
+    """A metric's TensorBoard tag: TensorBoard allows letters, digits, ``_-./`` only and would turn
+    ``eval/x/pass@4`` into ``pass_4``; ``@`` is spelled ``_at_`` instead (``eval/x/pass_at_4``)."""
+    return key.replace("@", "_at_")
 
 
 class TensorBoard:
@@ -49,7 +55,7 @@ class TensorBoard:
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in metrics.items():
             if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-                self.writer.add_scalar(key, float(value), step)
+                self.writer.add_scalar(tag(key), float(value), step)
         self.writer.flush()
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:

@@ -61,11 +61,17 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
             for logger in loggers:
                 logger.open(run_info)
             watch = DiffWatch()
+            evals = Evals(cfg, plugins, session, loggers, out) if cfg.eval.datasets else None
+            if evals and cfg.eval.at_start and not resume:
+                await evals.run(0)  # the initial policy, before anything trains
             batches.start()
 
             try:
                 for step in range(start, cfg.train.num_steps + 1):
-                    batch, record = await one_step(cfg, batches, trainer, step, version)
+                    batch, record = await one_step(cfg, batches, trainer, step, version,
+                                                   evals.wait if evals else None)
+                    if evals:  # the previous evaluation, logged at its own step, before this one
+                        await evals.wait()
                     version = record["weight_version"]
                     plugins.on_train_step_end(step, record)
                     warning = watch.see(step, record.get("train_rollout_logprob_diff"))
@@ -84,7 +90,13 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                     if (every and step % every == 0) or step == cfg.train.num_steps:
                         checkpoint.save(ckpt_root, step, trainer, await batches.state_dict(),
                                         {"version": version}, keep=cfg.train.checkpoint.keep)
+                    if evals and cfg.eval.interval and step % cfg.eval.interval == 0:
+                        evals.start(step)  # runs beside the next step's rollout, on these weights
+                if evals:
+                    await evals.wait()
             finally:
+                if evals:
+                    evals.cancel()
                 await batches.close()
             if save_hf is not None:
                 await asyncio.to_thread(trainer.export_hf, save_hf)
@@ -113,17 +125,22 @@ async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> Ba
 
 
 async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, step: int,
-                   version: int) -> tuple[Any, dict[str, Any]]:
-    """Get a batch, train on it, push weights when it is time; the batch and the step's metrics."""
+                   version: int, settle: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Get a batch, train on it, push weights when it is time; the batch and the step's metrics.
+    `settle`: awaited before the engines' weights or memory change (an evaluation still running on them)."""
     t0 = time.monotonic()
     batch = await batches.next_batch(step, version)
     t1 = time.monotonic()
+    if settle is not None and cfg.rollout.offload_during_train:
+        await settle()
     await batches.before_train()
     train_metrics = await asyncio.to_thread(trainer.train_step, batch)
     await batches.after_train()
     t2 = time.monotonic()
     version += 1  # the trainer's policy version; the engines get it every update_interval steps
     if step % cfg.train.update_interval == 0:
+        if settle is not None:
+            await settle()
         await batches.swap(lambda: asyncio.to_thread(trainer.push_weights, version))
     t3 = time.monotonic()
     record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics}
@@ -131,6 +148,52 @@ async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, ste
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                    "time/step_s": time.monotonic() - t0})
     return batch, record
+
+
+class Evals:
+    """Evaluation during training (`rlx.rollout.evaluate`): at step 0, and after every ``eval.interval``
+    steps as a task beside the next step's rollout (sync) or the rollout stream (async), on the weights of
+    the step it evaluates: the next weight push (or engine offload) waits for it. Results go to the loggers
+    at the step evaluated, to ``eval.jsonl`` and to the terminal."""
+
+    def __init__(self, cfg: Config, plugins: Any, session: RolloutSession, loggers: list[Any], out: Path):
+        from rlx.rollout.evaluate import Evaluator
+
+        self.evaluator = Evaluator(cfg, plugins, session.ctx)
+        self.names = [d.name for d in cfg.eval.datasets]
+        self.loggers, self.out = loggers, out
+        self.task: asyncio.Task | None = None
+        self.step = 0
+
+    async def run(self, step: int) -> None:
+        self.start(step)
+        await self.wait()
+
+    def start(self, step: int) -> None:
+        assert self.task is None, "one evaluation at a time"
+        self.step = step
+        self.task = asyncio.create_task(self.evaluator.run())
+
+    async def wait(self) -> None:
+        """Finish the running evaluation, if any, and report it."""
+        if self.task is None:
+            return
+        task, self.task = self.task, None
+        metrics, samples = await task
+        from rlx.rollout.evaluate import write_rows
+
+        write_rows(self.out, self.step, metrics, samples)
+        for logger in self.loggers:
+            logger.log_metrics(self.step, metrics)
+        parts = []
+        for n in self.names:
+            parts.append(f"{n} pass@1 {metrics[f'eval/{n}/pass@1']:.3f} reward {metrics[f'eval/{n}/reward_mean']:.3f}")
+        print(f"rlx: eval at step {self.step}: " + "; ".join(parts), file=sys.stderr, flush=True)
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
 
 
 def sample_rows(batch: Any, n: int = 8) -> list[dict[str, Any]]:
