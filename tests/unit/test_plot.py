@@ -13,6 +13,10 @@ def write_run(folder, kl: bool):
              "time/rollout_s": 0.1, "time/train_s": 0.2, "time/weight_sync_s": 0.05, "time/step_s": 0.4}
             for i in range(1, 6)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if kl:  # this run also evaluated: two datasets at steps 0 and 5, and an `rl eval` row that is not plotted
+        evals = [{"step": s, "dataset": d, "pass@1": 0.1 * s + (d == "b")} for s in (0, 5) for d in ("a", "b")]
+        evals.append({"step": 5, "dataset": "a", "pass@1": 0.9, "checkpoint": "/x"})
+        (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
     return folder
 
 
@@ -41,3 +45,6 @@ def test_panels_overlay_runs_and_skip_what_a_run_did_not_log(tmp_path, monkeypat
     throughput = axes["throughput (tokens/s)"].lines[0].get_ydata()
     assert list(throughput) == [250.0, 500.0, 750.0, 1000.0, 1250.0]  # tokens / seconds per step
     assert len(axes["seconds per step"].lines) == 6  # rollout, train, sync for each run
+    evals = axes["eval pass@1 (held-out)"]
+    assert [line.get_label() for line in evals.lines] == ["with-kl a", "with-kl b"]
+    assert list(evals.lines[0].get_xdata()) == [0, 5] and list(evals.lines[1].get_ydata()) == [1.0, 1.5]

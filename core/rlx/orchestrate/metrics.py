@@ -65,24 +65,42 @@ PANELS: list[tuple[str, str, Any, bool]] = [
     ("trainer vs engine log-prob diff", "step", lambda r: r.get("train_rollout_logprob_diff") or None, True),
     ("throughput (tokens/s)", "step", _per_second, False),
     ("seconds per step", "step", None, False),  # the time split, drawn below
+    ("eval pass@1 (held-out)", "step", "eval", False),  # a line per eval dataset, from eval.jsonl
 ]
+
+
+def read_eval(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's evaluations during training (``eval.jsonl`` rows without a ``checkpoint``, which `rl eval`
+    adds); none if it did not evaluate."""
+    path = Path(run_dir) / "eval.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "checkpoint" not in r]
 
 
 def plot(run_dirs: list[Path], out: Path) -> Path:
     """Training curves of one or more runs, overlaid: reward (by step and by time), KL, entropy, response
-    length, trainer-vs-engine log-prob difference, throughput and the time split of a step, as a PNG.
+    length, trainer-vs-engine log-prob difference, throughput, the time split of a step and held-out
+    evaluation (pass@1 per eval dataset), as a PNG.
     A run that did not log a metric (KL without a reference model) leaves that panel out for it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(22, 9))
+    fig, axes = plt.subplots(3, 3, figsize=(18, 13))
     for run in run_dirs:
         rows = read(run)
         label = Path(run).name
         steps, wall = [r["step"] for r in rows], _wall(rows)
         for ax, (title, x, y, _) in zip(axes.flat, PANELS, strict=True):
+            if y == "eval":
+                evals = read_eval(run)
+                for name in dict.fromkeys(r["dataset"] for r in evals):
+                    points = [(r["step"], r["pass@1"]) for r in evals if r["dataset"] == name]
+                    ax.plot(*zip(*points, strict=True), marker="o", label=f"{label} {name}")
+                continue
             if y is None:
                 for key, style in (("time/rollout_s", "-"), ("time/train_s", "--"), ("time/weight_sync_s", ":")):
                     ax.plot(steps, [r.get(key) or 0.0 for r in rows], style, label=f"{label} {key[5:-2]}")
