@@ -53,3 +53,12 @@ def test_a_run_logs_every_metric_its_config_and_samples_to_every_logger(tiny_mod
             assert got["history"][row["step"]] == pytest.approx(finite(row), rel=1e-6, abs=1e-9), (name, row["step"])
         assert got["config"]["run"]["output_dir"] == str(tmp_path / "tb"), name
         assert sorted(got["tables"]) == [1, 2] and set(got["tables"][1][0]) == {"prompt", "response", "reward"}, name
+
+
+def test_the_tracker_plugins_are_listed_by_rl_plugins():
+    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "plugins", "--json"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {p["name"]: p for p in json.loads(r.stdout)}
+    assert rows["wandb"]["distribution"] == "rlx-logger-wandb" and rows["wandb"]["registers"] == {"loggers": ["wandb"]}
+    assert rows["mlflow"]["distribution"] == "rlx-logger-mlflow" and rows["mlflow"]["registers"] == {"loggers": ["mlflow"]}
