@@ -65,7 +65,7 @@ def config_validate(file: ConfigArg, set_: SetOpt = None) -> None:
     """Check a config: types, unknown keys, required fields, component names and their args."""
     from rlx.config import load_config
 
-    load_config(file, set_ or [], plugins=_plugins())
+    load_config(file, set_ or [], plugins=_plugins(), preflight=True)
     out.print(f"[green]ok[/green] {file}")
 
 
@@ -90,7 +90,7 @@ def rollout_cmd(
     from rlx.config import load_config
     from rlx.rollout.session import rollout_only
 
-    cfg = load_config(file, set_ or [], plugins=_plugins())
+    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
 
     def progress(step, batch):
         m = batch.metrics
@@ -153,7 +153,7 @@ def train_cmd(
     from rlx.config import load_config
     from rlx.orchestrate.loop import train
 
-    cfg = load_config(file, set_ or [], plugins=_plugins())
+    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
     err.print(f"logs (Ray, engines, trainers): {Path(cfg.run.output_dir) / 'logs'}", highlight=False,
               soft_wrap=True)
     with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -191,7 +191,7 @@ def eval_cmd(
     from rlx.orchestrate.evaluation import evaluate
     from rlx.rollout.evaluate import table
 
-    cfg = load_config(file, set_ or [], plugins=_plugins())
+    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
     err.print(f"logs (engines): {Path(cfg.run.output_dir) / 'logs'}", highlight=False, soft_wrap=True)
     metrics, path = asyncio.run(evaluate(cfg, _plugins(), checkpoint))
     out.print(table(metrics, [d.name for d in cfg.eval.datasets]), highlight=False, soft_wrap=True)

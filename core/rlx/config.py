@@ -386,14 +386,16 @@ def load_config(
     path: str | Path,
     overrides: list[str] = (),  # type: ignore[assignment]
     plugins: Plugins | None = None,
+    preflight: bool = False,
 ) -> Config:
-    """Read, override and validate a config; raise one `ConfigError` listing every problem."""
+    """Read, override and validate a config; raise one `ConfigError` listing every problem. With
+    `preflight`, also check the files it names (`rlx.preflight`: model folder and shape, prompt files)."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigError([(str(path), f"cannot read: {e.strerror}")]) from None
-    return parse_config(text, source=path, overrides=overrides, plugins=plugins)
+    return parse_config(text, source=path, overrides=overrides, plugins=plugins, preflight=preflight)
 
 
 def parse_config(
@@ -401,6 +403,7 @@ def parse_config(
     source: Path | None = None,
     overrides: list[str] = (),  # type: ignore[assignment]
     plugins: Plugins | None = None,
+    preflight: bool = False,
 ) -> Config:
     where = str(source) if source else "<config>"
     try:
@@ -447,6 +450,12 @@ def parse_config(
         raise ConfigError(problems, source=where)
     assert cfg is not None
     resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
+    if preflight:
+        from rlx.preflight import check
+
+        problems = [(locate(loc), msg) for loc, msg in check(cfg)]
+        if problems:
+            raise ConfigError(problems, source=where)
     return cfg
 
 

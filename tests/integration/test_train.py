@@ -95,7 +95,7 @@ def test_kill_9_then_resume_trains_on_the_same_samples_in_the_same_order(uninter
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_model_path, tmp_path):
     p = rl("train", write_config(tmp_path, "fresh"), "--resume", tag=uuid.uuid4().hex)
     _, err = p.communicate(timeout=300)
-    assert p.returncode == 1 and "no checkpoint under" in err and "Traceback" not in err
+    assert p.returncode == 1 and "no complete checkpoint under" in err and "Traceback" not in err
 
 
 def test_save_hf_exports_what_transformers_loads(uninterrupted, tiny_model_path):
@@ -149,7 +149,9 @@ def test_async_kill_9_then_resume_loses_and_repeats_no_sample(tiny_model_path, t
     metrics = tmp_path / "async" / "metrics.jsonl"
     kill_after_steps(p, metrics, kill_at, tag)
     ckpt = tmp_path / "async" / "checkpoints"
-    folder = ckpt / (ckpt / "latest").read_text().strip()
+    from rlx.orchestrate.checkpoint import newest
+
+    folder = newest(ckpt)  # what --resume takes
     saved_at = json.loads((folder / "meta.json").read_text())["step"]
     state = json.loads((folder / "rollout.json").read_text())
     saved = {s["sample_id"] for g in state["queued"] + state["pending"] for s in g["samples"]}

@@ -36,11 +36,14 @@ def test_plugins_table(capsys):
 
 def test_validate_ok_and_show_prints_defaults(tmp_path, capsys):
     p = write(tmp_path, """
-        model: {path: /m}
+        model: {path: builtin://tiny-qwen3}
         rollout:
           rewards: [exact_match]
     """)
     assert run(capsys, "config", "validate", str(p))[0] == 0
+    missing = write(tmp_path, "model: {path: /m}\n", name="missing.yaml")
+    code, _, err = run(capsys, "config", "validate", str(missing))  # validate checks the files a config names
+    assert code == 2 and "model.path: /m does not exist" in err
     code, out, _ = run(capsys, "config", "show", str(p), "--set", "rollout.sampling.temperature=0.5")
     assert code == 0
     assert "temperature: 0.5" in out and "n_samples_per_prompt: 4" in out and "name: exact_match" in out

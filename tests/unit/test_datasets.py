@@ -22,6 +22,24 @@ def test_bad_rows_are_fatal_with_their_line_by_default(tmp_path):
         PromptDataset(DataConfig(), p)
 
 
+def test_every_bad_row_is_reported_at_once_non_utf8_included(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b"\n".join([GOOD.encode(), b"{not json", '{"prompt": "caf\xe9"}'.encode("latin-1"), GOOD.encode(),
+                              json.dumps({"prompt": 3}).encode()]) + b"\n")
+    with pytest.raises(RLXError) as e:
+        PromptDataset(DataConfig(), p)
+    text = str(e.value)
+    assert text.startswith("3 bad data rows")
+    assert f"{p}:2: not valid JSON" in text and f"{p}:3: not valid UTF-8 (byte 0xe9 at column 16)" in text
+    assert f"{p}:5: 'prompt' must be a non-empty string" in text
+    skipped = PromptDataset(DataConfig(on_bad_row="skip"), p)  # skip mode skips the undecodable row too
+    assert [r.line for r in skipped.rows] == [1, 4] and len(skipped.skipped) == 3
+    many = tmp_path / "many.jsonl"
+    many.write_text("\n".join([GOOD] + ["{bad"] * 30) + "\n")
+    with pytest.raises(RLXError, match=r"30 bad data rows[\s\S]*\.\.\. and 10 more"):
+        PromptDataset(DataConfig(), many)
+
+
 def test_bad_rows_are_skipped_and_reported_when_asked(tmp_path):
     p = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": 3}), "[1]", "", json.dumps({"q": "x"}), GOOD])
     ds = PromptDataset(DataConfig(on_bad_row="skip"), p)

@@ -46,13 +46,22 @@ def tokenize_prompt(tokenizer: Any, row: PromptRow, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+MAX_SHOWN = 20  # bad rows listed in an error (the rest counted)
+
+
 class PromptDataset:
     def __init__(self, cfg: DataConfig, path: Path, seed: int = 0):
         self.cfg = cfg
         self.path = Path(path)
         self.seed = seed
         self.skipped: list[str] = []
+        self.bad: list[str] = []  # every bad row, "file:line: why"
         self.rows = self._read()
+        if self.bad and cfg.on_bad_row == "error":
+            shown = "\n    ".join(self.bad[:MAX_SHOWN])
+            more = f"\n    ... and {len(self.bad) - MAX_SHOWN} more" if len(self.bad) > MAX_SHOWN else ""
+            raise RLXError(f"{len(self.bad)} bad data row{'s' if len(self.bad) > 1 else ''} (set data.on_bad_row: "
+                           f"skip to skip such rows):\n    {shown}{more}")
         if not self.rows:
             raise RLXError(f"{self.path}: no usable rows" + (f" ({len(self.skipped)} skipped)" if self.skipped else ""))
         self.epoch = 0
@@ -79,8 +88,13 @@ class PromptDataset:
         return rows
 
     def _jsonl(self):
-        with open(self.path, encoding="utf-8") as f:
-            for line, text in enumerate(f, 1):
+        with open(self.path, "rb") as f:
+            for line, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    self._bad(line, f"not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
+                    continue
                 if not text.strip():
                     continue
                 try:
@@ -118,8 +132,9 @@ class PromptDataset:
 
     def _bad(self, line: int, why: str) -> None:
         where = f"{self.path}:{line}: {why}"
-        if self.cfg.on_bad_row == "error":
-            raise RLXError(f"bad data row {where} (set data.on_bad_row: skip to skip such rows)")
+        if self.cfg.on_bad_row == "error":  # collected: every bad row is reported at once
+            self.bad.append(where)
+            return
         log.warning("skipping bad data row %s", where)
         self.skipped.append(where)
 

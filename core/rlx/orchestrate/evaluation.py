@@ -24,8 +24,10 @@ def policy_path(cfg: Config, checkpoint: Path | None) -> tuple[str, int, str | N
     checkpoint = checkpoint.resolve()
     if (checkpoint / "config.json").is_file():
         return str(checkpoint), 0, str(checkpoint)
-    if checkpoint.name == "checkpoints" and (checkpoint / "latest").is_file():
-        checkpoint = checkpoint / (checkpoint / "latest").read_text().strip()
+    if checkpoint.name == "checkpoints":
+        from rlx.orchestrate.checkpoint import newest
+
+        checkpoint = newest(checkpoint) or checkpoint
     meta = checkpoint / "meta.json"
     if not meta.is_file():
         raise RLXError(f"--checkpoint {checkpoint}: neither an HF model folder (config.json) nor an rlx "

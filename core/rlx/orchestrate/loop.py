@@ -48,12 +48,13 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
             write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
             await asyncio.to_thread(trainer.setup_transport, urls, str(out))
             batches = await make_batches(cfg, session, plugins)
-            start, version = 1, 0
+            start, version, run_id = 1, 0, checkpoint.new_run_id()
             if resume:
                 folder, rollout_state, meta = checkpoint.load_latest(ckpt_root)
                 await asyncio.to_thread(trainer.load, folder)
                 batches.load_state_dict(rollout_state)
                 start, version = meta["step"] + 1, meta["version"]
+                run_id = meta.get("run_id", run_id)
                 # the engines started from the original weights
                 await asyncio.to_thread(trainer.push_weights, version)
             log = MetricsLog(out, resume_step=start - 1 if resume else None)
@@ -89,7 +90,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                     every = cfg.train.checkpoint.interval
                     if (every and step % every == 0) or step == cfg.train.num_steps:
                         checkpoint.save(ckpt_root, step, trainer, await batches.state_dict(),
-                                        {"version": version}, keep=cfg.train.checkpoint.keep)
+                                        {"version": version, "run_id": run_id}, keep=cfg.train.checkpoint.keep)
                     if evals and cfg.eval.interval and step % cfg.eval.interval == 0:
                         evals.start(step)  # runs beside the next step's rollout, on these weights
                 if evals:

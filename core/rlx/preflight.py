@@ -1,0 +1,87 @@
+"""Checks of a config against the files it names, before anything starts (no Ray, no engines): the model
+folder exists and is an HF model, its shape fits the parallel layout (TP divides the attention and key-value
+heads, PP the layers), and every prompt file parses, with every bad row reported by line (not only the first,
+non-UTF-8 bytes included). `rl config validate` runs them, and `rl train`, `rl rollout` and `rl eval` first
+thing. Each problem is (key path in the config, message), located in the config file by `rlx.config`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlx.errors import RLXError
+
+Problem = tuple[tuple[Any, ...], str]
+
+
+def check(cfg: Any) -> list[Problem]:
+    problems: list[Problem] = []
+    model_dir = _model_dir(cfg.model.path, ("model", "path"), problems)
+    if cfg.model.tokenizer:
+        tok = Path(cfg.model.tokenizer)
+        if "://" not in cfg.model.tokenizer and not tok.is_dir():
+            problems.append((("model", "tokenizer"), f"{tok} does not exist"))
+    for i, g in enumerate(cfg.rollout.engines):
+        if g.model_path:
+            _model_dir(g.model_path, ("rollout", "engines", i, "model_path"), problems)
+    if model_dir is not None:
+        problems += _shape(cfg, model_dir)
+    if cfg.data.path and cfg.rollout.source == "generate":
+        problems += _rows(cfg, Path(cfg.data.path), ("data", "path"))
+    for i, d in enumerate(cfg.eval.datasets):
+        problems += _rows(cfg, Path(d.path), ("eval", "datasets", i, "path"))
+    return problems
+
+
+def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Path | None:
+    if path.startswith("builtin://"):
+        from rlx.models.tiny import SCHEME, SHAPES, resolve_model_path
+
+        try:  # the built-in tiny models build in a moment; a packaged one may take a while: not here
+            return Path(resolve_model_path(path)) if path[len(SCHEME):] in SHAPES else None
+        except RLXError as e:
+            problems.append((where, str(e)))
+            return None
+    if "://" in path:
+        return None
+    p = Path(path)
+    if not p.exists():
+        problems.append((where, f"{p} does not exist"))
+    elif not (p / "config.json").is_file():
+        problems.append((where, f"{p} has no config.json: not an HF model folder"))
+    else:
+        return p
+    return None
+
+
+def _shape(cfg: Any, model_dir: Path) -> list[Problem]:
+    try:
+        hf = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [(("model", "path"), f"{model_dir / 'config.json'} is unreadable: {e}")]
+    hf = hf.get("text_config", hf)  # multimodal checkpoints keep the language model's shape inside
+    par = cfg.train.parallel
+    out: list[Problem] = []
+    heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
+    kv = hf.get("num_key_value_heads", heads)
+    if isinstance(heads, int) and heads % par.tp:
+        out.append((("train", "parallel", "tp"), f"{par.tp} does not divide the model's {heads} attention heads "
+                                                f"({model_dir / 'config.json'})"))
+    elif isinstance(kv, int) and kv % par.tp:
+        out.append((("train", "parallel", "tp"), f"{par.tp} does not divide the model's {kv} key-value heads "
+                                                f"({model_dir / 'config.json'})"))
+    if isinstance(layers, int) and layers % par.pp:
+        out.append((("train", "parallel", "pp"), f"{par.pp} does not divide the model's {layers} layers (pipeline "
+                                                f"stages split the layers evenly; {model_dir / 'config.json'})"))
+    return out
+
+
+def _rows(cfg: Any, path: Path, where: tuple[Any, ...]) -> list[Problem]:
+    from rlx.data.datasets import PromptDataset
+
+    try:
+        PromptDataset(cfg.data, path, cfg.run.seed)
+    except RLXError as e:
+        return [(where, str(e))]
+    return []

@@ -1,0 +1,63 @@
+"""Checks before start-up: what `rl config validate` and the first second of `rl train` catch from the files
+a config names, each located at its key in the config file."""
+
+import json
+
+import pytest
+
+from rlx.config import load_config
+from rlx.errors import ConfigError
+
+GOOD = json.dumps({"prompt": "what is 1 + 1", "label": "2"})
+
+
+def model(tmp_path, heads=8, kv=4, layers=6):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv,
+                                                    "num_hidden_layers": layers}))
+    return folder
+
+
+def problems(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, preflight=True)
+    return dict(e.value.problems), p
+
+
+def test_a_good_config_passes_and_without_preflight_files_are_not_read(tmp_path):
+    m = model(tmp_path)
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n")
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model: {{path: {m}}}\ndata: {{path: d.jsonl}}\ntrain: {{parallel: {{tp: 2, pp: 3, world_size: 6}}}}\n")
+    assert load_config(p, preflight=True).train.parallel.tp == 2
+    p.write_text("model: {path: /does/not/exist}\n")
+    assert load_config(p).model.path == "/does/not/exist"  # parsing alone never touches the files
+
+
+def test_missing_model_not_an_hf_folder_and_bad_prompt_files_are_all_reported(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "d.jsonl").write_bytes(GOOD.encode() + b"\n{x\n" + b'{"prompt": "\xff"}\n')
+    got, p = problems(tmp_path, "model: {path: nowhere}\n"
+                                "data: {path: d.jsonl}\n"
+                                "rollout: {engines: [{model_path: empty}]}\n"
+                                "eval: {datasets: [{name: h, path: missing.jsonl}]}\n")
+    assert got[f"{p}:1: model.path"] == f"{tmp_path / 'nowhere'} does not exist"
+    assert got[f"{p}:3: rollout.engines[0].model_path"].endswith("has no config.json: not an HF model folder")
+    rows = got[f"{p}:2: data.path"]
+    assert rows.startswith("2 bad data rows") and ":2: not valid JSON" in rows and ":3: not valid UTF-8" in rows
+    assert "missing.jsonl does not exist" in got[f"{p}:4: eval.datasets[0].path"]
+
+
+@pytest.mark.parametrize(("shape", "par", "message"), [
+    ({"heads": 8, "kv": 4, "layers": 6}, "tp: 3, world_size: 3", "3 does not divide the model's 8 attention heads"),
+    ({"heads": 8, "kv": 2, "layers": 6}, "tp: 4, world_size: 4", "4 does not divide the model's 2 key-value heads"),
+    ({"heads": 8, "kv": 4, "layers": 6}, "pp: 4, world_size: 4", "4 does not divide the model's 6 layers"),
+])
+def test_a_parallel_layout_that_does_not_fit_the_model(tmp_path, shape, par, message):
+    m = model(tmp_path, **shape)
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\ntrain:\n  parallel: {{{par}}}\n")
+    (where, text), = got.items()
+    assert where.startswith(f"{p}:3: train.parallel.") and text.startswith(message)
