@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.errors import RLXError
+from rlx.fsio import fsync_path, fsync_tree, write_synced
 
 MARKER = "COMPLETE"
 
@@ -45,15 +46,15 @@ def save(root: Path, step: int, trainer: Any, rollout_state: dict[str, Any],
         trainer.save(tmp)
         (tmp / "rollout.json").write_text(json.dumps(rollout_state))
         (tmp / "meta.json").write_text(json.dumps(body))
-        _fsync_tree(tmp)
-        _write_synced(tmp / MARKER, json.dumps({"step": step, "run_id": meta.get("run_id")}).encode())
-        _fsync(tmp)
+        fsync_tree(tmp)
+        write_synced(tmp / MARKER, json.dumps({"step": step, "run_id": meta.get("run_id")}).encode())
+        fsync_path(tmp)
         if final.exists():  # the same step saved before (a run restarted in this folder): replaced whole
             gone = root / f".step_{step}.old-{uuid.uuid4().hex[:8]}.tmp"
             os.rename(final, gone)
             shutil.rmtree(gone, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if _no_space(e, root):
@@ -100,29 +101,6 @@ def load_latest(root: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     except (OSError, ValueError, RuntimeError) as e:
         raise RLXError(f"--resume: checkpoint {folder} is unreadable: {e}") from e
     return folder, rollout, meta
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync(Path(dirpath))
 
 
 def _no_space(e: BaseException, root: Path) -> bool:

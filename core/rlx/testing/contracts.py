@@ -358,7 +358,8 @@ class LoggerContract(_Contract):
 
     def read_back(self, output_dir: Any) -> tuple[dict[str, Any], dict[int, dict[str, float]],
                                                   dict[int, list[dict[str, Any]]]]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}: a LoggerContract subclass reads back what its logger "
+                                  f"wrote, with the tracker's own reader")
 
     STEPS: ClassVar[list[dict[str, Any]]] = [
         {"reward/mean": 0.25, "train/loss": -1.5e-3, "rollout/n_samples": 8, "tito/mismatched_samples": 0,

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rlx.fsio import fsync_path, fsync_tree, write_synced
 
 MANIFEST = "manifest.json"
 FORMAT = "rlx-delta/1"
@@ -149,19 +150,8 @@ def from_bytes(raw: np.ndarray, dtype: str, shape: list[int], copy: bool = True)
     return torch.from_numpy(raw.copy() if copy else raw).view(getattr(torch, dtype)).reshape(shape)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+fsync_dir = fsync_path  # the names this package's modules use
+write_file = write_synced
 
 
 def remove_folder(path: Path) -> None:
@@ -177,11 +167,7 @@ def remove_folder(path: Path) -> None:
 def finish_folder(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest into `tmp`, fsync everything, and rename it to `final` (atomic on one filesystem)."""
     write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    for f in tmp.iterdir():
-        if f.is_file() and f.name != MANIFEST:
-            with open(f, "rb") as h:
-                os.fsync(h.fileno())
-    fsync_dir(tmp)
+    fsync_tree(tmp)
     remove_folder(final)
     os.rename(tmp, final)
     fsync_dir(final.parent)
