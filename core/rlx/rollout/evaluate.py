@@ -74,7 +74,7 @@ class Evaluator:
         self.plugins = plugins
         self.ctx = ctx
         self.generator = plugins.build("generators", cfg.rollout.generator)
-        self.datasets: list[tuple[EvalDatasetConfig, list[list[int]], list[Any]]] = []
+        self.datasets: list[tuple[EvalDatasetConfig, list[Any], list[list[int]], list[Any]]] = []
         for i, spec in enumerate(cfg.eval.datasets):
             try:
                 rows = PromptDataset(cfg.data, Path(spec.path), cfg.run.seed).rows[: spec.max_prompts]
@@ -82,7 +82,7 @@ class Evaluator:
                 raise RLXError(f"eval.datasets[{i}] ({spec.name}): {e}") from None
             ids = [tokenize_prompt(ctx.tokenizer, r, cfg.data.apply_chat_template) for r in rows]
             rewards = build_rewards(spec.rewards if spec.rewards is not None else cfg.rollout.rewards, plugins)
-            self.datasets.append((spec, ids, [rows, rewards]))
+            self.datasets.append((spec, rows, ids, rewards))
         self.sem = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
     def __bool__(self) -> bool:
@@ -92,7 +92,7 @@ class Evaluator:
         """Every dataset: (metrics of all of them, sample rows per dataset)."""
         metrics: dict[str, float] = {}
         rows: dict[str, list[dict[str, Any]]] = {}
-        for spec, ids, (prompt_rows, rewards) in self.datasets:
+        for spec, prompt_rows, ids, rewards in self.datasets:
             t0 = time.monotonic()
             ctx = dataclasses.replace(self.ctx, sampling=spec.effective_sampling(self.cfg.rollout.sampling))
             groups = await asyncio.gather(*(self._group(ctx, spec, rewards, i, row, prompt)
