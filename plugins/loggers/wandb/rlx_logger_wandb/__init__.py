@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,10 +80,14 @@ def register_loggers(register):
 
 # -- reading an offline run back ---------------------------------------------------------------------------
 
-def read_offline_run(folder: str | Path) -> dict[str, Any]:
+def read_offline_run(folder: str | Path, timeout_s: float = 60.0) -> dict[str, Any]:
     """What an offline W&B run under `folder` (the ``dir`` given to W&B) holds: ``config`` (dict),
     ``history`` ({step: {key: value}}) and ``tables`` ({step: rows}), decoded from its ``run-*.wandb`` file(s)
-    with W&B's own protobuf types. For tests and quick checks; ``wandb sync`` uploads the same files."""
+    with W&B's own protobuf types. For tests and quick checks; ``wandb sync`` uploads the same files.
+
+    W&B's service writes the file after ``run.finish()`` returns (measured: a 7-byte file just after finish
+    under load, complete a moment later), so each file is read once it holds its run's exit record, waiting
+    up to `timeout_s`."""
     import json
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -92,8 +97,7 @@ def read_offline_run(folder: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no offline W&B run under {folder}/wandb")
     out: dict[str, Any] = {"config": {}, "history": {}, "tables": {}}
     for path in files:
-        for data in _log_records(path.read_bytes()):
-            rec = pb.Record.FromString(data)
+        for rec in _finished_records(path, pb, timeout_s):
             kind = rec.WhichOneof("record_type")
             if kind in ("config", "run"):  # the config comes with the run record, updates after it
                 for item in (rec.config if kind == "config" else rec.run.config).update:
@@ -119,6 +123,23 @@ def read_offline_run(folder: str | Path) -> dict[str, Any]:
                     elif not key.startswith("_"):
                         out["history"].setdefault(step, {})[key] = value
     return out
+
+
+def _finished_records(path: Path, pb, timeout_s: float) -> list[Any]:
+    """The records of the run log at `path` once it ends with the run's exit record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        data = path.read_bytes()
+        try:  # a file still being written may end in a partial record
+            records = [pb.Record.FromString(d) for d in _log_records(data)] if len(data) >= 7 else []
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError, or a header cut short
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: no exit record after {timeout_s:.0f} s ({len(records)} records): "
+                               f"the run did not finish, or W&B's service has not written it yet")
+        time.sleep(0.05)
 
 
 def _log_records(data: bytes):
