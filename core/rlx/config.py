@@ -110,6 +110,21 @@ class RouterConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict)  # passed through to sglang-router as --key value
 
 
+class FaultToleranceConfig(Section):
+    """What happens when an engine dies or freezes (`rlx.rollout.engines.health`): it is probed, taken out of
+    the router and of weight sync, its requests are sent again to the others, it is restarted (launched
+    engines) or waited for (attached ones), brought to the trainer's weights and let back in."""
+
+    enabled: bool = True  # false: the first engine failure ends the run (after rollout.retries)
+    probe_interval_s: float = Field(2.0, gt=0)  # how often each engine's /health is asked
+    probe_timeout_s: float = Field(10.0, gt=0)  # a probe unanswered this long failed
+    failures: int = Field(3, ge=1)  # consecutive failed probes that take an engine out (a frozen one)
+    restart: bool = True  # restart a launched engine that was taken out (attached ones rejoin when healthy)
+    max_restarts: int = Field(3, ge=0)  # per engine; past it the engine stays out and the run goes on without it
+    recovery_timeout_s: float = Field(600, gt=0)  # how long a request waits for any engine to serve again
+    max_resends: int = Field(3, ge=0)  # how often one request is sent again after engine failures
+
+
 class BufferConfig(Section):
     """The rollout buffer service (``rollout.source: buffer``)."""
 
@@ -128,7 +143,9 @@ class RolloutConfig(Section):
     router: RouterConfig = Field(default_factory=RouterConfig)
     startup_timeout_s: float = Field(600, gt=0)  # how long an engine may take to become healthy
     request_timeout_s: float = Field(600, gt=0)  # one generate request, end to end
-    retries: int = Field(0, ge=0)  # retries of a generate request that failed on a dead engine
+    retries: int = Field(0, ge=0)  # immediate retries of a request that failed on an unreachable engine
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
+    weight_update_timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
     max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
     reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal

@@ -79,8 +79,9 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny
         assert len(x.rollout_logprobs) == len(x.response_ids) == len(x.loss_mask)
 
 
-def test_killing_the_engine_mid_rollout_is_a_clear_error(tiny_model_path, tmp_path):
-    cfg = config(tmp_path, sampling={"max_new_tokens": 1500, "ignore_eos": True}, n_prompts=4)
+def test_without_fault_tolerance_killing_the_engine_mid_rollout_is_a_clear_error(tiny_model_path, tmp_path):
+    cfg = config(tmp_path, sampling={"max_new_tokens": 1500, "ignore_eos": True}, n_prompts=4,
+                 fault_tolerance={"enabled": False})
 
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:
@@ -91,6 +92,33 @@ def test_killing_the_engine_mid_rollout_is_a_clear_error(tiny_model_path, tmp_pa
 
     with pytest.raises(RLXError, match="unreachable"):
         asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_the_only_engine_killed_or_frozen_mid_rollout_is_restarted_and_the_batch_completes(
+        tiny_model_path, tmp_path, how):
+    """One engine, no router: killed (SIGKILL) or frozen (SIGSTOP) while every request is in flight. It is
+    taken out, restarted at a new address, and the requests are sent again there: every sample finishes."""
+    cfg = config(tmp_path, sampling={"max_new_tokens": 200, "ignore_eos": True}, n_prompts=4,
+                 fault_tolerance={"probe_interval_s": 0.3, "probe_timeout_s": 1, "failures": 2})
+
+    async def go():
+        async with RolloutSession(cfg, build_plugins()) as s:
+            first = s.fleet.engines[0]
+            pid, url = first.process.pid, first.url
+            task = asyncio.create_task(s.manager.next_batch(1))
+            while s.ctx.gate.in_flight < 8:
+                await asyncio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            batch = await asyncio.wait_for(task, 120)
+            return batch, s.fleet.health.metrics(), first.url != url, first.process.pid != pid
+
+    batch, metrics, moved, new_pid = asyncio.run(go())
+    assert len(batch.groups) == 4 and all(x.status.trainable for x in batch.samples)
+    assert all(len(x.response_ids) == 200 for x in batch.samples)  # no token twice, none lost
+    assert metrics["engines/taken_out"] == 1 and metrics["engines/restarts"] == 1
+    assert metrics["engines/rejoined"] == 1 and metrics["rollout/resent_requests"] >= 8
+    assert moved and new_pid
 
 
 def test_with_two_engines_a_dead_one_is_retried_on_the_other(tiny_model_path, tmp_path):

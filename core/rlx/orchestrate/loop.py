@@ -44,9 +44,9 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
         loggers += [plugins.build("loggers", spec) for spec in cfg.run.loggers]
         spawn = placement.engine_spawner(cfg) if placement else None
         async with RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate") as session:
-            urls = [e.url for e in session.fleet.weight_targets]
             write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
-            await asyncio.to_thread(trainer.setup_transport, urls, str(out))
+            weights = Weights(trainer, session.fleet, out)
+            await weights.setup()
             batches = await make_batches(cfg, session, plugins)
             start, version, run_id = 1, 0, checkpoint.new_run_id()
             if resume:
@@ -54,9 +54,10 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                 await asyncio.to_thread(trainer.load, folder)
                 batches.load_state_dict(rollout_state)
                 start, version = meta["step"] + 1, meta["version"]
+                weights.version = version
                 run_id = meta.get("run_id", run_id)
                 # the engines started from the original weights
-                await asyncio.to_thread(trainer.push_weights, version)
+                await weights.push(version)
             log = MetricsLog(out, resume_step=start - 1 if resume else None)
             run_info = RunInfo(cfg.run.name, out, cfg.to_data(), start - 1 if resume else None)
             for logger in loggers:
@@ -69,7 +70,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
 
             try:
                 for step in range(start, cfg.train.num_steps + 1):
-                    batch, record = await one_step(cfg, batches, trainer, step, version,
+                    batch, record = await one_step(cfg, batches, weights, step, version,
                                                    evals.wait if evals else None)
                     if evals:  # the previous evaluation, logged at its own step, before this one
                         await evals.wait()
@@ -125,7 +126,7 @@ async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> Ba
     return batches
 
 
-async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, step: int,
+async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: int,
                    version: int, settle: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Get a batch, train on it, push weights when it is time; the batch and the step's metrics.
     `settle`: awaited before the engines' weights or memory change (an evaluation still running on them)."""
@@ -135,20 +136,80 @@ async def one_step(cfg: Config, batches: BatchSource, trainer: TrainerGroup, ste
     if settle is not None and cfg.rollout.offload_during_train:
         await settle()
     await batches.before_train()
-    train_metrics = await asyncio.to_thread(trainer.train_step, batch)
+    train_metrics = await weights.train(batch)
     await batches.after_train()
     t2 = time.monotonic()
     version += 1  # the trainer's policy version; the engines get it every update_interval steps
     if step % cfg.train.update_interval == 0:
         if settle is not None:
             await settle()
-        await batches.swap(lambda: asyncio.to_thread(trainer.push_weights, version))
+        await batches.swap(lambda: weights.push(version))
     t3 = time.monotonic()
-    record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics}
+    record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics,
+                              **weights.metrics()}
     record.setdefault("kl", None)  # null: no reference model (train.objective.kl_coef is 0)
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                    "time/step_s": time.monotonic() - t0})
     return batch, record
+
+
+class Weights:
+    """The trainer's weights and the engines that get them. One trainer call at a time (a train step, a
+    push, a catch-up: a restarted engine may need weights while the trainer trains, in async mode). The
+    transport follows the serving engines: set up again when one was taken out or came back. A push that
+    failed because an engine failed (it fails a health probe now) is done again without that engine."""
+
+    def __init__(self, trainer: TrainerGroup, fleet: Any, out: Path, version: int = 0):
+        self.trainer, self.fleet, self.out = trainer, fleet, str(out)
+        self.lock = asyncio.Lock()
+        self.version = version  # the trainer's policy version: what a catch-up pushes
+        self.urls: list[str] | None = None  # where the transport points now
+        if fleet.health is not None:
+            fleet.health.catch_up = self.catch_up
+
+    async def _point(self, engines: list[Any]) -> None:
+        urls = [e.url for e in engines]
+        if urls != self.urls:
+            await asyncio.to_thread(self.trainer.setup_transport, urls, self.out)
+            self.urls = urls
+
+    async def setup(self) -> None:
+        async with self.lock:
+            await self._point(self.fleet.weight_targets)
+
+    async def train(self, batch: Any) -> dict[str, Any]:
+        async with self.lock:
+            metrics = await asyncio.to_thread(self.trainer.train_step, batch)
+            self.version += 1
+            return metrics
+
+    async def push(self, version: int) -> None:
+        async with self.lock:
+            for attempt in range(3):
+                await self._point(self.fleet.weight_targets)
+                if not self.urls:  # every engine is out: each gets the weights when it comes back
+                    return
+                try:
+                    await asyncio.to_thread(self.trainer.push_weights, version)
+                    return
+                except Exception as e:
+                    health = self.fleet.health
+                    if health is None or attempt == 2:
+                        raise
+                    await health.settle()  # an engine that failed the push fails its probe: taken out
+                    if [x.url for x in self.fleet.weight_targets] == self.urls:
+                        raise  # every engine still serves: not an engine failure
+                    print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
+                          f"that serve", file=sys.stderr, flush=True)
+
+    async def catch_up(self, engines: list[Any]) -> None:
+        """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights."""
+        async with self.lock:
+            await self._point(engines)
+            await asyncio.to_thread(self.trainer.push_weights, self.version)
+
+    def metrics(self) -> dict[str, float]:
+        return self.fleet.health.metrics() if self.fleet.health is not None else {}
 
 
 class Evals:

@@ -55,7 +55,8 @@ class TrainerWorker:
         plugins = build_plugins()
         self.trainer = Trainer(self.cfg, plugins, master_addr)
         tc = self.cfg.train
-        self.sender = WeightSender(self.trainer, plugins, tc.transport, tc.verify_weights, tc.verify_full_interval)
+        self.sender = WeightSender(self.trainer, plugins, tc.transport, tc.verify_weights, tc.verify_full_interval,
+                                   self.cfg.rollout.weight_update_timeout_s)
 
     def node(self) -> str:
         return self.host
@@ -249,10 +250,13 @@ class RayPlacement:
         gpus = 0.0 if self.colocated else rc.gpus_per_engine
         actor = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)
         bundles = iter(self.engine_bundles)
+        placed: dict[Path, int] = {}  # an engine restarted (same log) goes back to its own bundle
 
         def spawn(command, log_path: Path):
+            if log_path not in placed:
+                placed[log_path] = next(bundles)
             host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=next(bundles))).remote()
+                self.pg, placement_group_bundle_index=placed[log_path])).remote()
             ip, port = ray.get(host.address.remote())
             ray.get(host.start.remote(command(ip, port), str(log_path)))
             return RayProcess(host, log_path), f"http://{ip}:{port}"
@@ -359,8 +363,8 @@ class EngineHost:
     def log_tail(self, n: int = 20) -> str:
         return self.process.log_tail(n)
 
-    def stop(self) -> None:
-        self.process.stop()
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.process.stop(grace_s)
 
 
 class RayProcess:
@@ -398,11 +402,11 @@ class RayProcess:
         except Exception:
             return "(engine host unreachable)"
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> None:
         import ray
 
         try:
-            self._get(self.host.stop.remote())
+            self._get(self.host.stop.remote(grace_s))
         finally:
             ray.kill(self.host)
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.config import SamplingConfig
-from rlx.rollout.engines.protocol import EngineClient, GenerateRequest, GenerateResult
+from rlx.rollout.engines.health import resendable
+from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest, GenerateResult
 from rlx.types import Sample, SampleStatus
 
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -60,6 +61,7 @@ class GenerateContext:
     retries: int = 0  # retries of a request that failed on a dead or unreachable engine
     gate: RequestGate = field(default_factory=RequestGate)
     context_length: int | None = None  # the engines' context length, when they report one
+    health: Any = None  # the fleet's FleetHealth (rollout.fault_tolerance): failed requests are sent again
     _rids: Any = field(default_factory=itertools.count)
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
@@ -91,9 +93,56 @@ class GenerateContext:
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
         async with self.gate:
-            (res,) = await self.client.generate(GenerateRequest(input_ids, params, True, rid), retries=self.retries)
+            res = await self._send(GenerateRequest(input_ids, params, True, rid))
         res.temperature = float(params.get("temperature", 1.0))
         return res
+
+    async def _send(self, req: GenerateRequest) -> GenerateResult:
+        """Send `req`; with fault tolerance, send it again (from the same tokens: nothing of a failed request
+        is kept) when its engine failed, once an engine serves, at most ``max_resends`` times."""
+        if self.health is None:
+            return (await self.client.generate(req, retries=self.retries))[0]
+        resends = 0
+        while True:
+            await self.health.wait_serving()
+            call = asyncio.ensure_future(self.client.generate(req, retries=self.retries))
+            try:
+                while not call.done():
+                    down = self.health.next_down()
+                    await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
+                    if not call.done() and down.result():  # an attached engine went: this may hang on it
+                        call.cancel()
+                        await self._abort_everywhere(req.rid)
+                        break
+            except BaseException:
+                call.cancel()
+                raise
+            error: EngineError
+            if call.cancelled():
+                error = EngineError("an attached engine was taken out while the request was in flight")
+            else:
+                try:
+                    return call.result()[0]
+                except EngineError as e:
+                    if not resendable(e):
+                        raise
+                    error = e
+            if resends >= self.health.cfg.max_resends:
+                raise EngineError(f"a generate request failed {resends + 1} times on failing engines "
+                                  f"(rollout.fault_tolerance.max_resends {self.health.cfg.max_resends}); "
+                                  f"last: {error}", error.status)
+            resends += 1
+            self.health.counts["rollout/resent_requests"] += 1
+            await self.health.settle()
+
+    async def _abort_everywhere(self, rid: str | None) -> None:
+        """Abort `rid` on every serving engine (the one that has it, if any, frees its slot)."""
+        if rid is None:
+            return
+        try:
+            await self.health.fleet.for_each(lambda c: c.abort(rid))
+        except EngineError:
+            pass  # best effort: an engine that cannot be reached is not running it either
 
 
 def append_model_tokens(sample: Sample, res: GenerateResult) -> None:

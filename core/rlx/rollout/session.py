@@ -61,7 +61,8 @@ class RolloutSession:
         dataset = (PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
                    if self.with_data else None)
         await self.fleet.start()
-        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries)
+        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries,
+                                   health=self.fleet.health)
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
         self.ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:

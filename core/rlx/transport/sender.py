@@ -70,13 +70,14 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 class WeightSender:
     def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: str = "sample",
-                 full_interval: int = 10):
+                 full_interval: int = 10, update_timeout_s: float = 600):
         self.trainer = trainer
         self.par = trainer.par
         self.plugins = plugins
         self.spec = transport_spec
         self.verify_weights = verify_weights  # "full", "sample" or "off"
         self.full_interval = full_interval
+        self.update_timeout_s = update_timeout_s
         self.pushes = 0
         self.transport: Any = None
         self.ctx: TransportContext | None = None
@@ -86,10 +87,11 @@ class WeightSender:
         return self.par.sender
 
     def setup(self, engine_urls: list[str], output_dir: str, host: str) -> None:
-        """Build the transport on each sender and set it up, one stage after another (see `push`)."""
+        """Build the transport on each sender and set it up, one stage after another (see `push`). Called
+        again when the engines change (one taken out, or back in), it closes the old transport first."""
         from rlx.rollout.engines.fleet import Engine
 
-        engines = [Engine(url, "target") for url in engine_urls]
+        engines = [Engine(url, "target", timeout_s=self.update_timeout_s) for url in engine_urls]
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
             for e, tp in zip(engines, asyncio.run(_tp_sizes(engines)), strict=True):
                 e.tp_size = tp
@@ -102,6 +104,12 @@ class WeightSender:
                 self._agree(lambda: None)
 
     def _setup_transport(self) -> None:
+        if self.transport is not None:
+            old, self.transport = self.transport, None
+            try:
+                asyncio.run(old.close())
+            except Exception as e:  # noqa: BLE001 - its engines may be the ones that died
+                print(f"rlx: closing the previous weight transport: {e}", flush=True)
         self.transport = self.plugins.build("transports", self.spec)
         asyncio.run(self.transport.setup(self.ctx))
 

@@ -1,8 +1,10 @@
 """The engines of a run, from config: launched (a topology of groups) or attached, plus the router.
 
 Generation goes to one URL: the router when there is one, else the single engine. Control calls
-(pause, abort, weight updates) go to each engine directly, because a router forwards a request to one
-worker, not to all of them.
+(pause, abort, weight updates) go to each serving engine directly, because a router forwards a request
+to one worker, not to all of them. With ``rollout.fault_tolerance`` (`rlx.rollout.engines.health`) an
+engine that dies or freezes is taken out, restarted and let back in; only serving engines get control
+calls and weights.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rlx.config import Config, EngineGroupConfig
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, sglang_command, wait_healthy
-from rlx.rollout.engines.protocol import EngineClient
+from rlx.rollout.engines.protocol import EngineClient, EngineError
 from rlx.rollout.router import Router
 
 
@@ -38,9 +40,13 @@ class Engine:
     update_weights: bool = True
     tp_size: int = 1  # tensor-parallel ranks: each is one member of a weight-update group
     process: Any = None  # a ManagedProcess or alike; None: attached, not ours to stop
+    timeout_s: float = 600  # a control or weight-update call (rollout.weight_update_timeout_s)
+    state: str = "serving"  # serving | down | restarting | joining | retired (see rlx.rollout.engines.health)
+    restarts: int = 0
+    launch: Any = None  # (group config, log path): how to start it again
 
-    def client(self, timeout_s: float = 600) -> EngineClient:
-        return EngineClient(self.url, timeout_s=timeout_s)
+    def client(self, timeout_s: float | None = None) -> EngineClient:
+        return EngineClient(self.url, timeout_s=timeout_s or self.timeout_s)
 
 
 class EngineFleet:
@@ -57,10 +63,16 @@ class EngineFleet:
         self.engines: list[Engine] = []
         self.router: Router | None = None
         self.url = ""
+        self.front: EngineClient | None = None  # generation's client (the router, or the single engine)
+        self.health: Any = None  # a FleetHealth with rollout.fault_tolerance
+
+    @property
+    def serving(self) -> list[Engine]:
+        return [e for e in self.engines if e.state == "serving"]
 
     @property
     def weight_targets(self) -> list[Engine]:
-        return [e for e in self.engines if e.update_weights]
+        return [e for e in self.serving if e.update_weights]
 
     def _command(self, g: EngineGroupConfig, host: str, port: int) -> list[str]:
         path = g.model_path or self.cfg.model.path
@@ -90,14 +102,16 @@ class EngineFleet:
             raise
 
     async def _start(self) -> None:
+        timeout = self.rc.weight_update_timeout_s
         if self.rc.external_engines:
-            self.engines = [Engine(u.rstrip("/"), "external") for u in self.rc.external_engines]
+            self.engines = [Engine(u.rstrip("/"), "external", timeout_s=timeout) for u in self.rc.external_engines]
         else:
             for g in self.rc.engines:
                 for i in range(g.num_engines):
-                    proc, url = self.spawn(functools.partial(self._command, g),
-                                           self.log_dir / f"engine-{g.name}-{i}.log")
-                    self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size, process=proc))
+                    log_path = self.log_dir / f"engine-{g.name}-{i}.log"
+                    proc, url = self.spawn(functools.partial(self._command, g), log_path)
+                    self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size,
+                                               process=proc, timeout_s=timeout, launch=(g, log_path)))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
         if self.rc.external_engines:  # what an attached engine runs, it says itself
             for e, tp in zip(self.engines, await self.for_each(lambda c: c.tp_size()), strict=True):
@@ -122,20 +136,45 @@ class EngineFleet:
             self.url = self.router.url
         else:
             self.url = self.engines[0].url
+        self.front = EngineClient(self.url, timeout_s=self.rc.request_timeout_s)
+        if self.rc.fault_tolerance.enabled:
+            from rlx.rollout.engines.health import FleetHealth
+
+            self.health = FleetHealth(self, self.rc.fault_tolerance, self.rc.startup_timeout_s)
+            self.health.start()
 
     def client(self) -> EngineClient:
-        return EngineClient(self.url, timeout_s=self.rc.request_timeout_s)
+        """Generation's client: the router, or the single engine (its address follows a restart)."""
+        assert self.front is not None, "start() first"
+        return self.front
 
     async def for_each(self, fn) -> list:
-        """Call ``fn(client)`` on every engine concurrently (control calls bypass the router)."""
+        """Call ``fn(client)`` on every serving engine concurrently (control calls bypass the router). With
+        fault tolerance, an engine whose call fails and that then fails a health probe is taken out and
+        skipped (its result is None); any other failure is raised."""
 
         async def one(e: Engine):
-            async with e.client() as c:
-                return await fn(c)
+            try:
+                async with e.client() as c:
+                    return await fn(c)
+            except EngineError:
+                if self.health is not None and not await self.health.probe(e, strict=True):
+                    return None
+                raise
 
-        return await asyncio.gather(*(one(e) for e in self.engines))
+        return await asyncio.gather(*(one(e) for e in self.serving))
+
+    def respawn(self, e: Engine) -> None:
+        """Start a launched engine again where it was (its old process is gone): a new process and URL."""
+        g, log_path = e.launch
+        e.process, e.url = self.spawn(functools.partial(self._command, g), log_path)
 
     async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
+            self.health = None
+        if self.front is not None:
+            await self.front.close()
         if self.router is not None:
             await self.router.stop()
             self.router = None

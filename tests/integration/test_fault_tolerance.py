@@ -1,0 +1,92 @@
+"""`rl train` with two engines behind sglang-router, one of them killed (SIGKILL) or frozen (SIGSTOP) during
+the run: the run completes every step, trains every sample id exactly once, and its metrics show the engine
+taken out, restarted and back."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlx.testing.processes import processes_tagged, wait_gone
+from rlx.testing.runs import small_run_config
+
+pytestmark = pytest.mark.integration
+
+STEPS = 60  # a step takes ~0.2 s here; a restart ~10 s: the engine must come back before the end
+
+
+def engine_pids(tag: str) -> list[int]:
+    out = []
+    for pid in processes_tagged(tag):
+        try:
+            if b"rlx.rollout.engines.embedded" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def run_with_a_fault(tmp_path: Path, name: str, sig: int, *sets: str) -> tuple[str, list[dict]]:
+    cfg = small_run_config(
+        tmp_path, name, seed=5,
+        rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 48, "ignore_eos": True},
+                 "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}],
+                 "router": {"policy": "round_robin"},
+                 "fault_tolerance": {"probe_interval_s": 0.5, "probe_timeout_s": 2, "failures": 2}},
+        train={"num_steps": STEPS, "checkpoint": {"interval": 0}})
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), *sets],
+                         env={**os.environ, "RLX_TEST_TAG": tag}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        metrics = tmp_path / name / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):  # step 1 done: step 2's rollout runs
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()[-3000:]
+            time.sleep(0.05)
+        pids = engine_pids(tag)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], sig)
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert wait_gone(tag) == [], "rl train left processes behind"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return err, rows
+
+
+def assert_every_sample_once(run_dir: Path) -> None:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    ids = [i for r in rows for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == STEPS * 6
+
+
+def test_sync_run_with_ray_survives_a_killed_engine(tiny_model_path, tmp_path):
+    err, rows = run_with_a_fault(tmp_path, "sync", signal.SIGKILL,
+                                 "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5")
+    assert_every_sample_once(tmp_path / "sync")
+    last = rows[-1]
+    assert last["engines/taken_out"] == 1 and last["engines/restarts"] == 1 and last["engines/rejoined"] == 1, last
+    assert last["engines/serving"] == 2
+    assert "taken out: its process exited" in err and "serves again" in err
+    assert "Traceback" not in err
+
+
+def test_async_run_survives_a_frozen_engine(tiny_model_path, tmp_path):
+    err, rows = run_with_a_fault(tmp_path, "async", signal.SIGSTOP, "--set", "train.mode=async",
+                                 "--set", "ray.enabled=false")
+    assert_every_sample_once(tmp_path / "async")
+    last = rows[-1]
+    assert last["engines/taken_out"] == 1 and last["engines/restarts"] == 1 and last["engines/rejoined"] == 1, last
+    assert "health probe(s) in a row failed" in err and "serves again" in err
+    assert "Traceback" not in err
