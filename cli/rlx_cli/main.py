@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rlx.errors import RLXError
+from rlx.errors import Interrupted, RLXError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="rlx: RL post-training for LLMs.")
 config_app = typer.Typer(no_args_is_help=True, help="Check and print configs.")
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         except RLXError:
             pass  # reported below by whichever command builds the plugins again
         app(args=argv, standalone_mode=False)
+    except Interrupted as e:  # a signal stopped a run: what was saved, not an error
+        err.print(Text(f"rlx: {e}"), soft_wrap=True)
+        return e.exit_code
     except RLXError as e:
         err.print(Text("error: ", style="bold red") + Text(str(e)), soft_wrap=True)
         return e.exit_code
@@ -235,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, click.exceptions.ClickException):
             e.show()
             return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
-            return 1
+        if isinstance(e, click.exceptions.Abort):  # click's name for a KeyboardInterrupt
+            err.print("interrupted")
+            return 130
         raise
     return 0
 

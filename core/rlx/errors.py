@@ -35,3 +35,12 @@ class PluginError(RLXError):
     """A plugin failed to load, has a misspelled hook, or clashes with another plugin."""
 
     exit_code = 2
+
+
+class Interrupted(RLXError):
+    """The run was stopped by a signal (Ctrl-C, SIGTERM): exit code 128 + the signal's number, as shells
+    report it. Not an error of the run: the message says what was saved and how to go on."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -90,3 +90,60 @@ def test_async_run_survives_a_frozen_engine(tiny_model_path, tmp_path):
     assert last["engines/taken_out"] == 1 and last["engines/restarts"] == 1 and last["engines/rejoined"] == 1, last
     assert "health probe(s) in a row failed" in err and "serves again" in err
     assert "Traceback" not in err
+
+
+def start_run(tmp_path: Path, name: str, steps: int, *sets: str, tag: str) -> tuple[subprocess.Popen, Path]:
+    cfg = small_run_config(tmp_path, name, seed=5, rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 24}},
+                           train={"num_steps": steps, "checkpoint": {"interval": 0}})
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--set", "ray.enabled=false",
+                          *sets], env={**os.environ, "RLX_TEST_TAG": tag}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    return p, cfg
+
+
+def wait_rows(p: subprocess.Popen, metrics: Path, n: int) -> None:
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()[-3000:]
+        time.sleep(0.05)
+
+
+def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_resume_goes_on(tiny_model_path, tmp_path):
+    """No periodic checkpoints: SIGTERM after step 2 saves the step it stops after, exits 143 with one line,
+    and --resume trains the remaining steps: every sample id once."""
+    steps, tag = 60, uuid.uuid4().hex
+    p, cfg = start_run(tmp_path, "term", steps, tag=tag)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    wait_rows(p, metrics, 2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-3000:]
+    done = len(metrics.read_text().splitlines())
+    assert done < steps
+    assert f"rlx: stopped by SIGTERM after step {done}; checkpoint step_{done} saved" in err, err[-2000:]
+    assert "Traceback" not in err and wait_gone(tag) == []
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--set", "ray.enabled=false",
+                          "--resume"], env={**os.environ, "RLX_TEST_TAG": tag}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "term" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    ids = [i for r in rows for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == steps * 6
+
+
+def test_a_second_ctrl_c_stops_at_once(tiny_model_path, tmp_path):
+    tag = uuid.uuid4().hex
+    p, _ = start_run(tmp_path, "int", 400, "--set", "train.checkpoint.interval=0", tag=tag)
+    wait_rows(p, tmp_path / "int" / "metrics.jsonl", 1)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "rlx: stopped at once by a second Ctrl-C" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "int" / "checkpoints").exists() or not any((tmp_path / "int" / "checkpoints").iterdir())
+    assert time.monotonic() - t0 < 30
+    assert wait_gone(tag) == []

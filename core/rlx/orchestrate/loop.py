@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
+from rlx.errors import Interrupted
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.metrics import MetricsLog
 from rlx.protocols import RunInfo
@@ -38,6 +39,22 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
     save_hf = save_hf.resolve() if save_hf is not None else None  # workers run in other folders
     for line in objective_notes(cfg, plugins):
         print(f"rlx: note: {line}", file=sys.stderr, flush=True)
+    stop = StopRequest()
+    try:
+        return await _train(cfg, plugins, out, ckpt_root, stop, resume=resume, save_hf=save_hf,
+                            progress=progress, verbose=verbose)
+    except asyncio.CancelledError:
+        if stop.signum is None:
+            raise
+        raise Interrupted(f"stopped at once by a second {stop.name}; nothing saved since the last checkpoint "
+                          f"(continue with rl train CONFIG --resume)", stop.signum) from None
+    finally:
+        stop.close()
+
+
+async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: StopRequest, *, resume: bool,
+                 save_hf: Path | None, progress: Callable[[int, dict[str, Any]], None] | None,
+                 verbose: bool) -> Path:
     placement, trainer = await asyncio.to_thread(start_trainers, cfg, verbose)
     loggers: list[Any] = []
     try:
@@ -68,8 +85,17 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                 await evals.run(0)  # the initial policy, before anything trains
             batches.start()
 
+            saved = start - 1
             try:
                 for step in range(start, cfg.train.num_steps + 1):
+                    if stop.signum is not None:
+                        if saved < step - 1:  # a checkpoint of what trained since the last one
+                            checkpoint.save(ckpt_root, step - 1, trainer, await batches.state_dict(),
+                                            {"version": version, "run_id": run_id}, keep=cfg.train.checkpoint.keep)
+                            saved = step - 1
+                        where = f"checkpoint step_{saved} saved" if saved >= 1 else "nothing trained yet"
+                        raise Interrupted(f"stopped by {stop.name} after step {step - 1}; {where} (continue with "
+                                          f"rl train CONFIG --resume)", stop.signum)
                     batch, record = await one_step(cfg, batches, weights, step, version,
                                                    evals.wait if evals else None)
                     if evals:  # the previous evaluation, logged at its own step, before this one
@@ -92,6 +118,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
                     if (every and step % every == 0) or step == cfg.train.num_steps:
                         checkpoint.save(ckpt_root, step, trainer, await batches.state_dict(),
                                         {"version": version, "run_id": run_id}, keep=cfg.train.checkpoint.keep)
+                        saved = step
                     if evals and cfg.eval.interval and step % cfg.eval.interval == 0:
                         evals.start(step)  # runs beside the next step's rollout, on these weights
                 if evals:
@@ -151,6 +178,46 @@ async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: in
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                    "time/step_s": time.monotonic() - t0})
     return batch, record
+
+
+class StopRequest:
+    """Ctrl-C or SIGTERM during `train`: the first stops the run at the end of the step that runs, with a
+    checkpoint of what trained since the last one; a second Ctrl-C stops at once (the main task is
+    cancelled: engines and trainers are still stopped). Without a main-thread event loop (a run in a
+    thread), signals keep their default behaviour."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.signum: int | None = None
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.installed: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.loop.add_signal_handler(sig, self._on, sig)
+                self.installed.append(sig)
+            except (RuntimeError, ValueError):  # not the main thread
+                pass
+
+    @property
+    def name(self) -> str:
+        import signal
+
+        return {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}.get(self.signum, f"signal {self.signum}")
+
+    def _on(self, sig: int) -> None:
+        if self.signum is None:
+            self.signum = sig
+            print(f"\nrlx: {self.name}: stopping at the end of this step, with a checkpoint "
+                  f"(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        elif self.task is not None:
+            self.task.cancel()
+
+    def close(self) -> None:
+        for sig in self.installed:
+            self.loop.remove_signal_handler(sig)
+        self.installed = []
 
 
 class Weights:
