@@ -147,3 +147,31 @@ def test_a_second_ctrl_c_stops_at_once(tiny_model_path, tmp_path):
     assert not (tmp_path / "int" / "checkpoints").exists() or not any((tmp_path / "int" / "checkpoints").iterdir())
     assert time.monotonic() - t0 < 30
     assert wait_gone(tag) == []
+
+
+def test_a_killed_trainer_rank_ends_the_run_with_one_line(tiny_model_path, tmp_path):
+    cfg = small_run_config(tmp_path, "rank", seed=5, rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 24}},
+                           train={"num_steps": 400, "checkpoint": {"interval": 0}})
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--set", "ray.cpus_per_trainer=0.5",
+                          "--set", "ray.cpus_per_engine=0.5"], env={**os.environ, "RLX_TEST_TAG": tag},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_rows(p, tmp_path / "rank" / "metrics.jsonl", 1)
+        trainers = [pid for pid in processes_tagged(tag)
+                    if b"TrainerWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(trainers) == 1, trainers
+        os.kill(trainers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1, err[-3000:]
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and f"trainer rank 0 (pid {trainers[0]} on 127.0.0.1) died during" in line[0], err[-3000:]
+    assert "Traceback" not in err and "ActorDiedError" not in err
+    assert took < 20, f"{took:.0f}s from the rank's death to the end of rl train"  # Ray drains 30 s otherwise
+    assert wait_gone(tag) == []

@@ -163,16 +163,53 @@ class RayTrainerGroup(TrainerGroup):
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
-            return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+            return ray.get(refs)
         except ray.exceptions.RayTaskError as e:
             _reraise(e)
+        except ray.exceptions.RayActorError as e:
+            raise TrainerDied(self._dead_rank(refs, e), method, e) from None
+
+    @staticmethod
+    def _dead_rank(refs: list[Any], error: Any) -> int | None:
+        """Which rank's call failed because its actor died (the others may still wait in a collective)."""
+        import ray
+
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as e:
+                if getattr(e, "actor_id", None) == getattr(error, "actor_id", None):
+                    return rank
+            except Exception:  # noqa: BLE001 - still running (a timeout) or failed otherwise: not this one
+                continue
+        return None
 
     def shutdown(self) -> None:
         import ray
 
         for w in self.workers:
             ray.kill(w)
+
+
+class TrainerDied(RLXError):
+    """A trainer rank's process died (killed, out of memory, crashed): one line with the rank, where it ran
+    and Ray's reason, instead of Ray's traceback."""
+
+    def __init__(self, rank: int | None, method: str, error: Any):
+        import re
+
+        text = str(getattr(error, "error_msg", "") or error)
+        pid = re.search(r"\bpid: (\d+)", text)
+        ip = re.search(r"\bip: (\S+)", text)
+        detail = re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.)", text)
+        where = f" (pid {pid.group(1)} on {ip.group(1)})" if pid and ip else ""
+        why = f"{detail.group(1)}: {detail.group(2)}" if detail else text.splitlines()[0] if text else "unknown"
+        who = f"trainer rank {rank}" if rank is not None else "a trainer rank"
+        super().__init__(f"{who}{where} died during {method}: {why} Killed by a signal or the OOM killer "
+                         f"(check dmesg on that host), or crashed: Ray's worker logs are in /tmp/ray/session_latest/logs there")
+        self.rank = rank
 
 
 def _reraise(e: Any) -> None:
@@ -316,7 +353,9 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     head = ManagedProcess(cmd, log_dir / "ray-head.log")
-    head.start()
+    # Ray drains a node for 30 s on SIGTERM (for Serve replicas to move); this cluster is the run's own and
+    # its work is over when it is stopped: no drain, so a run ends (or fails) without a 30 s wait.
+    head.start(env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
     address = f"{HOST}:{port}"
     deadline = time.monotonic() + 120
     while True:
