@@ -175,3 +175,36 @@ def test_a_killed_trainer_rank_ends_the_run_with_one_line(tiny_model_path, tmp_p
     assert "Traceback" not in err and "ActorDiedError" not in err
     assert took < 20, f"{took:.0f}s from the rank's death to the end of rl train"  # Ray drains 30 s otherwise
     assert wait_gone(tag) == []
+
+
+NAN_WORKER = """
+import json, math, sys, warnings
+warnings.filterwarnings("ignore")
+from rlx.config import parse_config
+from rlx.errors import RLXError
+from rlx.orchestrate.workers import LocalTrainerGroup
+from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "ray": {"enabled": False}}))
+group = LocalTrainerGroup(cfg)
+trainer = group.worker.trainer
+before = {k: v.clone() for k, v in trainer.hf_tensors()}
+def sample(sid, reward):
+    return Sample([5, 6, 7], [8, 9, 10], [1, 1, 1], [-2.0] * 3, reward=reward, status=SampleStatus.COMPLETED,
+                  sample_id=sid, group_id=0)
+try:
+    group.train_step(RolloutBatch(1, [Group(0, [sample(0, 1.0), sample(1, float("nan"))])]))
+    print("TRAINED")
+except RLXError as e:
+    print("ERROR", e)
+after = dict(trainer.hf_tensors())
+print("UNCHANGED", all((before[k] == after[k]).all().item() for k in before))
+"""
+
+
+def test_a_nan_loss_stops_the_step_before_the_optimizer_and_says_so(tiny_model_path, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(NAN_WORKER)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "ERROR the loss is not finite (NaN or inf) in update 1 of 1 of this step" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "UNCHANGED True" in r.stdout

@@ -3,6 +3,7 @@ failing rewards, partial groups and exact state round trips."""
 
 import asyncio
 import json
+import threading
 import types
 
 import pytest
@@ -61,10 +62,31 @@ class Slow:
         return 1.0
 
 
+class NotANumber:
+    name = "nan"
+
+    def score(self, sample):
+        return [float("nan"), float("inf"), 1.0][sample.index % 3]
+
+
+HUNG = threading.Event()
+
+
+class Hung:
+    """A sync reward that never returns (until the test lets it go)."""
+
+    name = "hung"
+
+    def score(self, sample):
+        HUNG.wait(60)
+        return 1.0
+
+
 def plugins():
     mod = types.ModuleType("test-gen")
     mod.register_generators = hookimpl(lambda register: register(EchoLabel))
-    mod.register_rewards = hookimpl(lambda register: [register(Boom), register(Slow)])
+    mod.register_rewards = hookimpl(lambda register: [register(Boom), register(Slow), register(NotANumber),
+                                                      register(Hung)])
     return build_plugins(entry_points=False, extra=[("test-gen", mod)])
 
 
@@ -114,6 +136,42 @@ def test_a_raising_reward_fails_its_sample_not_the_run(tmp_path):
     failed = [s for s in batch.samples if s.status == SampleStatus.FAILED]
     assert len(failed) == 2 and all("reward 'boom' raised ValueError: bad row" == s.error for s in failed)
     assert batch.metrics["rollout/failed"] == 2
+
+
+def test_a_nan_or_inf_reward_fails_its_sample_with_the_value_and_the_step_says_why(tmp_path, capsys):
+    m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=3, rewards=["nan"])
+    batch = asyncio.run(m.next_batch(4))
+    errors = sorted(s.error for s in batch.samples if s.status == SampleStatus.FAILED)
+    assert errors == ["reward 'nan' returned inf (not a finite number)"] * 2 + \
+        ["reward 'nan' returned nan (not a finite number)"] * 2
+    assert all(s.reward == 1.0 for s in batch.samples if s.status.trainable)
+    err = capsys.readouterr().err
+    assert "rlx: warning: step 4: 4 of 6 samples failed; 2 with: reward 'nan' returned" in err
+    assert "(1 other reason(s))" in err
+
+
+def test_hung_sync_rewards_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
+    """More hung rewards than the default thread pool has threads: they time out in their own pool, and a
+    trainer-style ``asyncio.to_thread`` call still runs at once."""
+    import rlx.rollout.rewards as rewards
+
+    monkeypatch.setattr(rewards, "_POOL", [])
+    m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], reward_timeout_s=0.2,
+             reward_threads=2, max_oversample_rounds=1)
+
+    async def go():
+        task = asyncio.create_task(m.next_batch(1))
+        await asyncio.sleep(0.1)  # every reward is called (or waiting for a reward thread) by now
+        other = await asyncio.wait_for(asyncio.to_thread(lambda: "trainer call"), 2)
+        with pytest.raises(RLXError, match="16 samples failed, e.g. reward 'hung' timed out after 0.2s"):
+            await task
+        return other
+
+    try:
+        assert asyncio.run(go()) == "trainer call"
+    finally:
+        HUNG.set()
+        rewards._POOL[0].shutdown(wait=True)
 
 
 def test_a_slow_reward_times_out_per_sample(tmp_path):

@@ -127,7 +127,7 @@ class Evaluator:
                 return [sample]
         final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
         if final.status.trainable and final.reward is None:
-            await score_sample(final, rewards, self.cfg.rollout.reward_timeout_s)
+            await score_sample(final, rewards, self.cfg.rollout.reward_timeout_s, self.cfg.rollout.reward_threads)
         return [s for s in out if s is not final] + [final]
 
 

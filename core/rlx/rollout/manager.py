@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -115,11 +117,11 @@ class RolloutManager:
         if not todo:
             return
         if len(out) == 1:
-            await score_sample(todo[0], self.rewards, self.rc.reward_timeout_s)
+            await score_sample(todo[0], self.rewards, self.rc.reward_timeout_s, self.rc.reward_threads)
             return
         final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
         if final.status.trainable and final.reward is None:
-            await score_sample(final, self.rewards, self.rc.reward_timeout_s)
+            await score_sample(final, self.rewards, self.rc.reward_timeout_s, self.rc.reward_threads)
         for s in todo:
             if s is final:
                 continue
@@ -233,6 +235,13 @@ class RolloutManager:
             vals = [s.rewards[b.name].score for s in trainable if b.name in s.rewards]
             if vals:
                 m[f"reward/{b.name}/mean"] = sum(vals) / len(vals)
+        failed = [s.error for s in samples if s.status == SampleStatus.FAILED and s.error]
+        if failed:  # a count alone hides why: say the most common reason
+            reasons = Counter(failed)
+            top, n = reasons.most_common(1)[0]
+            others = f" ({len(reasons) - 1} other reason(s))" if len(reasons) > 1 else ""
+            print(f"rlx: warning: step {batch.step}: {len(failed)} of {len(samples)} samples failed; {n} with: "
+                  f"{top}{others}", file=sys.stderr, flush=True)
         return m
 
     # -- streaming (async) -----------------------------------------------------------------------

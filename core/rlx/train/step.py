@@ -125,6 +125,21 @@ class RLStep:
             out.update(part)
         return out
 
+    def _check_finite(self, loss: float, update: int, updates: int) -> None:
+        """Stop before an optimizer step on a NaN/inf loss (on any rank: all agree, none is left waiting in a
+        collective), so the weights stay as they were and the error names the loss, not weight sync."""
+        import math
+
+        import torch
+        import torch.distributed as dist
+
+        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64)
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RLXError(f"the loss is not finite (NaN or inf) in update {update} of {updates} of this step; the "
+                           f"weights were not changed. Look at the step's rewards and advantages, log-probs "
+                           f"(train_rollout_logprob_diff) and the learning rate")
+
     def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
         """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
         import torch.distributed as dist
@@ -143,16 +158,19 @@ class RLStep:
         keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
         totals = dict.fromkeys(keys, 0.0)
         maxes = dict.fromkeys(MAX_KEYS, 0.0)
-        for mini, scale in zip(minis, scales, strict=True):
+        for update, (mini, scale) in enumerate(zip(minis, scales, strict=True), start=1):
             actor.zero_grad()
             loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
                                         diff_threshold=self.tc.logprob_diff_threshold, scale=scale)
+            loss = 0.0
             for m in actor.schedule(self.packed(mini), loss_fn, forward_only=False):
+                loss += m.get("loss", 0.0)
                 for k, v in m.items():
                     if k in maxes:
                         maxes[k] = max(maxes[k], v)
                     else:
                         totals[k] += v
+            self._check_finite(loss, update, updates)
             totals["grad_norm"] += actor.optimizer_step() / self.par.world
 
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
