@@ -130,6 +130,8 @@ class BufferConfig(Section):
 
     port: int = Field(0, ge=0, le=65535)  # the port on 127.0.0.1 (0: any free port)
     api_key: str | None = None  # the bearer key clients send (None: a random one, printed)
+    max_body_mb: float = Field(64, gt=0)  # a larger POST is refused (413) before it is read
+    max_metadata_kb: float = Field(64, gt=0)  # a group's metadata (kept in checkpoints until trained)
 
 
 class RolloutConfig(Section):

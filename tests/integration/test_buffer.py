@@ -53,6 +53,8 @@ def traj(reward, **kw):
     ({"loss_mask": [0, 0, 0]}, "trajectories[1].loss_mask: no token has mask 1"),
     ({"rollout_logprobs": [0.5, -1, -1]}, "trajectories[1].rollout_logprobs: 3 finite log-probs"),
     ({"prompt_ids": list(range(3, 300))}, "trajectories[1]: 300 tokens, longer than the model's 200"),
+    ({"lossmask": [0, 1, 1]}, "trajectories[1]: unknown field(s) 'lossmask' (did you mean 'loss_mask'?)"),
+    ({"id": 7}, "trajectories[1].id: a string of 1 to 256 characters"),
 ])
 def test_a_bad_trajectory_rejects_its_post_with_a_reason(buffer, bad, reason):
     buf, _ = buffer
@@ -60,6 +62,28 @@ def test_a_bad_trajectory_rejects_its_post_with_a_reason(buffer, bad, reason):
     r = post(buf, {"trajectories": [traj(1.0), {**traj(0.0), **bad}]})
     assert r.status_code == 400 and r.json()["queued"] is False and reason in r.json()["error"]
     assert buf.queue.qsize() == before
+
+
+def test_a_trajectory_id_is_trained_once_and_oversized_posts_are_refused(buffer):
+    buf, _ = buffer
+    before = buf.queue.qsize()
+    first = post(buf, {"trajectories": [traj(1.0, id="a-1"), traj(0.0, id="a-2")]})
+    assert first.status_code == 200 and first.json()["queued"] is True
+    again = post(buf, {"trajectories": [traj(1.0, id="a-3"), traj(0.0, id="a-2")]})  # a client's retry
+    assert again.status_code == 400 and "trajectories[1].id: 'a-2' was already received" in again.json()["error"]
+    twice = post(buf, {"trajectories": [traj(1.0, id="b"), traj(0.0, id="b")]})
+    assert twice.status_code == 400 and "'b' appears twice in this POST" in twice.json()["error"]
+    meta = post(buf, {"trajectories": [traj(1.0), traj(0.0)], "metadata": {"blob": "x" * 70_000}})
+    assert meta.status_code == 400 and "metadata: 68 KB, over rollout.buffer.max_metadata_kb (64 KB" in meta.json()["error"]
+    top = post(buf, {"trajectories": [traj(1.0), traj(0.0)], "meta": {}})
+    assert top.status_code == 400 and "the body: unknown field(s) 'meta' (did you mean 'metadata'?)" in top.json()["error"]
+    huge = requests.post(buf.url + "/rlx/trajectories", data=b"x" * (65 * 2**20),
+                         headers={**KEY, "Content-Type": "application/json"})
+    assert huge.status_code == 413
+    assert buf.queue.qsize() == before + 1 and "a-3" not in buf.seen_ids
+    items = [buf.queue.get_nowait() for _ in range(buf.queue.qsize())]  # the module's buffer: leave it as it was
+    for g in items[:before]:
+        buf.queue.put_nowait(g)
 
 
 def test_auth_shape_and_messages_errors(buffer):

@@ -9,9 +9,15 @@ One POST is one group (the samples of one prompt that advantages compare):
 
     {"trajectories": [
         {"prompt_ids": [...], "response_ids": [...], "loss_mask": [...], "rollout_logprobs": [...],
-         "temperature": 0.7, "reward": 1.0, "weight_version": 3},    # tokens, exactly as sampled
+         "temperature": 0.7, "reward": 1.0, "weight_version": 3, "id": "run7-42-0"},  # tokens, as sampled
         {"messages": [...], "tools": [...], "reward": 0.0}            # or chat messages
      ], "metadata": {...}}
+
+``id`` (optional, a string) is the client's name for a trajectory: one already received (in this run,
+checkpoints included) or twice in one POST rejects the POST, so a retried POST never trains twice. A
+field the schema does not have (``lossmask``) rejects the POST naming it, never silently defaults; so do
+a body over ``rollout.buffer.max_body_mb`` (413) and metadata over ``rollout.buffer.max_metadata_kb``
+(metadata is kept in checkpoints until its group trains).
 
 Token trajectories are taken as they are (token-in-token-out). Message trajectories are rendered with
 the chat template, loss mask 1 on the assistant turns; that re-tokenises text, so those samples are
@@ -27,6 +33,7 @@ why. Queued groups are trained in arrival order and saved in checkpoints until t
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import secrets
 import time
@@ -43,6 +50,23 @@ class Rejected(Exception):
     pass
 
 
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "temperature", "reward",
+                "weight_version", "id")
+MESSAGE_FIELDS = ("messages", "tools", "reward", "id")
+
+
+def _unknown(given: dict, known: tuple[str, ...], where: str) -> None:
+    import difflib
+
+    extra = [k for k in given if k not in known]
+    if extra:
+        hints = []
+        for k in extra:
+            close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise Rejected(f"{where}: unknown field(s) {', '.join(hints)}; the fields are {', '.join(known)}")
+
+
 class TrajectoryBuffer:
     def __init__(self, cfg: Config, tokenizer: Any, plugins: Any, max_len: int | None = None):
         self.cfg = cfg
@@ -55,13 +79,14 @@ class TrajectoryBuffer:
         self.next_group_id = 0
         self.next_sample_id = 0
         self.counts = {"accepted": 0, "rejected": 0, "filtered": 0}
+        self.seen_ids: set[str] = set()  # trajectory ids received (kept in checkpoints)
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     # -- server ----------------------------------------------------------------------------------
 
     async def start(self) -> str:
-        app = web.Application(client_max_size=256 * 2**20)
+        app = web.Application(client_max_size=int(self.cfg.rollout.buffer.max_body_mb * 2**20))
         app.router.add_post("/rlx/trajectories", self.post)
         app.router.add_get("/rlx/trajectories/stats", self.stats)
         self.runner, self.url = await serve_local(app, "127.0.0.1", self.cfg.rollout.buffer.port)
@@ -105,10 +130,23 @@ class TrajectoryBuffer:
     def to_group(self, body: Any) -> Group:
         if not isinstance(body, dict) or not isinstance(body.get("trajectories"), list) or not body["trajectories"]:
             raise Rejected("trajectories: a non-empty list is required")
+        _unknown(body, ("trajectories", "metadata"), "the body")
         meta = body.get("metadata") or {}
         if not isinstance(meta, dict):
             raise Rejected("metadata: must be an object")
+        size = len(json.dumps(meta))
+        limit = self.cfg.rollout.buffer.max_metadata_kb * 1024
+        if size > limit:
+            raise Rejected(f"metadata: {size / 1024:.0f} KB, over rollout.buffer.max_metadata_kb "
+                           f"({self.cfg.rollout.buffer.max_metadata_kb:g} KB; metadata is kept in checkpoints)")
         samples = [self.to_sample(t, f"trajectories[{i}]") for i, t in enumerate(body["trajectories"])]
+        ids = [s.metadata["client_id"] for s in samples if "client_id" in s.metadata]
+        for i, s in enumerate(samples):
+            tid = s.metadata.get("client_id")
+            if tid is not None and (tid in self.seen_ids or ids.count(tid) > 1):
+                again = "was already received" if tid in self.seen_ids else "appears twice in this POST"
+                raise Rejected(f"trajectories[{i}].id: {tid!r} {again}")
+        self.seen_ids.update(ids)
         gid = self.next_group_id
         self.next_group_id += 1
         for i, s in enumerate(samples):
@@ -120,13 +158,19 @@ class TrajectoryBuffer:
     def to_sample(self, t: Any, where: str) -> Sample:
         if not isinstance(t, dict):
             raise Rejected(f"{where}: must be an object")
+        _unknown(t, MESSAGE_FIELDS if "messages" in t else TOKEN_FIELDS, where)
         reward = t.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise Rejected(f"{where}.reward: a finite number is required")
+        tid = t.get("id")
+        if tid is not None and (not isinstance(tid, str) or not 0 < len(tid) <= 256):
+            raise Rejected(f"{where}.id: a string of 1 to 256 characters")
         if "messages" in t:
             s = self._from_messages(t, where)
         else:
             s = self._from_tokens(t, where)
+        if tid is not None:
+            s.metadata["client_id"] = tid
         if not any(s.loss_mask):
             raise Rejected(f"{where}.loss_mask: no token has mask 1, nothing to train on")
         if self.max_len is not None and s.total_len > self.max_len:
@@ -279,12 +323,13 @@ class BufferBatches:
     async def state_dict(self) -> dict[str, Any]:
         queued = self.restored + list(self.buffer.queue._queue)  # not consumed: a snapshot
         return {"next_group_id": self.buffer.next_group_id, "next_sample_id": self.buffer.next_sample_id,
-                "queued": [g.to_dict() for g in queued]}
+                "queued": [g.to_dict() for g in queued], "seen_ids": sorted(self.buffer.seen_ids)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.next_group_id = state["next_group_id"]
         self.buffer.next_sample_id = state["next_sample_id"]
         self.restored = [Group.from_dict(g) for g in state["queued"]]
+        self.buffer.seen_ids = set(state.get("seen_ids", []))
 
     async def close(self) -> None:
         await self.buffer.stop()
