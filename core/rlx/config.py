@@ -76,6 +76,9 @@ class DataConfig(Section):
     apply_chat_template: bool = True  # wrap prompts with the tokenizer's chat template
     on_bad_row: Literal["skip", "error"] = "error"  # a malformed row: report and skip, or stop
     shuffle: bool = True  # reshuffled each epoch from run.seed
+    max_prompt_tokens: int | None = Field(None, ge=1)  # longer prompts (after the chat template) are too long;
+    #                                                   None: the engines' context length minus one
+    on_long_prompt: Literal["skip", "error"] = "skip"  # a too-long prompt: skip it (counted, first one named) or stop
 
 
 class SamplingConfig(Section):

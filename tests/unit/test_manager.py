@@ -257,3 +257,24 @@ def test_a_regenerated_group_keeps_dataset_metadata_only(tmp_path):
                                                                         "sampled_tokens": 1, "agent_turns": 2})
     m.regenerate(Group(0, [s]))
     assert m.pending[0].samples[0].metadata == {"task": "t"}
+
+
+def test_too_long_prompts_are_skipped_and_counted_or_stop_the_run_naming_the_line(tmp_path, capsys):
+    rows = [{"prompt": "q" * 40, "label": "0"}] + ROWS  # line 1: 42 tokens with the template's two
+    m = make(tmp_path, rows, n_prompts=6, n_samples_per_prompt=1, rewards=["exact_match"])
+    m.cfg.data.max_prompt_tokens = 10
+    batch = asyncio.run(m.next_batch(1))
+    assert sorted(s.prompt_text for s in batch.samples) == [f"q{i}" for i in range(6)]
+    assert batch.metrics["rollout/long_prompts_skipped"] == 1.0
+    assert "d.jsonl:1: the prompt has 42 tokens, over data.max_prompt_tokens (10): skipped" in capsys.readouterr().err
+
+    m = make(tmp_path, rows, n_prompts=2, n_samples_per_prompt=1, rewards=["exact_match"])
+    m.ctx.context_length = 42  # the engines' context: a 42-token prompt leaves no room
+    m.cfg.data.on_long_prompt = "error"
+    with pytest.raises(RLXError, match=r"d.jsonl:1: the prompt has 42 tokens, and the engines' context is 42"):
+        asyncio.run(m.next_batch(1))
+
+    m = make(tmp_path, rows[:1], n_prompts=1, n_samples_per_prompt=1, rewards=["exact_match"])
+    m.cfg.data.max_prompt_tokens = 10
+    with pytest.raises(RLXError, match="every prompt is longer than 10 tokens"):
+        asyncio.run(m.next_batch(1))

@@ -59,6 +59,7 @@ class RolloutManager:
         self.next_sample_id = 0
         self.pending: list[Group] = []  # partial groups to resume first
         self.stream_filtered = 0  # groups run_stream's filters dropped (async metrics)
+        self.long_prompts = 0  # prompts skipped as too long (data.on_long_prompt: skip)
         self._prompt_cache: dict[int, list[int]] = {}
 
     # -- building groups -------------------------------------------------------------------------
@@ -72,9 +73,37 @@ class RolloutManager:
                 raise RLXError(f"{self.dataset.path}:{row.line}: could not apply the chat template: {e}") from e
         return self._prompt_cache[row.index]
 
+    def _prompt_limit(self) -> int | None:
+        limit = self.cfg.data.max_prompt_tokens
+        ctx = self.ctx.context_length
+        if ctx is not None:  # a prompt that fills the context leaves no room for one token (SGLang: 400)
+            limit = min(limit, ctx - 1) if limit is not None else ctx - 1
+        return limit
+
+    def _next_prompt(self) -> tuple[PromptRow, list[int]]:
+        """The next dataset row whose prompt fits ``data.max_prompt_tokens`` and the context (too long ones are
+        skipped and counted, or stop the run, ``data.on_long_prompt``)."""
+        limit = self._prompt_limit()
+        for _ in range(len(self.dataset) + 1):
+            row = self.dataset.next()
+            ids = self._prompt_ids(row)
+            if limit is None or len(ids) <= limit:
+                return row, ids
+            where = f"{self.dataset.path}:{row.line}: the prompt has {len(ids)} tokens"
+            why = (f"over data.max_prompt_tokens ({self.cfg.data.max_prompt_tokens})"
+                   if self.cfg.data.max_prompt_tokens is not None and len(ids) > self.cfg.data.max_prompt_tokens
+                   else f"and the engines' context is {self.ctx.context_length} tokens")
+            if self.cfg.data.on_long_prompt == "error":
+                raise RLXError(f"{where}, {why} (data.on_long_prompt: skip drops such prompts)")
+            if not self.long_prompts:
+                print(f"rlx: warning: {where}, {why}: skipped, as are later ones (counted in "
+                      f"rollout/long_prompts_skipped)", file=sys.stderr, flush=True)
+            self.long_prompts += 1
+        raise RLXError(f"{self.dataset.path}: every prompt is longer than {limit} tokens "
+                       f"(data.max_prompt_tokens, the engines' context length)")
+
     def new_group(self) -> Group:
-        row = self.dataset.next()
-        ids = self._prompt_ids(row)
+        row, ids = self._next_prompt()
         gid = self.next_group_id
         self.next_group_id += 1
         samples = []
@@ -227,6 +256,7 @@ class RolloutManager:
             "rollout/failed": float(sum(s.status == SampleStatus.FAILED for s in samples)),
             "rollout/truncated": float(sum(s.status == SampleStatus.TRUNCATED for s in samples)),
             "rollout/pending_groups": float(len(self.pending)),
+            "rollout/long_prompts_skipped": float(self.long_prompts),
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
             "time/rollout_s": seconds,
