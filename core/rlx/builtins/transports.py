@@ -9,6 +9,7 @@ its part, then sender 0 commits the version.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 from pathlib import Path
 
@@ -115,6 +116,9 @@ class DiskTransport:
         pass
 
 
+_SETUPS = itertools.count()  # broadcast groups set up in this process
+
+
 class BroadcastTransport:
     """Each sender is rank 0 of a group with every TP rank of every engine (`rlx.transport.group`, SGLang's
     layout); tensors are broadcast one by one in the order named, a bucket per update request."""
@@ -126,6 +130,7 @@ class BroadcastTransport:
         self.config = config
         self.pg = None
         self.group_name = "rlx-weights"
+        self.engines: list = []
 
     async def setup(self, ctx) -> None:
         import torch
@@ -133,7 +138,10 @@ class BroadcastTransport:
         from rlx.net import free_port
         from rlx.transport.group import engine_ranks, open_group
 
-        self.group_name = f"rlx-weights-{ctx.sender}"
+        # a new name each setup: the transport is set up again when engines leave or rejoin, and SGLang
+        # refuses a group name it already has
+        self.group_name = f"rlx-weights-{ctx.sender}-{next(_SETUPS)}"
+        self.engines = list(ctx.engines)
         port = free_port(ctx.host)
         offsets, world = engine_ranks([getattr(e, "tp_size", 1) for e in ctx.engines])
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -178,7 +186,14 @@ class BroadcastTransport:
         await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
-        self.pg = None
+        """Leave the group on the engines (best effort: some may be dead) and here."""
+        async def leave(e):
+            async with e.client(timeout_s=30) as c:
+                await c.destroy_weights_update_group(self.group_name)
+
+        if self.pg is not None:
+            await asyncio.gather(*(leave(e) for e in self.engines), return_exceptions=True)
+        self.pg, self.engines = None, []
 
 
 @hookimpl

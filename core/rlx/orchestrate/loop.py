@@ -253,10 +253,10 @@ class Weights:
     async def push(self, version: int) -> None:
         async with self.lock:
             for attempt in range(3):
-                await self._point(self.fleet.weight_targets)
-                if not self.urls:  # every engine is out: each gets the weights when it comes back
-                    return
                 try:
+                    await self._point(self.fleet.weight_targets)
+                    if not self.urls:  # every engine is out: each gets the weights when it comes back
+                        return
                     await asyncio.to_thread(self.trainer.push_weights, version)
                     return
                 except Exception as e:
@@ -266,14 +266,17 @@ class Weights:
                     await health.settle()  # an engine that failed the push fails its probe: taken out
                     if [x.url for x in self.fleet.weight_targets] == self.urls:
                         raise  # every engine still serves: not an engine failure
+                    self.urls = None  # set up again, for the engines that serve
                     print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
                           f"that serve", file=sys.stderr, flush=True)
 
-    async def catch_up(self, engines: list[Any]) -> None:
-        """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights."""
+    async def catch_up(self, engines: list[Any], admit: Callable[[], Any]) -> None:
+        """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights and let them
+        in (`admit`) before the next train step or push can change those weights."""
         async with self.lock:
             await self._point(engines)
             await asyncio.to_thread(self.trainer.push_weights, self.version)
+            await admit()
 
     def metrics(self) -> dict[str, float]:
         return self.fleet.health.metrics() if self.fleet.health is not None else {}

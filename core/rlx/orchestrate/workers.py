@@ -294,7 +294,7 @@ class RayPlacement:
                 placed[log_path] = next(bundles)
             host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=placed[log_path])).remote()
-            ip, port = ray.get(host.address.remote())
+            ip, port = ray.get(host.address.remote(), timeout=rc.placement_timeout_s)  # a restart waits for its bundle
             ray.get(host.start.remote(command(ip, port), str(log_path)))
             return RayProcess(host, log_path), f"http://{ip}:{port}"
 

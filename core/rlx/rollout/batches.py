@@ -60,6 +60,7 @@ class SyncBatches:
         self.manager = manager
         self.fleet = fleet
         self.offload = offloads(cfg)
+        self.released: list[Any] = []  # engines whose memory was released for this train step
 
     def start(self) -> None:
         pass
@@ -69,13 +70,15 @@ class SyncBatches:
 
     async def before_train(self) -> None:
         if self.offload:  # SGLang releases only an idle server (and its scheduler dies otherwise): pause first
-            await self.fleet.for_each(lambda c: c.pause(mode="abort"))
-            await self.fleet.for_each(lambda c: c.release_memory())
+            self.released = list(self.fleet.serving)
+            await self.fleet.for_each(lambda c: c.pause(mode="abort"), self.released)
+            await self.fleet.for_each(lambda c: c.release_memory(), self.released)
 
     async def after_train(self) -> None:
-        if self.offload:
-            await self.fleet.for_each(lambda c: c.resume_memory())
-            await self.fleet.for_each(lambda c: c.resume())
+        if self.offload:  # only those released (an engine restarted meanwhile holds its memory, unpaused)
+            back = [e for e in self.released if e.state == "serving"]
+            await self.fleet.for_each(lambda c: c.resume_memory(), back)
+            await self.fleet.for_each(lambda c: c.resume(), back)
 
     async def swap(self, push: Push) -> None:
         await push()

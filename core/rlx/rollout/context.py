@@ -112,7 +112,9 @@ class GenerateContext:
                     await asyncio.wait({call, down}, return_when=asyncio.FIRST_COMPLETED)
                     if not call.done() and down.result():  # an attached engine went: this may hang on it
                         call.cancel()
-                        await self._abort_everywhere(req.rid)
+                        await asyncio.wait({call})
+                        if call.cancelled():
+                            await self._abort_everywhere(req.rid)
                         break
             except BaseException:
                 call.cancel()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,15 +42,51 @@ def as_result(value: Any, name: str) -> RewardResult:
     return RewardResult(float(value))
 
 
-_POOL: list[Any] = []  # the sync rewards' thread pool, made on first use
+class RewardThreads:
+    """Daemon threads for sync rewards. A hung reward keeps its thread, but neither trainer or engine calls
+    (asyncio's default pool) nor the process's exit wait for it (`concurrent.futures` threads are joined at
+    exit)."""
+
+    def __init__(self, n: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"rlx-reward-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            loop, fut, fn, arg = self.jobs.get()
+            try:
+                result, error = fn(arg), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+            except RuntimeError:  # the loop is closed: nobody waits for it
+                pass
+
+    def run(self, fn: Any, arg: Any) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.jobs.put((loop, fut, fn, arg))
+        return fut
 
 
-def reward_pool(threads: int = 8) -> Any:
-    from concurrent.futures import ThreadPoolExecutor
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # timed out and cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlx-reward"))
-    return _POOL[0]
+
+_POOLS: dict[int, RewardThreads] = {}  # by size: made on first use, shared by the process's rollouts
+
+
+def reward_pool(threads: int = 8) -> RewardThreads:
+    if threads not in _POOLS:
+        _POOLS[threads] = RewardThreads(threads)
+    return _POOLS[threads]
 
 
 async def call_reward(reward: Any, sample: Sample, name: str = "?", threads: int = 8) -> RewardResult:
@@ -57,7 +95,7 @@ async def call_reward(reward: Any, sample: Sample, name: str = "?", threads: int
     if inspect.iscoroutinefunction(fn):
         value = await fn(sample)
     else:
-        value = await asyncio.get_running_loop().run_in_executor(reward_pool(threads), fn, sample)
+        value = await reward_pool(threads).run(fn, sample)
         if inspect.isawaitable(value):
             value = await value
     return as_result(value, name)

@@ -136,8 +136,10 @@ class RLStep:
         bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64)
         dist.all_reduce(bad)
         if bad.item():
-            raise RLXError(f"the loss is not finite (NaN or inf) in update {update} of {updates} of this step; the "
-                           f"weights were not changed. Look at the step's rewards and advantages, log-probs "
+            applied = (f"updates 1 to {update - 1} of this step were applied, this one was not" if update > 1
+                       else "the weights were not changed")
+            raise RLXError(f"the loss is not finite (NaN or inf) in update {update} of {updates} of this step; "
+                           f"{applied}. Look at the step's rewards and advantages, log-probs "
                            f"(train_rollout_logprob_diff) and the learning rate")
 
     def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:

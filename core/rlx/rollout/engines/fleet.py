@@ -148,8 +148,9 @@ class EngineFleet:
         assert self.front is not None, "start() first"
         return self.front
 
-    async def for_each(self, fn) -> list:
-        """Call ``fn(client)`` on every serving engine concurrently (control calls bypass the router). With
+    async def for_each(self, fn, engines: list[Engine] | None = None) -> list:
+        """Call ``fn(client)`` on every serving engine (or on `engines`) concurrently (control calls bypass
+        the router). With
         fault tolerance, an engine whose call fails and that then fails a health probe is taken out and
         skipped (its result is None); any other failure is raised."""
 
@@ -162,7 +163,7 @@ class EngineFleet:
                     return None
                 raise
 
-        return await asyncio.gather(*(one(e) for e in self.serving))
+        return await asyncio.gather(*(one(e) for e in (self.serving if engines is None else engines)))
 
     def respawn(self, e: Engine) -> None:
         """Start a launched engine again where it was (its old process is gone): a new process and URL."""

@@ -3,9 +3,12 @@
 `FleetHealth` watches the engines of an `EngineFleet` (``rollout.fault_tolerance``):
 
 * **Probes.** Every ``probe_interval_s`` each serving engine's process is checked (launched engines) and its
-  ``/health`` asked with ``probe_timeout_s``. A process that exited is out at once; ``failures`` failed
-  probes in a row (a frozen engine: SIGSTOP, a hung scheduler) take it out too. A control call (pause,
-  abort) that fails on an engine that then fails a probe takes it out at once.
+  HTTP server asked for any answer within ``probe_timeout_s`` (``/model_info``: not SGLang's ``/health``,
+  which generates a token and so fails while an engine is paused, offloaded or taking weights). A process
+  that exited is out at once; ``failures`` failed probes in a row (a frozen engine: SIGSTOP, a server that
+  stopped answering) take it out too. A scheduler that hangs while its HTTP server answers is not detected
+  by probes; its requests fail at ``request_timeout_s`` and are sent again. A control call (pause, abort)
+  that fails on an engine that then fails a probe takes it out at once.
 * **Out.** An engine taken out leaves the router (no new requests) and weight sync (the next push goes to
   the others). A launched one is killed (SIGKILL of its process group): a frozen process holds its
   requests, and cutting its connections makes them fail now instead of after ``request_timeout_s``.
@@ -17,7 +20,8 @@
 * **Back in.** A launched engine is restarted in its place (same bundle, same log, appended), up to
   ``max_restarts`` times; an attached one is probed until it answers. Before it serves it is brought to
   the trainer's current weights (`catch_up`, set by the training loop: a push to that engine alone), then
-  it rejoins the router and weight sync.
+  it rejoins the router and weight sync, both while the trainer's weights cannot change. Prefill/decode
+  engines are taken out but not restarted (the router's prefill and decode lists are fixed at its start).
 * **Metrics:** ``engines/serving``, ``engines/taken_out``, ``engines/restarts``, ``engines/rejoined`` and
   ``rollout/resent_requests`` (totals since the start), logged with every step.
 """
@@ -56,9 +60,10 @@ class FleetHealth:
         self.fleet = fleet
         self.cfg = cfg
         self.startup_timeout_s = startup_timeout_s
-        #: ``await catch_up(engines)`` brings engines to the trainer's weights before they rejoin (set by
-        #: the training loop; None: rollout alone, the engines keep the weights they start with).
-        self.catch_up: Callable[[list[Engine]], Awaitable[None]] | None = None
+        #: ``await catch_up(engines, admit)`` brings engines to the trainer's weights and calls ``await admit()``
+        #: before the weights can change again (set by the training loop; None: rollout alone, the engines
+        #: keep the weights they start with).
+        self.catch_up: Callable[[list[Engine], Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
         self.counts = {"engines/taken_out": 0, "engines/restarts": 0, "engines/rejoined": 0,
                        "rollout/resent_requests": 0}
         self.fails: dict[str, int] = {}  # consecutive failed probes per URL
@@ -75,7 +80,11 @@ class FleetHealth:
         self._task = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, self._settling, *self.recovering.values()] if t is not None]
+        # a fleet started under one event loop and stopped under another (asyncio.run twice): the first
+        # loop's tasks ended with it
+        loop = asyncio.get_running_loop()
+        tasks = [t for t in [self._task, self._settling, *self.recovering.values()]
+                 if t is not None and t.get_loop() is loop]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -90,7 +99,10 @@ class FleetHealth:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.probe_interval_s)
-            await asyncio.gather(*(self.probe(e) for e in self.fleet.serving))
+            results = await asyncio.gather(*(self.probe(e) for e in self.fleet.serving), return_exceptions=True)
+            for r in results:  # a probe that broke must not end the watch
+                if isinstance(r, Exception):
+                    log.warning("engine probe failed: %s: %s", type(r).__name__, r)
 
     async def probe(self, e: Engine, *, strict: bool = False) -> bool:
         """Whether `e` serves; takes it out when its process exited, after ``failures`` failed probes in a
@@ -101,7 +113,7 @@ class FleetHealth:
             await self.take_out(e, f"its process exited with code {e.process.returncode}")
             return False
         async with EngineClient(e.url, timeout_s=self.cfg.probe_timeout_s) as c:
-            ok = await c.health(timeout_s=self.cfg.probe_timeout_s)
+            ok = await c.alive(self.cfg.probe_timeout_s)
         if ok:
             self.fails[e.url] = 0
             return True
@@ -134,9 +146,17 @@ class FleetHealth:
                 except EngineError as err:  # the router may have dropped it on its own already
                     log.info("removing %s from the router: %s", e.url, err)
             if e.process is not None:  # cut a frozen engine's connections: its requests fail now
-                await asyncio.to_thread(e.process.stop, 0.0)
+                try:
+                    await asyncio.to_thread(e.process.stop, 0.0)
+                except Exception as err:  # noqa: BLE001 - e.g. its Ray host actor died with it
+                    log.info("stopping %s: %s", e.url, err)
             down, self._down = self._down, asyncio.get_running_loop().create_future()
             down.set_result(e.process is None)  # attached: its requests may hang until they time out
+            if e.worker_type != "regular":
+                e.state = "retired"
+                say(f"{e.worker_type} engine {e.url} stays out: prefill/decode engines are not restarted (the "
+                    f"router's prefill and decode lists are fixed at its start)")
+                return
             if e.process is not None:
                 if not self.cfg.restart or e.restarts >= self.cfg.max_restarts:
                     e.state = "retired"
@@ -152,7 +172,7 @@ class FleetHealth:
                 say(f"engine {old} restarted as {e.url} (restart {e.restarts}); bringing it to the current weights")
             else:
                 async with EngineClient(e.url, timeout_s=self.cfg.probe_timeout_s) as c:
-                    while not await c.health(timeout_s=self.cfg.probe_timeout_s):
+                    while not await c.health(timeout_s=self.cfg.probe_timeout_s):  # serving, not just up
                         await asyncio.sleep(self.cfg.probe_interval_s)
                 say(f"engine {e.url} answers again; bringing it to the current weights")
             await self.rejoin(e)
@@ -169,14 +189,18 @@ class FleetHealth:
 
     async def rejoin(self, e: Engine) -> None:
         e.state = "joining"
-        if self.catch_up is not None and e.update_weights:
-            await self.catch_up([e])
-        if self.fleet.router is not None:
-            if e.worker_type == "regular":
+
+        async def admit() -> None:
+            if self.fleet.router is not None:
                 await self.fleet.router.add_worker(e.url)
+            else:  # the single engine, at its new address
+                self.fleet.url = self.fleet.front.base_url = e.url
+            e.state = "serving"
+
+        if self.catch_up is not None and e.update_weights:
+            await self.catch_up([e], admit)  # admitted before the trainer's weights can change again
         else:
-            self.fleet.front.base_url = e.url  # the single engine, at its new address
-        e.state = "serving"
+            await admit()
         self.fails[e.url] = 0
         self.counts["engines/rejoined"] += 1
         self._serving.set()

@@ -318,6 +318,22 @@ class EngineClient:
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend}), self.base_url)
 
+    async def destroy_weights_update_group(self, group_name: str) -> Any:
+        return _checked(await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name}),
+                        self.base_url)
+
+    async def alive(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server answers HTTP at all (any status) within `timeout_s`: a liveness probe that, unlike
+        SGLang's ``/health`` (which generates a token), also passes while the engine is paused or busy with a
+        weight update. A dead or frozen (SIGSTOP) process does not answer."""
+        try:
+            async with self._sess().get(f"{self.base_url}/model_info",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return True
+        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            return False
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None) -> Any:
