@@ -132,3 +132,48 @@ def test_with_two_engines_a_dead_one_is_retried_on_the_other(tiny_model_path, tm
 
     batch = asyncio.run(go())
     assert len(batch.groups) == 4 and all(x.status.trainable for x in batch.samples)
+
+
+def test_a_frozen_attached_engine_is_taken_out_its_requests_sent_again_and_it_rejoins_when_thawed(
+        tiny_model_path, tmp_path):
+    """Two engines rlx did not launch (it cannot kill or restart them): one frozen mid-rollout. Its requests,
+    which would hang until request_timeout_s, are cancelled and sent to the other; the batch completes, and
+    the engine rejoins once it answers again."""
+    from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
+
+    ports = [free_port(), free_port()]
+    procs = [ManagedProcess(embedded_command(tiny_model_path, p, server_args={"num_threads": 1}),
+                            tmp_path / f"e{p}.log") for p in ports]
+    for p in procs:
+        p.start()
+    try:
+        urls = [f"http://{HOST}:{p}" for p in ports]
+        cfg = config(tmp_path, sampling={"max_new_tokens": 200, "ignore_eos": True}, n_prompts=4, engines=[],
+                     external_engines=urls, router={"policy": "round_robin"}, request_timeout_s=300,
+                     fault_tolerance={"probe_interval_s": 0.3, "probe_timeout_s": 1, "failures": 2})
+
+        async def go():
+            await asyncio.gather(*(wait_healthy(u, p, 60) for u, p in zip(urls, procs)))
+            async with RolloutSession(cfg, build_plugins()) as s:
+                task = asyncio.create_task(s.manager.next_batch(1))
+                while s.ctx.gate.in_flight < 8:
+                    await asyncio.sleep(0.05)
+                os.kill(procs[0].pid, signal.SIGSTOP)
+                batch = await asyncio.wait_for(task, 120)
+                out = dict(s.fleet.health.metrics())
+                os.kill(procs[0].pid, signal.SIGCONT)
+                for _ in range(100):
+                    if s.fleet.health.counts["engines/rejoined"]:
+                        break
+                    await asyncio.sleep(0.1)
+                return batch, out, s.fleet.health.metrics()
+
+        batch, during, after = asyncio.run(go())
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT) if p.alive() else None
+            p.stop()
+    assert len(batch.groups) == 4 and all(len(x.response_ids) == 200 for x in batch.samples)
+    assert during["engines/taken_out"] == 1 and during["engines/serving"] == 1 and during["engines/restarts"] == 0
+    assert during["rollout/resent_requests"] >= 1
+    assert after["engines/rejoined"] == 1 and after["engines/serving"] == 2
