@@ -262,6 +262,8 @@ class TrainConfig(Section):
 
     mode: Literal["sync", "async"] = "sync"  # async: rollout keeps generating while the trainer trains
     num_steps: int = Field(100, ge=1)  # rollout + train steps
+    max_restarts: int = Field(0, ge=0)  # a trainer rank that dies: start the trainers again from this run's newest
+    #                                   checkpoint this many times (Ray only), instead of ending the run
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
     update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward

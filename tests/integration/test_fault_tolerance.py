@@ -208,3 +208,37 @@ def test_a_nan_loss_stops_the_step_before_the_optimizer_and_says_so(tiny_model_p
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert "ERROR the loss is not finite (NaN or inf) in update 1 of 1 of this step" in r.stdout, r.stdout + r.stderr[-3000:]
     assert "UNCHANGED True" in r.stdout
+
+
+def test_with_max_restarts_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint(tiny_model_path, tmp_path):
+    """train.max_restarts: the trainer actor killed after step 3 (checkpoint at step 2); the run starts its
+    trainers again from step_2, trains steps 3.. again on the same samples, and completes every step."""
+    steps = 8
+    cfg = small_run_config(tmp_path, "restart", seed=5, rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 24}},
+                           train={"num_steps": steps, "max_restarts": 1, "checkpoint": {"interval": 2}})
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--set", "ray.cpus_per_trainer=0.5",
+                          "--set", "ray.cpus_per_engine=0.5"], env={**os.environ, "RLX_TEST_TAG": tag},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "restart" / "metrics.jsonl"
+    try:
+        wait_rows(p, metrics, 3)
+        trainers = [pid for pid in processes_tagged(tag)
+                    if b"TrainerWorker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(trainers[0], signal.SIGKILL)
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert "rlx: restarting the trainers (1 of train.max_restarts 1)" in err
+    killed_after = max(int(x.split("going on at step ")[1]) for x in err.splitlines() if "going on at step" in x)
+    assert killed_after in (3, 5), err[-2000:]  # the newest checkpoint when the rank died: step_2 (or step_4)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["trainer/restarts"] == 1
+    order = [json.loads(line) for line in (tmp_path / "restart" / "samples.jsonl").read_text().splitlines()]
+    ids = [i for r in order for i in r["sample_ids"]]
+    assert len(ids) == len(set(ids)) == steps * 6
+    assert wait_gone(tag) == []

@@ -284,6 +284,7 @@ class BufferBatches:
         self.fleet = fleet
         self.announce = announce
         self.restored: list[Group] = []
+        self.taken: list[Group] = []  # groups handed out since the last checkpoint (for `rewind`)
 
     def start(self) -> None:
         pass
@@ -299,6 +300,7 @@ class BufferBatches:
         groups = []
         while len(groups) < self.cfg.rollout.n_prompts:
             groups.append(self.restored.pop(0) if self.restored else await self.buffer.queue.get())
+        self.taken += groups
         batch = RolloutBatch(step, groups, version)
         rewards = [s.reward for g in groups for s in g.samples]
         lens = [len(s.response_ids) for g in groups for s in g.samples]
@@ -322,6 +324,7 @@ class BufferBatches:
 
     async def state_dict(self) -> dict[str, Any]:
         queued = self.restored + list(self.buffer.queue._queue)  # not consumed: a snapshot
+        self.taken = []
         return {"next_group_id": self.buffer.next_group_id, "next_sample_id": self.buffer.next_sample_id,
                 "queued": [g.to_dict() for g in queued], "seen_ids": sorted(self.buffer.seen_ids)}
 
@@ -330,6 +333,12 @@ class BufferBatches:
         self.buffer.next_sample_id = state["next_sample_id"]
         self.restored = [Group.from_dict(g) for g in state["queued"]]
         self.buffer.seen_ids = set(state.get("seen_ids", []))
+
+    async def rewind(self, state: dict[str, Any]) -> None:
+        """Back to the last checkpoint: the groups trained since are served again first (ids and what arrived
+        since stay as they are: clients may have been told those ids)."""
+        self.restored = self.taken + self.restored
+        self.taken = []
 
     async def close(self) -> None:
         await self.buffer.stop()

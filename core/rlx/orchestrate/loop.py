@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.errors import Interrupted
+from rlx.orchestrate.workers import TrainerDied
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.metrics import MetricsLog
 from rlx.protocols import RunInfo
@@ -83,11 +84,14 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
             evals = Evals(cfg, plugins, session, loggers, out) if cfg.eval.datasets else None
             if evals and cfg.eval.at_start and not resume:
                 await evals.run(0)  # the initial policy, before anything trains
+            # where a trainer restart with no checkpoint of this run yet starts over from
+            initial = session.manager.state_dict() if session.manager is not None else {}
             batches.start()
 
             saved = start - 1
+            restarts, step = 0, start
             try:
-                for step in range(start, cfg.train.num_steps + 1):
+                while step <= cfg.train.num_steps:
                     if stop.signum is not None:
                         if saved < step - 1:  # a checkpoint of what trained since the last one
                             checkpoint.save(ckpt_root, step - 1, trainer, await batches.state_dict(),
@@ -96,31 +100,43 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
                         where = f"checkpoint step_{saved} saved" if saved >= 1 else "nothing trained yet"
                         raise Interrupted(f"stopped by {stop.name} after step {step - 1}; {where} (continue with "
                                           f"rl train CONFIG --resume)", stop.signum)
-                    batch, record = await one_step(cfg, batches, weights, step, version,
-                                                   evals.wait if evals else None)
-                    if evals:  # the previous evaluation, logged at its own step, before this one
-                        await evals.wait()
-                    version = record["weight_version"]
-                    plugins.on_train_step_end(step, record)
-                    warning = watch.see(step, record.get("train_rollout_logprob_diff"))
-                    if warning:
-                        print(f"rlx: warning: {warning}", file=sys.stderr, flush=True)
-                    log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
-                    rows = (sample_rows(batch) if step % cfg.run.log_samples_interval == 0 or step == start
-                            else None)
-                    for logger in loggers:
-                        logger.log_metrics(step, record)
-                        if rows:
-                            logger.log_samples(step, rows)
-                    if progress is not None:
-                        progress(step, record)
-                    every = cfg.train.checkpoint.interval
-                    if (every and step % every == 0) or step == cfg.train.num_steps:
-                        checkpoint.save(ckpt_root, step, trainer, await batches.state_dict(),
-                                        {"version": version, "run_id": run_id}, keep=cfg.train.checkpoint.keep)
-                        saved = step
+                    try:
+                        batch, record = await one_step(cfg, batches, weights, step, version,
+                                                       evals.wait if evals else None)
+                        record["trainer/restarts"] = float(restarts)
+                        if evals:  # the previous evaluation, logged at its own step, before this one
+                            await evals.wait()
+                        version = record["weight_version"]
+                        plugins.on_train_step_end(step, record)
+                        warning = watch.see(step, record.get("train_rollout_logprob_diff"))
+                        if warning:
+                            print(f"rlx: warning: {warning}", file=sys.stderr, flush=True)
+                        log.write(record, [s.sample_id for g in batch.groups for s in g.trainable])
+                        rows = (sample_rows(batch) if step % cfg.run.log_samples_interval == 0 or step == start
+                                else None)
+                        for logger in loggers:
+                            logger.log_metrics(step, record)
+                            if rows:
+                                logger.log_samples(step, rows)
+                        if progress is not None:
+                            progress(step, record)
+                        every = cfg.train.checkpoint.interval
+                        if (every and step % every == 0) or step == cfg.train.num_steps:
+                            checkpoint.save(ckpt_root, step, trainer, await batches.state_dict(),
+                                            {"version": version, "run_id": run_id}, keep=cfg.train.checkpoint.keep)
+                            saved = step
+                    except TrainerDied as died:
+                        if placement is None or restarts >= cfg.train.max_restarts:
+                            raise
+                        restarts += 1
+                        trainer, step, version = await restart_trainers(
+                            cfg, placement, trainer, weights, batches, ckpt_root, run_id, initial, died, restarts)
+                        log = MetricsLog(out, resume_step=step - 1)
+                        saved = step - 1
+                        continue
                     if evals and cfg.eval.interval and step % cfg.eval.interval == 0:
                         evals.start(step)  # runs beside the next step's rollout, on these weights
+                    step += 1
                 if evals:
                     await evals.wait()
             finally:
@@ -137,6 +153,37 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
         if placement is not None:
             placement.shutdown()
     return out
+
+
+async def restart_trainers(cfg: Config, placement: Any, trainer: TrainerGroup, weights: Weights,
+                           batches: BatchSource, ckpt_root: Path, run_id: str, initial: dict[str, Any],
+                           died: Exception, restarts: int) -> tuple[TrainerGroup, int, int]:
+    """``train.max_restarts``: a trainer rank died. Start the trainer group again in the same placement group,
+    load this run's newest checkpoint (or start over), rewind the batches to it and give the engines its
+    weights; returns (trainers, the step to go on with, weight version)."""
+    from rlx.orchestrate.workers import RayTrainerGroup
+
+    print(f"rlx: {died}", file=sys.stderr, flush=True)
+    print(f"rlx: restarting the trainers ({restarts} of train.max_restarts {cfg.train.max_restarts})",
+          file=sys.stderr, flush=True)
+    trainer.shutdown()
+    trainer = await asyncio.to_thread(RayTrainerGroup, cfg, placement.pg, 0)
+    weights.trainer, weights.urls = trainer, None
+    await weights.setup()
+    folder = checkpoint.newest(ckpt_root)
+    meta: dict[str, Any] = {}
+    if folder is not None:
+        folder, state, meta = checkpoint.load_latest(ckpt_root)
+    if meta.get("run_id") == run_id:
+        await asyncio.to_thread(trainer.load, folder)
+        step, version, where = meta["step"] + 1, meta["version"], f"checkpoint {folder.name}"
+    else:  # nothing of this run saved yet: from the start (the trainers start from the model again)
+        state, step, version, where = initial, 1, 0, "the start (no checkpoint of this run yet)"
+    await batches.rewind(state)
+    weights.version = version
+    await weights.push(version)  # the engines go back to the weights trained from
+    print(f"rlx: trainers restarted from {where}; going on at step {step}", file=sys.stderr, flush=True)
+    return trainer, step, version
 
 
 async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> BatchSource:

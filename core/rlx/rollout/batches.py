@@ -52,6 +52,7 @@ class BatchSource(Protocol):
     async def swap(self, push: Push) -> None: ...  # push weights, handling requests in flight
     async def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    async def rewind(self, state: dict[str, Any]) -> None: ...  # back to a checkpoint while running
     async def close(self) -> None: ...
 
 
@@ -87,6 +88,9 @@ class SyncBatches:
         return self.manager.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+
+    async def rewind(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state)
 
     async def close(self) -> None:
@@ -217,6 +221,14 @@ class AsyncBatches:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.manager.load_state_dict(state)
         self.queued = [Group.from_dict(g) for g in state.get("queued", [])]
+
+    async def rewind(self, state: dict[str, Any]) -> None:
+        """Back to a checkpoint's state: what streamed since is dropped (its ids come again from the
+        checkpoint's counters, as after a resume)."""
+        await self._halt()
+        self.queued = []
+        self.load_state_dict(state)
+        self.start()
 
     async def close(self) -> None:
         try:
