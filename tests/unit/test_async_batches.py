@@ -240,12 +240,15 @@ def test_sync_batches_release_engine_memory_around_train_steps_when_asked(tmp_pa
     calls = []
 
     class Fleet:
-        async def for_each(self, fn):
+        def __init__(self):
+            self.serving = [types.SimpleNamespace(state="serving")]
+
+        async def for_each(self, fn, engines=None):
             client = types.SimpleNamespace(release_memory=lambda: asyncio.sleep(0, calls.append("release")),
                                            resume_memory=lambda: asyncio.sleep(0, calls.append("resume")),
                                            pause=lambda mode: asyncio.sleep(0, calls.append(f"pause:{mode}")),
                                            resume=lambda: asyncio.sleep(0, calls.append("continue")))
-            return [await fn(client)]
+            return [await fn(client) for _ in (self.serving if engines is None else engines)]
 
     assert not batch_source(cfg, manager, Fleet()).offload  # CPU, disaggregated: off by default
     cfg.rollout.offload_during_train = True
@@ -259,3 +262,15 @@ def test_sync_batches_release_engine_memory_around_train_steps_when_asked(tmp_pa
     asyncio.run(go())
     # SGLang releases memory only on an idle server: generation is paused (aborting what runs) first
     assert calls == ["pause:abort", "release", "train", "resume", "continue"]
+
+    # an engine taken out and restarted during the train step holds its memory, unpaused: it is not resumed
+    calls.clear()
+
+    async def restarted_meanwhile():
+        await batches.before_train()
+        batches.fleet.serving[0].state = "down"
+        batches.fleet.serving.append(types.SimpleNamespace(state="serving"))
+        await batches.after_train()
+
+    asyncio.run(restarted_meanwhile())
+    assert calls == ["pause:abort", "release"]
