@@ -21,15 +21,20 @@ pytestmark = pytest.mark.integration
 STEPS = 60  # a step takes ~0.2 s here; a restart ~10 s: the engine must come back before the end
 
 
-def engine_pids(tag: str) -> list[int]:
+def tagged_pids(tag: str, needle: bytes) -> list[int]:
+    """This test's processes whose command line holds `needle` (an engine module, a Ray actor's class)."""
     out = []
     for pid in processes_tagged(tag):
         try:
-            if b"rlx.rollout.engines.embedded" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
                 out.append(pid)
         except OSError:
             pass
     return sorted(out)
+
+
+def engine_pids(tag: str) -> list[int]:
+    return tagged_pids(tag, b"rlx.rollout.engines.embedded")
 
 
 def run_with_a_fault(tmp_path: Path, name: str, sig: int, *sets: str) -> tuple[str, list[dict]]:
@@ -183,14 +188,7 @@ def test_a_nan_loss_stops_the_step_before_the_optimizer_and_says_so(tiny_model_p
 
 
 def trainer_pids(tag: str) -> list[int]:
-    out = []
-    for pid in processes_tagged(tag):
-        try:
-            if b"TrainerWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
+    return tagged_pids(tag, b"TrainerWorker")
 
 
 def test_a_killed_trainer_rank_is_restarted_from_the_last_checkpoint_then_ends_the_run_in_one_line(
