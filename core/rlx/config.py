@@ -153,7 +153,10 @@ class RolloutConfig(Section):
     weight_update_timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
     max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
     reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
-    reward_threads: int = Field(8, ge=1)  # sync rewards run in a pool of this many threads of their own
+    #   (process: from when a worker starts it, and the worker is killed; thread: from the call)
+    reward_isolation: Literal["process", "thread"] = "process"  # where sync rewards run: worker processes (a
+    #   hang or crash is killed and replaced) or threads of this process (for rewards that cannot be pickled)
+    reward_workers: int = Field(4, ge=1)  # sync rewards scored at once (worker processes or threads)
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
     partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step

@@ -3,10 +3,15 @@ failing rewards, partial groups and exact state round trips."""
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
 import types
+from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from rlx import hookimpl
 from rlx.config import parse_config
@@ -15,7 +20,7 @@ from rlx.errors import RLXError
 from rlx.plugins import build_plugins
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.manager import RolloutManager
-from rlx.types import SampleStatus
+from rlx.types import RewardResult, SampleStatus
 
 
 class ByteTok:
@@ -82,11 +87,66 @@ class Hung:
         return 1.0
 
 
+class HangsOnOne:
+    """Hangs (for an hour) on sample index 3, after writing its pid to `pid_file`; 1.0 for the others."""
+
+    name = "hangs_on_one"
+
+    class Config(BaseModel):
+        pid_file: str
+
+    def __init__(self, config):
+        self.config = config
+
+    def score(self, sample):
+        if sample.index == 3:
+            Path(self.config.pid_file).write_text(str(os.getpid()))
+            time.sleep(3600)
+        return 1.0
+
+
+class Crashes:
+    """Takes its worker process down: exit code 3 on index 1, SIGSEGV on index 2; 1.0 for the others."""
+
+    name = "crashes"
+
+    def score(self, sample):
+        if sample.index == 1:
+            os._exit(3)
+        if sample.index == 2:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return 1.0
+
+
+class Timed:
+    """Sleeps 0.3 s, prints to stdout (the worker's frames have pipes of their own), and says where and when
+    it ran."""
+
+    name = "timed"
+
+    def score(self, sample):
+        t0 = time.monotonic()
+        print(f"scoring sample {sample.sample_id}", flush=True)
+        time.sleep(0.3)
+        return RewardResult(1.0, info={"pid": os.getpid(), "t0": t0, "t1": time.monotonic()})
+
+
+class Unpicklable:
+    name = "unpicklable"
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def score(self, sample):
+        with self.lock:
+            return 1.0
+
+
 def plugins():
     mod = types.ModuleType("test-gen")
     mod.register_generators = hookimpl(lambda register: register(EchoLabel))
-    mod.register_rewards = hookimpl(lambda register: [register(Boom), register(Slow), register(NotANumber),
-                                                      register(Hung)])
+    mod.register_rewards = hookimpl(lambda register: [register(c) for c in (
+        Boom, Slow, NotANumber, Hung, HangsOnOne, Crashes, Timed, Unpicklable)])
     return build_plugins(entry_points=False, extra=[("test-gen", mod)])
 
 
@@ -150,14 +210,14 @@ def test_a_nan_or_inf_reward_fails_its_sample_with_the_value_and_the_step_says_w
     assert "(1 other reason(s))" in err
 
 
-def test_hung_sync_rewards_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
-    """More hung rewards than the default thread pool has threads: they time out in their own pool, and a
-    trainer-style ``asyncio.to_thread`` call still runs at once."""
+def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
+    """reward_isolation: thread, more hung rewards than the default thread pool has threads: they time out in
+    their own pool, and a trainer-style ``asyncio.to_thread`` call still runs at once."""
     import rlx.rollout.rewards as rewards
 
-    monkeypatch.setattr(rewards, "_POOLS", {})
+    monkeypatch.setattr(rewards, "_THREADS", {})
     m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], reward_timeout_s=0.2,
-             reward_threads=2, max_oversample_rounds=1)
+             reward_isolation="thread", reward_workers=2, max_oversample_rounds=1)
 
     async def go():
         task = asyncio.create_task(m.next_batch(1))
@@ -171,6 +231,47 @@ def test_hung_sync_rewards_time_out_without_taking_the_threads_trainer_calls_use
         assert asyncio.run(go()) == "trainer call"  # asyncio.run returns: no thread of its waits on a hung reward
     finally:
         HUNG.set()
+
+
+def test_a_reward_hung_on_one_sample_in_eight_is_killed_at_its_time_out_and_the_others_score(tmp_path):
+    pid_file = tmp_path / "hung.pid"
+    m = make(tmp_path, ROWS[:2], n_prompts=2, n_samples_per_prompt=4, reward_timeout_s=1, max_oversample_rounds=1,
+             rewards=[{"name": "hangs_on_one", "args": {"pid_file": str(pid_file)}}])
+    batch = asyncio.run(m.next_batch(1))
+    failed = [s for s in batch.samples if s.status == SampleStatus.FAILED]
+    assert [(s.index, s.error) for s in failed] == \
+        [(3, "reward 'hangs_on_one' timed out after 1s (its worker process was killed)")] * 2
+    assert sorted(s.reward for s in batch.samples if s.status.trainable) == [1.0] * 6
+    assert not Path(f"/proc/{pid_file.read_text()}").exists()  # killed and reaped, not left sleeping
+
+
+def test_a_reward_that_crashes_its_worker_fails_only_its_sample_and_a_fresh_worker_goes_on(tmp_path):
+    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=4, rewards=["crashes"], max_oversample_rounds=1)
+    batch = asyncio.run(m.next_batch(1))
+    errors = sorted((s.index, s.error) for s in batch.samples if s.status == SampleStatus.FAILED)
+    assert errors == [(1, "reward 'crashes' crashed its worker process (exit code 3)")] * 3 + \
+        [(2, "reward 'crashes' crashed its worker process (killed by SIGSEGV)")] * 3
+    assert [s.reward for s in batch.samples if s.status.trainable] == [1.0] * 6
+
+
+def test_reward_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd):
+    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=2, rewards=["timed"], reward_workers=2,
+             max_oversample_rounds=1)
+    batch = asyncio.run(m.next_batch(1))
+    infos = [s.rewards["timed"].info for s in batch.samples]
+    assert len(infos) == 6 and len({i["pid"] for i in infos}) <= 2 and os.getpid() not in {i["pid"] for i in infos}
+    busiest = max(sum(i["t0"] <= j["t0"] < i["t1"] for i in infos) for j in infos)
+    assert busiest == 2
+    assert capfd.readouterr().out.count("scoring sample") == 6
+
+
+def test_a_reward_that_cannot_be_pickled_is_named_at_start_and_runs_in_threads_when_asked(tmp_path):
+    with pytest.raises(RLXError, match=r"rollout.rewards\[0\] \(unpicklable\): the reward cannot be sent to a "
+                                       r"reward worker process \(TypeError: cannot pickle '_thread.lock'.*"
+                                       r"rollout.reward_isolation: thread"):
+        make(tmp_path, ROWS, n_prompts=1, rewards=["unpicklable"])
+    m = make(tmp_path, ROWS, n_prompts=1, n_samples_per_prompt=2, rewards=["unpicklable"], reward_isolation="thread")
+    assert [s.reward for s in asyncio.run(m.next_batch(1)).samples] == [1.0, 1.0]
 
 
 def test_a_slow_reward_times_out_per_sample(tmp_path):

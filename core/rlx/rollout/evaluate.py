@@ -26,7 +26,7 @@ from rlx.config import Config, EvalDatasetConfig
 from rlx.data.datasets import PromptDataset, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.rewards import build_rewards, score_sample
+from rlx.rollout.rewards import Rewards
 from rlx.types import Sample, SampleStatus
 
 MAX_RESUMES = 8  # a sample aborted this many times (by swaps or aborts) counts as failed
@@ -81,7 +81,8 @@ class Evaluator:
             except RLXError as e:
                 raise RLXError(f"eval.datasets[{i}] ({spec.name}): {e}") from None
             ids = [tokenize_prompt(ctx.tokenizer, r, cfg.data.apply_chat_template) for r in rows]
-            rewards = build_rewards(spec.rewards if spec.rewards is not None else cfg.rollout.rewards, plugins)
+            rewards = (Rewards(spec.rewards, plugins, cfg.rollout, f"eval.datasets[{i}].rewards")
+                       if spec.rewards is not None else Rewards(cfg.rollout.rewards, plugins, cfg.rollout))
             self.datasets.append((spec, rows, ids, rewards))
         self.sem = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
@@ -127,7 +128,7 @@ class Evaluator:
                 return [sample]
         final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
         if final.status.trainable and final.reward is None:
-            await score_sample(final, rewards, self.cfg.rollout.reward_timeout_s, self.cfg.rollout.reward_threads)
+            await rewards.score(final)
         return [s for s in out if s is not final] + [final]
 
 

@@ -33,7 +33,7 @@ from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.protocol import EngineError
-from rlx.rollout.rewards import build_rewards, score_sample
+from rlx.rollout.rewards import Rewards
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class RolloutManager:
         self.ctx = ctx
         self.abort_all = abort_all
         self.generator = plugins.build("generators", self.rc.generator)
-        self.rewards = build_rewards(self.rc.rewards, plugins)
+        self.rewards = Rewards(self.rc.rewards, plugins, self.rc)
         self.sem = asyncio.Semaphore(self.rc.max_concurrency)
         self.next_group_id = 0
         self.next_sample_id = 0
@@ -146,11 +146,11 @@ class RolloutManager:
         if not todo:
             return
         if len(out) == 1:
-            await score_sample(todo[0], self.rewards, self.rc.reward_timeout_s, self.rc.reward_threads)
+            await self.rewards.score(todo[0])
             return
         final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
         if final.status.trainable and final.reward is None:
-            await score_sample(final, self.rewards, self.rc.reward_timeout_s, self.rc.reward_threads)
+            await self.rewards.score(final)
         for s in todo:
             if s is final:
                 continue

@@ -1,23 +1,45 @@
 """Building reward components from config and calling them, sync or async, with a time limit.
 
-A reward's exception, time-out or non-finite score (NaN, inf) never escapes: the sample is marked FAILED
-with the reason and the run goes on. Sync rewards run in threads of their own pool
-(``rollout.reward_threads``), so a slow or hung reward neither stalls the event loop nor takes the threads
-that trainer and engine calls use; a hung one keeps its thread, and once all are hung new calls time out.
+A reward's exception, time-out, crash or non-finite score (NaN, inf) never escapes: the sample is marked
+FAILED with the reason and the run goes on. Where rewards run (``rollout.reward_isolation``):
+
+* ``process`` (the default): sync rewards run in up to ``rollout.reward_workers`` worker processes
+  (`RewardProcesses`). A reward that runs past ``reward_timeout_s`` has its worker killed, one that crashes
+  its worker (a segfault, ``os._exit``, the OOM killer) fails only its sample, and a fresh worker takes the
+  next sample. Nothing a reward does can stall the event loop, the trainer's calls or the run's exit. The
+  reward is pickled once and loaded in each worker; what a reward changes on the sample or on itself stays
+  in the worker (a reward reports through its result).
+* ``thread``: sync rewards run in up to ``reward_workers`` threads of their own (`RewardThreads`), for a
+  reward that cannot be pickled. A hung one keeps its thread (a thread cannot be killed); once all are
+  hung, later calls time out waiting for one.
+
+Async rewards (``async def score``; for example a call to a reward-model server) run on the event loop in
+either mode, and are cancelled at the time-out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import hashlib
 import inspect
+import json
 import math
+import os
+import pickle
 import queue
+import select
+import signal
+import subprocess
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlx.config import RewardSpec
+from rlx.config import RewardSpec, RolloutConfig
 from rlx.errors import RLXError
+from rlx.rollout import reward_worker
 from rlx.types import RewardResult, Sample, SampleStatus
 
 
@@ -28,6 +50,10 @@ class BoundReward:
     name: str
     weight: float
     reward: Any
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.reward.score)
 
 
 def build_rewards(specs: list[RewardSpec], plugins: Any) -> list[BoundReward]:
@@ -40,6 +66,29 @@ def as_result(value: Any, name: str) -> RewardResult:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RLXError(f"reward {name!r} returned {type(value).__name__}; expected RewardResult or a number")
     return RewardResult(float(value))
+
+
+class RewardFailed(Exception):
+    """A reward that did not return: the message completes "reward 'NAME' ..."."""
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # timed out or cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, result, error)
+    except RuntimeError:  # the loop is closed: nobody waits for it
+        pass
+
+
+# -- threads ------------------------------------------------------------------------------------------
 
 
 class RewardThreads:
@@ -55,14 +104,13 @@ class RewardThreads:
     def _work(self) -> None:
         while True:
             loop, fut, fn, arg = self.jobs.get()
+            if fut.done():  # timed out while it waited for a thread
+                continue
             try:
                 result, error = fn(arg), None
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 result, error = None, e
-            try:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
-            except RuntimeError:  # the loop is closed: nobody waits for it
-                pass
+            _hand_back(loop, fut, result, error)
 
     def run(self, fn: Any, arg: Any) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -71,53 +119,253 @@ class RewardThreads:
         return fut
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if fut.done():  # timed out and cancelled meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+_THREADS: dict[int, RewardThreads] = {}  # by size: made on first use, shared by the process's rollouts
 
 
-_POOLS: dict[int, RewardThreads] = {}  # by size: made on first use, shared by the process's rollouts
-
-
-def reward_pool(threads: int = 8) -> RewardThreads:
-    if threads not in _POOLS:
-        _POOLS[threads] = RewardThreads(threads)
-    return _POOLS[threads]
+def reward_threads(n: int = 8) -> RewardThreads:
+    if n not in _THREADS:
+        _THREADS[n] = RewardThreads(n)
+    return _THREADS[n]
 
 
 async def call_reward(reward: Any, sample: Sample, name: str = "?", threads: int = 8) -> RewardResult:
-    """Call `reward.score(sample)`, sync or async, and normalise the result."""
+    """Call `reward.score(sample)` in this process, sync or async, and normalise the result."""
     fn = reward.score
     if inspect.iscoroutinefunction(fn):
         value = await fn(sample)
     else:
-        value = await reward_pool(threads).run(fn, sample)
+        value = await reward_threads(threads).run(fn, sample)
         if inspect.isawaitable(value):
             value = await value
     return as_result(value, name)
 
 
-async def score_sample(sample: Sample, rewards: list[BoundReward], timeout_s: float | None,
-                       threads: int = 8) -> Sample:
-    """Fill `sample.rewards` and `sample.reward`; on any failure mark the sample FAILED with why."""
-    total = 0.0
-    for b in rewards:
+# -- processes ----------------------------------------------------------------------------------------
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
         try:
-            result = await asyncio.wait_for(call_reward(b.reward, sample, b.name, threads), timeout_s)
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Worker:
+    """One worker process and the pipes to it; started on first use and again after it is killed or dies."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.proc: subprocess.Popen | None = None
+        self.to_fd = self.from_fd = -1
+        self.loaded: set[str] = set()  # the reward keys this process has unpickled
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        down_r, down_w = os.pipe()  # parent -> worker
+        up_r, up_w = os.pipe()  # worker -> parent
+        env = dict(os.environ, **{reward_worker.PATH_ENV: json.dumps(sys.path)})
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlx.rollout.reward_worker", str(down_r), str(up_w), str(os.getpid())],
+                pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(down_r)
+            os.close(up_w)
+        self.to_fd, self.from_fd, self.loaded = down_w, up_r, set()
+
+    def stop(self, kill: bool) -> None:
+        """Close the pipes (a worker that reads exits at end of file) and reap the process; `kill`: SIGKILL
+        first (a hung or timed-out reward)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and kill:
+            proc.kill()
+        for fd in (self.to_fd, self.from_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.to_fd = self.from_fd = -1
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _died(self) -> RewardFailed:
+        proc = self.proc
+        code = proc.wait() if proc is not None else 0
+        self.stop(kill=False)
+        return RewardFailed(f"crashed its worker process ({_exit_reason(code)})")
+
+    def call(self, key: str, payload: bytes, sample: Sample, timeout_s: float) -> Any:
+        """Score `sample` with reward `key` in this worker; RewardFailed if it times out (the worker is
+        killed) or the worker dies."""
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self.stop(kill=False)
+            self.start()
+        body = pickle.dumps((key, None if key in self.loaded else payload, sample))
+        deadline = time.monotonic() + timeout_s
+        try:
+            reward_worker.write_frame(self.to_fd, body)
+        except BrokenPipeError:
+            raise self._died() from None
+        self.loaded.add(key)
+        while True:
+            left = deadline - time.monotonic()
+            ready = select.select([self.from_fd], [], [], max(left, 0))[0] if left > 0 else []
+            if ready:
+                break
+            if left <= 0:
+                self.stop(kill=True)
+                raise RewardFailed(f"timed out after {timeout_s:g}s (its worker process was killed)")
+        try:
+            frame = reward_worker.read_frame(self.from_fd)
+        except EOFError:
+            frame = None
+        if frame is None:
+            raise self._died()
+        status, value = pickle.loads(frame)
+        if status == "raised":
+            raise RewardFailed(f"raised {value}")
+        if status == "failed":
+            raise RewardFailed(value)
+        return value
+
+
+class RewardProcesses:
+    """Up to `n` worker processes for sync rewards, each served by a thread of this process that sends it
+    one sample at a time and enforces the time limit from when the sample is sent (waiting for a free worker
+    does not count: a worker is never stuck, so every queued sample gets one)."""
+
+    def __init__(self, n: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.payloads: dict[str, bytes] = {}
+        self.workers = [_Worker(i) for i in range(n)]
+        self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"rlx-reward-worker-{w.index}",
+                                         daemon=True) for w in self.workers]
+        self.closed = False
+        for t in self.threads:
+            t.start()
+        atexit.register(self.close)
+
+    def register(self, reward: Any) -> str:
+        """Pickle `reward` once (a `pickle` error if it cannot be); the key its calls use."""
+        payload = pickle.dumps(reward)
+        key = hashlib.blake2b(payload, digest_size=16).hexdigest()  # one config's reward loads once per worker
+        self.payloads[key] = payload
+        return key
+
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.pid is not None]
+
+    def run(self, key: str, sample: Sample, timeout_s: float) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.jobs.put((loop, fut, key, sample, timeout_s))
+        return fut
+
+    def _serve(self, worker: _Worker) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            loop, fut, key, sample, timeout_s = job
+            if fut.done():  # its caller went away while it waited
+                continue
+            try:
+                result, error = worker.call(key, self.payloads[key], sample, timeout_s), None
+            except RewardFailed as e:
+                result, error = None, e
+            except Exception as e:  # noqa: BLE001 - e.g. the sample or a result cannot be pickled
+                result, error = None, RewardFailed(f"could not be run in a worker process ({type(e).__name__}: {e})")
+            _hand_back(loop, fut, result, error)
+
+    def close(self) -> None:
+        """Stop every worker (closing its pipe; SIGKILL for one that does not exit) and its thread."""
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join(timeout=1)
+        for w in self.workers:
+            w.stop(kill=True)
+
+
+_PROCESSES: dict[int, RewardProcesses] = {}  # by size: started on first use, shared by the process's rollouts
+
+
+def reward_processes(n: int = 4) -> RewardProcesses:
+    if n not in _PROCESSES or _PROCESSES[n].closed:
+        _PROCESSES[n] = RewardProcesses(n)
+    return _PROCESSES[n]
+
+
+# -- scoring ------------------------------------------------------------------------------------------
+
+
+class Rewards:
+    """The rewards of a rollout (or of an eval dataset) and where they run, from ``rollout``'s settings.
+
+    `where` names the config key of the list in errors (``rollout.rewards``, ``eval.datasets[0].rewards``).
+    """
+
+    def __init__(self, specs: list[RewardSpec], plugins: Any, rc: RolloutConfig, where: str = "rollout.rewards"):
+        self.bound = build_rewards(specs, plugins)
+        self.timeout_s = rc.reward_timeout_s
+        self.isolation = rc.reward_isolation
+        self.workers = rc.reward_workers
+        self.keys: dict[str, str] = {}
+        if self.isolation == "process" and any(not b.is_async for b in self.bound):
+            pool = reward_processes(self.workers)
+            for i, b in enumerate(self.bound):
+                if b.is_async:
+                    continue
+                try:
+                    self.keys[b.name] = pool.register(b.reward)
+                except Exception as e:
+                    raise RLXError(
+                        f"{where}[{i}] ({b.name}): the reward cannot be sent to a reward worker process "
+                        f"({type(e).__name__}: {e}); make it picklable (for example, build what cannot be "
+                        f"pickled on first use in score()), or set rollout.reward_isolation: thread") from None
+
+    def __iter__(self):
+        return iter(self.bound)
+
+    def __len__(self) -> int:
+        return len(self.bound)
+
+    async def _call(self, b: BoundReward, sample: Sample) -> RewardResult:
+        if b.name in self.keys:  # a sync reward in a worker process: the pool enforces the time limit
+            return as_result(await reward_processes(self.workers).run(self.keys[b.name], sample, self.timeout_s),
+                             b.name)
+        try:
+            return await asyncio.wait_for(call_reward(b.reward, sample, b.name, self.workers), self.timeout_s)
         except TimeoutError:
-            return _fail(sample, f"reward {b.name!r} timed out after {timeout_s}s")
-        except Exception as e:
-            return _fail(sample, f"reward {b.name!r} raised {type(e).__name__}: {e}")
-        if not math.isfinite(result.score):
-            return _fail(sample, f"reward {b.name!r} returned {result.score} (not a finite number)")
-        sample.rewards[b.name] = result
-        total += b.weight * result.score
-    sample.reward = total
-    return sample
+            raise RewardFailed(f"timed out after {self.timeout_s:g}s") from None
+
+    async def score(self, sample: Sample) -> Sample:
+        """Fill `sample.rewards` and `sample.reward`; on any failure mark the sample FAILED with why."""
+        total = 0.0
+        for b in self.bound:
+            try:
+                result = await self._call(b, sample)
+            except RewardFailed as e:
+                return _fail(sample, f"reward {b.name!r} {e}")
+            except Exception as e:
+                return _fail(sample, f"reward {b.name!r} raised {type(e).__name__}: {e}")
+            if not math.isfinite(result.score):
+                return _fail(sample, f"reward {b.name!r} returned {result.score} (not a finite number)")
+            sample.rewards[b.name] = result
+            total += b.weight * result.score
+        sample.reward = total
+        return sample
 
 
 def _fail(sample: Sample, why: str) -> Sample:
