@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
-
 from rlx import hookimpl
 from rlx.config import parse_config
 from rlx.data.datasets import PromptDataset
@@ -213,7 +212,7 @@ def test_a_nan_or_inf_reward_fails_its_sample_with_the_value_and_the_step_says_w
 def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
     """reward_isolation: thread, more hung rewards than the default thread pool has threads: they time out in
     their own pool, and a trainer-style ``asyncio.to_thread`` call still runs at once."""
-    import rlx.rollout.rewards as rewards
+    from rlx.rollout import rewards
 
     monkeypatch.setattr(rewards, "_THREADS", {})
     m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], reward_timeout_s=0.2,

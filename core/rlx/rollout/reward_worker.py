@@ -89,18 +89,18 @@ def serve(rfd: int, wfd: int) -> None:
         try:
             if payload is not None:
                 rewards[key] = pickle.loads(payload)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - reported with the sample
             reply = ("failed", f"could not be loaded in the worker process ({type(e).__name__}: {e})")
         else:
             try:
                 reply = ("ok", _score(rewards[key], sample))
-            except Exception as e:  # reported with the sample; the worker goes on
+            except Exception as e:  # noqa: BLE001 - reported with the sample; the worker goes on
                 reply = ("raised", f"{type(e).__name__}: {e}")
         try:
             body = pickle.dumps(reply)
-        except Exception as e:
-            body = pickle.dumps(("failed", f"returned what cannot be sent back from the worker process "
-                                           f"({type(e).__name__}: {e})"))
+        except Exception as e:  # noqa: BLE001 - reported with the sample
+            why = f"returned what cannot be sent back from the worker process ({type(e).__name__}: {e})"
+            body = pickle.dumps(("failed", why))
         write_frame(wfd, body)
 
 

@@ -329,7 +329,7 @@ class Rewards:
                     continue
                 try:
                     self.keys[b.name] = pool.register(b.reward)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - pickle raises many kinds
                     raise RLXError(
                         f"{where}[{i}] ({b.name}): the reward cannot be sent to a reward worker process "
                         f"({type(e).__name__}: {e}); make it picklable (for example, build what cannot be "
@@ -358,7 +358,7 @@ class Rewards:
                 result = await self._call(b, sample)
             except RewardFailed as e:
                 return _fail(sample, f"reward {b.name!r} {e}")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the sample fails, the run goes on
                 return _fail(sample, f"reward {b.name!r} raised {type(e).__name__}: {e}")
             if not math.isfinite(result.score):
                 return _fail(sample, f"reward {b.name!r} returned {result.score} (not a finite number)")
