@@ -161,7 +161,8 @@ def train_cmd(
         task = bar.add_task("train", total=cfg.train.num_steps, info="starting engines and trainer")
 
         def progress(step, m):
-            bar.update(task, completed=step, info=f"reward {m['reward/mean']:.3f}  loss {m['loss']:+.4f}  "
+            loss = f"{m['loss']:+.4f}" if m.get("loss") is not None else "-"  # None: a critic warm-up step
+            bar.update(task, completed=step, info=f"reward {m['reward/mean']:.3f}  loss {loss}  "
                                                   f"lp-diff {m.get('train_rollout_logprob_diff', 0.0):.2e}  "
                                                   f"{m['time/step_s']:.2f}s/step")
 

@@ -211,6 +211,19 @@ class OptimConfig(Section):
     clip_grad: float = Field(1.0, ge=0)  # global gradient-norm clip (0: off)
 
 
+class CriticConfig(Section):
+    """The critic of value-based estimators (``train.objective.advantage: gae``): the policy's architecture with
+    a scalar value head, trained before the actor each step. It lives in the actor's ranks with the actor's
+    parallel layout (a layout of its own, in processes of its own, is not built yet)."""
+
+    model_path: str | None = None  # HF checkpoint to start from (None: model.path); its score.weight [1, hidden],
+    #                                if there is one, starts the value head (else every value starts at 0)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    value_clip: float | None = Field(0.2, gt=0)  # clip the new values to within this of the step's old ones
+    #                                             (PPO's clipped value loss; None: plain squared error)
+    warmup_steps: int = Field(0, ge=0)  # the first N steps train the critic alone (the policy waits)
+
+
 class ObjectiveConfig(Section):
     """What the policy optimises: advantages, the policy loss and the terms added to it."""
 
@@ -220,6 +233,8 @@ class ObjectiveConfig(Section):
     loss_norm: Literal["token", "sequence", "group"] | None = None
     kl_coef: float = Field(0.0, ge=0)  # KL penalty against the initial policy (0: no reference model)
     kl_type: Literal["k1", "k2", "k3", "low_var", "unbiased"] = "low_var"  # unbiased: k3 x ratio to old policy
+    kl_in_reward: bool = False  # the KL penalty goes into the per-token reward (k1, before the step) instead of
+    #                            the loss, so a critic learns KL-shaped returns (estimators with a critic: gae)
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float | None = Field(None, gt=0)  # importance sampling between engine and trainer log-probs (None: off)
     tis_low: float | None = Field(None, ge=0)  # lower bound of the weights (None: none; with mask: two-sided)
@@ -282,6 +297,7 @@ class TrainConfig(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)  # used by estimators with a critic (gae)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
@@ -404,6 +420,7 @@ MOVED: dict[tuple[str, ...], str] = {
 # workers and engines in other folders or on other hosts never re-parse or guess.
 PATH_FIELDS: list[tuple[str, ...]] = [
     ("model", "path"), ("model", "tokenizer"), ("data", "path"), ("run", "output_dir"), ("rollout", "output"),
+    ("train", "critic", "model_path"),
 ]
 
 
@@ -557,6 +574,25 @@ def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...
                 for err in e.errors():
                     loc = base + ("args",) + tuple(err["loc"])
                     problems.append((loc, _describe(err, loc)))
+    return problems + _check_critic(cfg, plugins)
+
+
+def _check_critic(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
+    """``train.critic`` and ``kl_in_reward`` apply to estimators with a critic only (never silently ignored)."""
+    name = cfg.train.objective.advantage.name
+    if name not in plugins.components["advantages"]:
+        return []
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    obj = cfg.train.objective
+    if getattr(plugins.get("advantages", name), "needs_critic", False):
+        if obj.kl_in_reward and not obj.kl_coef:
+            problems.append((("train", "objective", "kl_in_reward"), "needs a KL penalty: set kl_coef > 0"))
+        return problems
+    why = f"applies to advantage estimators with a critic (gae); train.objective.advantage is {name!r}"
+    default = CriticConfig().model_dump()
+    problems += [(("train", "critic", k), why) for k, v in cfg.train.critic.model_dump().items() if v != default[k]]
+    if obj.kl_in_reward:
+        problems.append((("train", "objective", "kl_in_reward"), why))
     return problems
 
 

@@ -62,7 +62,12 @@ class Generator(Protocol):
 @runtime_checkable
 class AdvantageEstimator(Protocol):
     """Advantages of the trainable samples: one number per sample (broadcast over its tokens) or one per
-    response token. Keys are sample ids; a trainable sample left out is not trained on."""
+    response token. Keys are sample ids; a trainable sample left out is not trained on.
+
+    An estimator with a critic sets the class attribute ``needs_critic = True`` and implements
+    ``advantages_and_returns(groups, values, kl=None, kl_coef=0.0) -> (advantages, returns)`` (per sample id,
+    lists over response tokens; `values` the critic's, `kl` per-token KL to the reference for the reward):
+    the trainer then builds a critic (``train.critic``) and calls that instead (see the built-in ``gae``)."""
 
     name: ClassVar[str]
 

@@ -19,11 +19,16 @@ WORKER = textwrap.dedent("""
     from rlx.train.trainer import Trainer
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
-    tp, pp, world, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    tp, pp, world, out, method = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    objective = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group"}
+    extra = {}
+    if method == "ppo":  # a critic beside the actor, the KL in the reward
+        objective.update(advantage={"name": "gae", "args": {"lam": 0.9}}, kl_in_reward=True)
+        extra = {"critic": {"optim": {"lr": 1e-2, "adam_eps": 1e-4}, "value_clip": 0.5}}
     cfg = parse_config(json.dumps({
         "model": {"path": "builtin://tiny-qwen3"},
         "train": {"parallel": {"tp": tp, "pp": pp, "world_size": world}, "updates_per_step": 2,
-                  "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group"},
+                  "objective": objective, **extra,
                   "max_tokens_per_micro_batch": 40,
                   # Adam divides by sqrt(v) + eps: with a tiny eps, a gradient element that is ~0 takes
                   # a full +-lr step whose sign is float noise. A moderate eps keeps the comparison of
@@ -52,22 +57,49 @@ WORKER = textwrap.dedent("""
             pass
     parts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, mine)
+    resumed = None  # after the weights were taken
+    if method == "ppo" and world == 1:  # a checkpoint holds both models: a restored trainer steps exactly alike
+        import pathlib, tempfile
+        folder = pathlib.Path(tempfile.mkdtemp())
+        trainer.save(folder)
+        again = Trainer(cfg, build_plugins())
+        again.load(folder)
+        resumed = [again.train_step(RolloutBatch(3, groups)), trainer.train_step(RolloutBatch(3, groups))]
+        # a critic checkpoint with a value head (transformers' score.weight) starts the head from it
+        import shutil
+        from safetensors.torch import save_file
+        from rlx.errors import RLXError
+        from rlx.train.model import ModelRole
+        from rlx.train.spec import HFCheckpoint
+        ckpt = pathlib.Path(tempfile.mkdtemp()) / "critic"
+        shutil.copytree(trainer.model_path, ckpt)
+        hidden = trainer.critic.config.hidden_size
+        save_file({"score.weight": torch.full((1, hidden), 0.5)}, str(ckpt / "score.safetensors"))
+        role = ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32, value_head=True)
+        role.load_hf(HFCheckpoint(ckpt))
+        resumed.append(role.model.output_layer.weight.flatten().tolist())
+        save_file({"score.weight": torch.zeros(2, hidden)}, str(ckpt / "score.safetensors"))
+        try:
+            ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32,
+                      value_head=True).load_hf(HFCheckpoint(ckpt))
+        except RLXError as e:
+            resumed.append(str(e))
     if torch.distributed.get_rank() == 0:
         weights = {k: v for p in parts for k, v in p.items()}
-        json.dump({"m1": m1, "m2": m2, "weights": weights}, open(out, "w"))
+        json.dump({"m1": m1, "m2": m2, "weights": weights, "resumed": resumed}, open(out, "w"))
 """)
 
 
-def run(tmp_path, nproc, tp, pp=1):
+def run(tmp_path, nproc, tp, pp=1, method="grpo"):
     from rlx.rollout.engines.launch import free_port
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    out = tmp_path / f"out-{nproc}-{tp}-{pp}.json"
+    out = tmp_path / f"out-{nproc}-{tp}-{pp}-{method}.json"
     def launch():
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                                f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), str(tp),
-                               str(pp), str(nproc), str(out)], capture_output=True, text=True, timeout=600,
+                               str(pp), str(nproc), str(out), method], capture_output=True, text=True, timeout=600,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
     r = launch()
@@ -77,7 +109,7 @@ def run(tmp_path, nproc, tp, pp=1):
         # checks; run it once more, and say so.
         import warnings
 
-        warnings.warn(f"tp={tp} pp={pp} nproc={nproc}: a worker aborted in C++; ran again", stacklevel=1)
+        warnings.warn(f"{method} tp={tp} pp={pp} nproc={nproc}: a worker aborted in C++; ran again", stacklevel=1)
         r = launch()
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
@@ -98,3 +130,34 @@ def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp):
     assert single["m2"]["kl"] > 0 and single["m1"]["loss"] != single["m2"]["loss"]  # the model did move
     worst = max(max(abs(a - b) for a, b in zip(got["weights"][n], w)) for n, w in single["weights"].items())
     assert worst < 1e-5, f"updated weights differ by up to {worst}"
+
+
+@pytest.fixture(scope="module")
+def single_ppo(tiny_model_path, tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single-ppo"), 1, 1, method="ppo")
+
+
+@pytest.mark.parametrize("nproc,tp,pp", [(2, 1, 1), (4, 2, 2)], ids=["dp2", "tp2-pp2"])
+def test_ppo_with_a_critic_matches_one_process(single_ppo, tmp_path, nproc, tp, pp):
+    """The critic's values, value loss and explained variance, the KL in the reward and the actor's update agree
+    with one process: the values every rank gathers, the whitening over the whole batch and the critic's
+    updates on data-parallel shares add up to the same numbers."""
+    got = run(tmp_path, nproc, tp, pp, method="ppo")
+    keys = ("loss", "pg_loss", "entropy", "kl", "critic/value_loss", "critic/value_mean", "critic/returns_mean",
+            "critic/explained_variance", "critic/value_clip_frac", "critic/grad_norm", "samples")
+    for step in ("m1", "m2"):
+        for key in keys:
+            assert got[step][key] == pytest.approx(single_ppo[step][key], abs=1e-5), (step, key)
+    m1, m2 = single_ppo["m1"], single_ppo["m2"]
+    assert m1["critic/value_mean"] == 0 and m2["critic/value_mean"] != 0  # the head starts at 0 and learns
+    assert m2["kl"] != 0 and m2["critic/value_loss"] < m1["critic/value_loss"]
+    worst = max(max(abs(a - b) for a, b in zip(got["weights"][n], w)) for n, w in single_ppo["weights"].items())
+    assert worst < 1e-5, f"updated weights differ by up to {worst}"
+
+
+def test_ppo_checkpoint_restores_the_critic_and_the_actor_and_a_value_head_loads_from_score_weight(single_ppo):
+    restored, original, head, error = single_ppo["resumed"]
+    assert restored == original  # step 3 from the checkpoint of step 2, and step 3 of the trainer that went on
+    assert restored["critic/value_mean"] != 0 and restored["critic/lr"] == 1e-2
+    assert set(head) == {0.5}  # a value head from the critic checkpoint's score.weight
+    assert error.endswith("score.weight has shape (2, 64); a critic's value head is [1, 64]"), error

@@ -90,6 +90,27 @@ def test_component_names_and_args_checked_against_plugins():
     assert "valid boolean" in where["<config>:6: rollout.rewards[0].args.case_sensitive"]
 
 
+def test_critic_settings_without_a_critic_estimator_are_errors_not_silently_ignored():
+    got = dict(problems(
+        """
+        model: {path: /m}
+        train:
+          objective: {kl_coef: 0.1, kl_in_reward: true}
+          critic: {value_clip: 0.5, optim: {lr: 0.001}}
+        """,
+        plugins=build_plugins(entry_points=False),
+    ))
+    why = "applies to advantage estimators with a critic (gae); train.objective.advantage is 'grpo'"
+    assert got["<config>:5: train.critic.value_clip"] == why
+    assert got["<config>:5: train.critic.optim"] == why
+    assert got["<config>:4: train.objective.kl_in_reward"] == why
+    got = dict(problems("model: {path: /m}\ntrain: {objective: {advantage: gae, kl_in_reward: true}}",
+                        plugins=build_plugins(entry_points=False)))
+    assert got == {"<config>:2: train.objective.kl_in_reward": "needs a KL penalty: set kl_coef > 0"}
+    assert parse("model: {path: /m}\ntrain: {objective: {advantage: gae}, critic: {warmup_steps: 2}}",
+                 plugins=build_plugins(entry_points=False)).train.critic.warmup_steps == 2
+
+
 def test_yaml_syntax_error_has_a_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  path: [unclosed\n")

@@ -125,12 +125,30 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+class ValueHead(torch.nn.Module):
+    """A critic's output layer: one value per position (``hidden @ weight.T``), replicated on every
+    tensor-parallel rank (each sees the whole hidden state, so their gradients agree). It takes megatron's
+    output-layer call and ignores the shared embedding weight."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.sequence_parallel = False
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        return hidden_states @ self.weight.t().to(hidden_states.dtype), None
+
+
 class ModelRole:
     """One megatron model of this rank, built from a spec. Load its weights (`load_hf` or `load_from`),
     then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
 
-    def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: Any, dtype: torch.dtype):
+    def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: Any, dtype: torch.dtype,
+                 value_head: bool = False):
+        """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
+        embeddings are never tied to it, and the HF checkpoint's output layer is not loaded."""
         self.name, self.spec, self.par, self.dtype = name, spec, par, dtype
+        self.value_head = value_head
         if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
             raise RLXError(f"train.parallel: ep={par.ep}, etp={par.etp} split experts, but the "
                            f"{spec.model_type!r} model has none; leave ep at 1 and etp unset")
@@ -142,6 +160,10 @@ class ModelRole:
         self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
                                               variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         self.model = spec.build(self.config, self.stage)
+        if value_head:
+            self.model.share_embeddings_and_output_weights = False  # on every stage: no embedding-grad sync
+            if self.stage.last:
+                self.model.output_layer = ValueHead(self.config.hidden_size, dtype)
         if torch.cuda.is_available():
             self.model.cuda()
         self.trainable = False
@@ -162,8 +184,26 @@ class ModelRole:
     # -- weights in ------------------------------------------------------------------------------
 
     def load_hf(self, ckpt: HFCheckpoint) -> None:
-        """Copy this rank's tensors from the HF checkpoint into the model, one tensor at a time."""
-        self._copy_in(self.spec.to_megatron(ckpt, self.stage), f"model bridge for {self.spec.model_type!r}")
+        """Copy this rank's tensors from the HF checkpoint into the model, one tensor at a time. A critic
+        takes everything but the output layer; its value head starts from the checkpoint's ``score.weight``
+        (``[1, hidden]``, as a transformers sequence-classification model with one label stores it) when
+        there is one, else from zero (every value 0 at the start)."""
+        named = self.spec.to_megatron(ckpt, self.stage)
+        if self.value_head:
+            named = self._with_value_head(named, ckpt)
+        self._copy_in(named, f"model bridge for {self.spec.model_type!r}")
+
+    def _with_value_head(self, named: Any, ckpt: HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            if not name.startswith("output_layer."):
+                yield name, t
+        if self.stage.last:
+            hidden = self.config.hidden_size
+            head = ckpt.get("score.weight") if "score.weight" in ckpt else torch.zeros(1, hidden)
+            if tuple(head.shape) != (1, hidden):
+                raise RLXError(f"{ckpt.folder}: score.weight has shape {tuple(head.shape)}; a critic's value head "
+                               f"is [1, {hidden}]")
+            yield "output_layer.weight", head
 
     def load_from(self, other: ModelRole) -> None:
         """Start from another role's current weights (same spec and layout), without reading the checkpoint."""

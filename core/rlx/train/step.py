@@ -125,7 +125,7 @@ class RLStep:
             out.update(part)
         return out
 
-    def _check_finite(self, loss: float, update: int, updates: int) -> None:
+    def check_finite(self, loss: float, update: int, updates: int, what: str = "loss", role: str = "policy") -> None:
         """Stop before an optimizer step on a NaN/inf loss (on any rank: all agree, none is left waiting in a
         collective), so the weights stay as they were and the error names the loss, not weight sync."""
         import math
@@ -136,11 +136,12 @@ class RLStep:
         bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64)
         dist.all_reduce(bad)
         if bad.item():
-            applied = (f"updates 1 to {update - 1} of this step were applied, this one was not" if update > 1
-                       else "the weights were not changed")
-            raise RLXError(f"the loss is not finite (NaN or inf) in update {update} of {updates} of this step; "
-                           f"{applied}. Look at the step's rewards and advantages, log-probs "
-                           f"(train_rollout_logprob_diff) and the learning rate")
+            applied = (f"updates 1 to {update - 1} of this step were applied to the {role}, this one was not"
+                       if update > 1 else f"the {role}'s weights were not changed")
+            look = ("the step's rewards and advantages, log-probs (train_rollout_logprob_diff)" if role == "policy"
+                    else "the step's rewards and the critic's values and returns")
+            raise RLXError(f"the {what} is not finite (NaN or inf) in update {update} of {updates} of this step; "
+                           f"{applied}. Look at {look} and the learning rate")
 
     def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
         """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
@@ -172,7 +173,7 @@ class RLStep:
                         maxes[k] = max(maxes[k], v)
                     else:
                         totals[k] += v
-            self._check_finite(loss, update, updates)
+            self.check_finite(loss, update, updates)
             totals["grad_norm"] += actor.optimizer_step() / self.par.world
 
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)

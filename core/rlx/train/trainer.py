@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from rlx.config import Config
+from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.train.model import ModelRole, ParallelState, init_distributed
-from rlx.train.spec import HFCheckpoint, model_spec
+from rlx.train.ppo import CriticStep
+from rlx.train.spec import HFCheckpoint, model_spec, read_model_type
 from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
 
@@ -50,12 +52,26 @@ class Trainer:
         policy_loss = plugins.build("losses", tc.objective.loss)
         self.loss_norm = loss_norm(tc.objective, policy_loss)
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
+        self.critic: ModelRole | None = None
+        self.critic_step: CriticStep | None = None
+        if getattr(self.estimator, "needs_critic", False):
+            self.critic = ModelRole("critic", self.spec, self.par, tc.parallel, dtype, value_head=True)
+            critic_path = resolve_model_path(tc.critic.model_path) if tc.critic.model_path else self.model_path
+            if read_model_type(critic_path) != self.spec.model_type:
+                raise RLXError(f"train.critic.model_path: {critic_path} is a {read_model_type(critic_path)!r} model; "
+                               f"the critic has the policy's architecture ({self.spec.model_type!r})")
+            self.critic.load_hf(HFCheckpoint(critic_path))
+            self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
+            self.critic_step = CriticStep(tc, self.estimator, self.step_fn, self.critic, self.loss_norm)
         self.step = 0
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on every trainable sample of the batch; returns global metrics."""
-        tb = prepare(batch, self.estimator, self.loss_norm)
-        metrics = self.step_fn.run(tb, self.actor, self.reference)
+        if self.critic_step is not None:
+            metrics = self.critic_step.run(batch, self.actor, self.reference, self.step)
+        else:
+            tb = prepare(batch, self.estimator, self.loss_norm)
+            metrics = self.step_fn.run(tb, self.actor, self.reference)
         self.step += 1
         return metrics
 
@@ -80,6 +96,7 @@ class Trainer:
         self.step = torch.load(folder / "trainer.pt", weights_only=False)["step"]
 
     def trained_roles(self) -> list[ModelRole]:
-        """The roles whose weights change, and so go into checkpoints. The reference model is not saved:
-        it is the initial policy, which a resumed run rebuilds from the checkpoint it started from."""
-        return [self.actor]
+        """The roles whose weights change, and so go into checkpoints (the actor, and the critic when there is
+        one). The reference model is not saved: it is the initial policy, which a resumed run rebuilds from the
+        checkpoint it started from."""
+        return [self.actor] + ([self.critic] if self.critic is not None else [])

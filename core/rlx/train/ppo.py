@@ -1,0 +1,185 @@
+"""The step of value-based estimators (PPO with a critic): values -> GAE -> critic update -> actor update.
+
+`CriticStep.run` replaces `prepare` + `RLStep.run` when the advantage estimator has a critic
+(``needs_critic``, the built-in ``gae``):
+
+1. The critic's values (and, with ``kl_in_reward``, the actor's and the reference model's log-probs) of every
+   trainable sample, each data-parallel rank computing its share and every rank receiving them all, so the
+   advantages (whitened over the whole batch) are the same everywhere.
+2. The estimator's per-token advantages and returns.
+3. The critic trains on the returns (value loss, clipped around the values of step 1), on the same
+   mini-batches as the actor, before the actor; during ``train.critic.warmup_steps`` it trains alone.
+4. The actor trains on the advantages with the configured policy loss (`RLStep.run`). With ``kl_in_reward``
+   the KL is in the reward and not in the loss.
+
+Choices: the value loss is a token mean over each mini-batch's model tokens (as verl and OpenRLHF do),
+whatever ``loss_norm`` the policy uses. Values, advantages and returns exist only at model tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from rlx.errors import RLXError
+from rlx.train.advantages import token_weights
+from rlx.train.batch import TrainBatch
+from rlx.train.gae import explained_variance, value_loss
+from rlx.train.model import ModelRole
+from rlx.train.packing import PackedBatch
+from rlx.train.step import RLStep, batch_probes, mini_batch_scales
+from rlx.types import RolloutBatch, Sample
+
+
+def response_values(mb: PackedBatch, out: torch.Tensor) -> torch.Tensor:
+    """The critic's value at each response token of a packed micro-batch (of the state before the token, at
+    the position whose logits predict it, like its log-prob): flat ``[T]``."""
+    return out.reshape(-1)[mb.response_positions.to(out.device)].float()
+
+
+def critic_micro_loss(mb: PackedBatch, out: torch.Tensor, *, tb: TrainBatch, clip: float | None,
+                      scale: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The value loss of one micro-batch, weighted per token (`tb.weights` times `scale`)."""
+    dev = out.device
+    s = mb.samples
+    values = response_values(mb, out)
+    w = tb.tokens(s, "weights").to(dev) * scale
+    per_token, clipped = value_loss(values, tb.tokens(s, "values").to(dev), tb.tokens(s, "returns").to(dev), clip)
+    loss = (per_token * w).sum()
+    return loss, {"value_loss": float(loss.detach()), "value_clip_frac": float((clipped.float() * w).sum()),
+                  "weight": float(w.sum())}
+
+
+def gather(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's per-sample tensors, merged: each sample is computed by one data-parallel rank's last
+    stage (its tensor-parallel peers hold the same)."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
+    out: dict[int, torch.Tensor] = {}
+    for p in parts:
+        out.update(p)
+    return out
+
+
+class CriticStep:
+    """Trains the critic, then the actor, on a rollout batch (see the module's docstring)."""
+
+    def __init__(self, train_cfg: Any, estimator: Any, step: RLStep, critic: ModelRole, loss_norm: str):
+        self.tc = train_cfg
+        self.cc = train_cfg.critic
+        self.obj = train_cfg.objective
+        self.estimator = estimator
+        self.step = step
+        self.critic = critic
+        self.loss_norm = loss_norm
+
+    @torch.no_grad()
+    def values(self, samples: list[Sample]) -> dict[int, torch.Tensor]:
+        """Every sample's per-response-token values (each rank computing its data-parallel share)."""
+
+        def collect(mb: PackedBatch, out: torch.Tensor):
+            v = response_values(mb, out).cpu()
+            return dict(zip((s.sample_id for s in mb.samples), v.split([len(s.response_ids) for s in mb.samples]),
+                            strict=True))
+
+        local: dict[int, torch.Tensor] = {}
+        for part in self.critic.schedule(self.step.packed(self.step.my_share(samples)), collect, forward_only=True):
+            local.update(part)
+        return gather(local)
+
+    def prepare(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None) -> TrainBatch:
+        groups = [g for g in batch.groups if g.trainable]
+        samples = [s for g in groups for s in g.trainable if s.reward is not None]
+        if not samples:
+            raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
+        values = self.values(samples)
+        kl = None
+        metrics = batch_probes(samples)
+        if self.obj.kl_in_reward:
+            if reference is None:
+                raise RLXError("train.objective.kl_in_reward needs a reference model: set kl_coef > 0")
+            mine = self.step.my_share(samples)
+            old = gather(self.step.logprobs(actor, mine))
+            ref = gather(self.step.logprobs(reference, mine))
+            kl = {sid: old[sid] - ref[sid] for sid in old}  # k1, the estimate whose sum is the sequence's KL
+            masked = [(k, m) for s in samples for k, m in zip(kl[s.sample_id].tolist(), s.loss_mask, strict=True)]
+            model = [k for k, m in masked if m]
+            metrics["kl"] = sum(model) / len(model) if model else 0.0
+        adv, ret = self.estimator.advantages_and_returns(
+            groups, {sid: v.tolist() for sid, v in values.items()},
+            {sid: v.tolist() for sid, v in kl.items()} if kl is not None else None, self.obj.kl_coef)
+        samples = [s for s in samples if s.sample_id in adv]
+        groups = [g for g in groups if any(s.sample_id in adv for s in g.trainable)]
+        w = token_weights(groups, self.loss_norm)
+        weights = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
+        tb = TrainBatch(batch.step, groups, samples,
+                        advantages={sid: torch.tensor(a, dtype=torch.float32) for sid, a in adv.items()},
+                        weights=weights, returns={sid: torch.tensor(r, dtype=torch.float32) for sid, r in ret.items()},
+                        values=values, metrics=metrics)
+        tb.metrics.update(self._value_metrics(tb))
+        return tb
+
+    @staticmethod
+    def _value_metrics(tb: TrainBatch) -> dict[str, float]:
+        v, r = [], []
+        for s in tb.samples:
+            for x, y, m in zip(tb.values[s.sample_id].tolist(), tb.returns[s.sample_id].tolist(), s.loss_mask,
+                               strict=True):
+                if m:
+                    v.append(x)
+                    r.append(y)
+        return {"critic/value_mean": sum(v) / len(v) if v else 0.0,
+                "critic/returns_mean": sum(r) / len(r) if r else 0.0,
+                "critic/explained_variance": explained_variance(v, r)}
+
+    def train_critic(self, tb: TrainBatch) -> dict[str, float]:
+        """The critic's updates on the step's mini-batches; its metrics (global)."""
+        import torch.distributed as dist
+
+        updates = self.tc.updates_per_step
+        cuts = [tb.samples[i::updates] for i in range(updates)]
+        total = sum(sum(s.loss_mask) for s in tb.samples) or 1
+        token_mean = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) / total for s in tb.samples}
+        critic_tb = TrainBatch(tb.step, tb.groups, tb.samples, tb.advantages, token_mean, tb.returns, tb.values)
+        scales = mini_batch_scales(critic_tb, cuts)
+        totals = {"value_loss": 0.0, "value_clip_frac": 0.0, "weight": 0.0, "grad_norm": 0.0}
+        for update, (cut, scale) in enumerate(zip(cuts, scales, strict=True), start=1):
+            self.critic.zero_grad()
+            loss_fn = functools.partial(critic_micro_loss, tb=critic_tb, clip=self.cc.value_clip, scale=scale)
+            loss = 0.0
+            for m in self.critic.schedule(self.step.packed(self.step.my_share(cut)), loss_fn, forward_only=False):
+                loss += m["value_loss"]
+                for k in ("value_loss", "value_clip_frac", "weight"):
+                    totals[k] += m[k]
+            self.step.check_finite(loss, update, updates, "value loss", "critic")
+            totals["grad_norm"] += self.critic.optimizer_step() / self.step.par.world
+        t = torch.tensor([totals[k] for k in totals], dtype=torch.float64)
+        dist.all_reduce(t)
+        vals = dict(zip(totals, (t / self.step.par.tp).tolist(), strict=True))
+        return {"critic/value_loss": vals["value_loss"] / updates,
+                "critic/value_clip_frac": vals["value_clip_frac"] / (vals["weight"] or 1.0),
+                "critic/grad_norm": vals["grad_norm"] * self.step.par.tp / updates,
+                "critic/lr": self.critic.lr}
+
+    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
+            step_index: int) -> dict[str, float | None]:
+        """Critic, then (after the warm-up) actor; global metrics."""
+        tb = self.prepare(batch, actor, reference)
+        metrics = self.train_critic(tb)
+        if step_index < self.cc.warmup_steps:
+            metrics.update(tb.metrics)
+            metrics["critic/warmup"] = 1.0
+            metrics.update(loss=None, pg_loss=None, entropy=None)  # the policy did not train: nothing to report
+            metrics["samples"] = float(len(tb.samples))
+            metrics["tokens"] = float(sum(s.total_len for s in tb.samples))
+            return metrics
+        kl = tb.metrics.pop("kl", None)
+        metrics.update(self.step.run(tb, actor, None if self.obj.kl_in_reward else reference))
+        if kl is not None:
+            metrics["kl"] = kl
+        metrics["critic/warmup"] = 0.0
+        return metrics
