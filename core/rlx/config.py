@@ -213,8 +213,8 @@ class OptimConfig(Section):
 
 class CriticConfig(Section):
     """The critic of value-based estimators (``train.objective.advantage: gae``): the policy's architecture with
-    a scalar value head, trained before the actor each step. It lives in the actor's ranks with the actor's
-    parallel layout (a layout of its own, in processes of its own, is not built yet)."""
+    a scalar value head, trained before the actor each step. Without ``parallel`` it lives in the actor's ranks
+    with the actor's layout; with it, in ranks of its own (Ray actors placed on the actor's bundles)."""
 
     model_path: str | None = None  # HF checkpoint to start from (None: model.path); its score.weight [1, hidden],
     #                                if there is one, starts the value head (else every value starts at 0)
@@ -222,6 +222,7 @@ class CriticConfig(Section):
     value_clip: float | None = Field(0.2, gt=0)  # clip the new values to within this of the step's old ones
     #                                             (PPO's clipped value loss; None: plain squared error)
     warmup_steps: int = Field(0, ge=0)  # the first N steps train the critic alone (the policy waits)
+    parallel: ParallelConfig | None = None  # a layout of its own, in processes of its own (Ray); None: the actor's
 
 
 class ObjectiveConfig(Section):
@@ -541,7 +542,10 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
             problems.append((("train", "async", "max_staleness"), f"must be at least train.update_interval "
                              f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))
-    else:
+    if cfg.train.critic.parallel is not None and not cfg.ray.enabled:
+        problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
+                         "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
+    if cfg.train.mode != "async":
         for key, field in AsyncConfig.model_fields.items():
             if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults
                 problems.append((("train", "async", key), "applies to train.mode: async only"))

@@ -61,19 +61,22 @@ def _shape(cfg: Any, model_dir: Path) -> list[Problem]:
     except (OSError, ValueError) as e:
         return [(("model", "path"), f"{model_dir / 'config.json'} is unreadable: {e}")]
     hf = hf.get("text_config", hf)  # multimodal checkpoints keep the language model's shape inside
-    par = cfg.train.parallel
     out: list[Problem] = []
     heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
     kv = hf.get("num_key_value_heads", heads)
-    if isinstance(heads, int) and heads % par.tp:
-        out.append((("train", "parallel", "tp"), f"{par.tp} does not divide the model's {heads} attention heads "
-                                                f"({model_dir / 'config.json'})"))
-    elif isinstance(kv, int) and kv % par.tp:
-        out.append((("train", "parallel", "tp"), f"{par.tp} does not divide the model's {kv} key-value heads "
-                                                f"({model_dir / 'config.json'})"))
-    if isinstance(layers, int) and layers % par.pp:
-        out.append((("train", "parallel", "pp"), f"{par.pp} does not divide the model's {layers} layers (pipeline "
-                                                f"stages split the layers evenly; {model_dir / 'config.json'})"))
+    layouts = [(("train", "parallel"), cfg.train.parallel)]
+    if cfg.train.critic.parallel is not None:  # the critic has the policy's shape, in a layout of its own
+        layouts.append((("train", "critic", "parallel"), cfg.train.critic.parallel))
+    for key, par in layouts:
+        if isinstance(heads, int) and heads % par.tp:
+            out.append(((*key, "tp"), f"{par.tp} does not divide the model's {heads} attention heads "
+                                      f"({model_dir / 'config.json'})"))
+        elif isinstance(kv, int) and kv % par.tp:
+            out.append(((*key, "tp"), f"{par.tp} does not divide the model's {kv} key-value heads "
+                                      f"({model_dir / 'config.json'})"))
+        if isinstance(layers, int) and layers % par.pp:
+            out.append(((*key, "pp"), f"{par.pp} does not divide the model's {layers} layers (pipeline "
+                                      f"stages split the layers evenly; {model_dir / 'config.json'})"))
     return out
 
 

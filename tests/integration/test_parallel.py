@@ -22,10 +22,15 @@ WORKER = textwrap.dedent("""
     tp, pp, world, out, method = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     objective = {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group"}
     extra = {}
-    if method == "ppo":  # a critic beside the actor, the KL in the reward
+    ray = {"enabled": False}
+    if method.startswith("ppo"):  # a critic beside the actor, the KL in the reward
         objective.update(advantage={"name": "gae", "args": {"lam": 0.9}}, kl_in_reward=True)
         extra = {"critic": {"optim": {"lr": 1e-2, "adam_eps": 1e-4}, "value_clip": 0.5}}
+    if method == "ppo-ray":  # the critic in ranks of its own: TP=2 over 2 processes, beside a 1-process actor
+        extra["critic"]["parallel"] = {"world_size": 2, "tp": 2}
+        ray = {"placement": "colocated", "cpus_per_trainer": 0.25, "cpus_per_engine": 0.25}
     cfg = parse_config(json.dumps({
+        "run": {"output_dir": out + ".run"}, "ray": ray,
         "model": {"path": "builtin://tiny-qwen3"},
         "train": {"parallel": {"tp": tp, "pp": pp, "world_size": world}, "updates_per_step": 2,
                   "objective": objective, **extra,
@@ -34,7 +39,6 @@ WORKER = textwrap.dedent("""
                   # a full +-lr step whose sign is float noise. A moderate eps keeps the comparison of
                   # updated weights about the gradients rather than that noise.
                   "optim": {"lr": 1e-2, "adam_eps": 1e-4}}}))
-    trainer = Trainer(cfg, build_plugins())
     g = torch.Generator().manual_seed(0)
 
     def sample(gid, sid, n):
@@ -48,6 +52,28 @@ WORKER = textwrap.dedent("""
     for gid, k in enumerate(sizes):
         groups.append(Group(gid, [sample(gid, sid + j, 4 + (sid + j) % 7) for j in range(k)]))
         sid += k
+    if method == "ppo-ray":
+        import pathlib
+        from rlx.orchestrate.workers import RayPlacement, ray_trainer_group
+        placement = RayPlacement(cfg)
+        try:
+            group = ray_trainer_group(cfg, placement.pg)
+            m1 = group.train_step(RolloutBatch(1, groups))
+            m2 = group.train_step(RolloutBatch(2, groups))
+            folder = pathlib.Path(out + ".ckpt")
+            folder.mkdir()
+            group.save(folder)
+            m3 = group.train_step(RolloutBatch(3, groups))
+            group.shutdown()
+            group = ray_trainer_group(cfg, placement.pg)  # a restart: both models from the checkpoint
+            group.load(folder)
+            again = group.train_step(RolloutBatch(3, groups))
+            group.shutdown()
+        finally:
+            placement.shutdown()
+        json.dump({"m1": m1, "m2": m2, "resumed": [again, m3]}, open(out, "w"))
+        sys.exit(0)
+    trainer = Trainer(cfg, build_plugins())
     m1 = trainer.train_step(RolloutBatch(1, groups))
     m2 = trainer.train_step(RolloutBatch(2, groups))
     # each pipeline stage's sender streams its own tensors; gather them all to rank 0 to compare
@@ -96,10 +122,13 @@ def run(tmp_path, nproc, tp, pp=1, method="grpo"):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"out-{nproc}-{tp}-{pp}-{method}.json"
+    args = [str(script), str(tp), str(pp), str(nproc), str(out), method]
+    launcher = ([] if method == "ppo-ray" else  # Ray starts the processes itself
+                ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+                 "--master-addr=127.0.0.1"])
+
     def launch():
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                               f"--master-port={free_port()}", "--master-addr=127.0.0.1", str(script), str(tp),
-                               str(pp), str(nproc), str(out), method], capture_output=True, text=True, timeout=600,
+        return subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, timeout=600,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
 
     r = launch()
@@ -161,3 +190,16 @@ def test_ppo_checkpoint_restores_the_critic_and_the_actor_and_a_value_head_loads
     assert restored["critic/value_mean"] != 0 and restored["critic/lr"] == 1e-2
     assert set(head) == {0.5}  # a value head from the critic checkpoint's score.weight
     assert error.endswith("score.weight has shape (2, 64); a critic's value head is [1, 64]"), error
+
+
+def test_a_critic_with_a_layout_of_its_own_matches_the_critic_beside_the_actor(single_ppo, tmp_path):
+    """Critic TP=2 in two Ray processes of its own, actor TP=1 in one, on shared bundles: the same numbers as
+    the critic in the actor's process; a checkpoint restores both groups exactly."""
+    got = run(tmp_path, 1, 1, method="ppo-ray")
+    keys = ("loss", "pg_loss", "entropy", "kl", "critic/value_loss", "critic/value_mean", "critic/returns_mean",
+            "critic/explained_variance", "critic/value_clip_frac", "critic/grad_norm", "samples")
+    for step in ("m1", "m2"):
+        for key in keys:
+            assert got[step][key] == pytest.approx(single_ppo[step][key], abs=1e-5), (step, key)
+    restored, original = got["resumed"]
+    assert restored == pytest.approx(original, abs=1e-6)

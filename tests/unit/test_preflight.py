@@ -61,3 +61,14 @@ def test_a_parallel_layout_that_does_not_fit_the_model(tmp_path, shape, par, mes
     got, p = problems(tmp_path, f"model: {{path: {m}}}\ntrain:\n  parallel: {{{par}}}\n")
     (where, text), = got.items()
     assert where.startswith(f"{p}:3: train.parallel.") and text.startswith(message)
+
+
+def test_a_critic_layout_of_its_own_is_checked_against_the_model_and_needs_ray(tmp_path):
+    m = model(tmp_path)
+    text = (f"model: {{path: {m}}}\ntrain:\n  objective: {{advantage: gae}}\n"
+            f"  critic: {{parallel: {{tp: 3, pp: 4, world_size: 12}}}}\n")
+    got, p = problems(tmp_path, text)
+    assert got[f"{p}:4: train.critic.parallel.tp"].startswith("3 does not divide the model's 8 attention heads")
+    assert got[f"{p}:4: train.critic.parallel.pp"].startswith("4 does not divide the model's 6 layers")
+    got, p = problems(tmp_path, text + "ray: {enabled: false}\n")
+    assert got[f"{p}:4: train.critic.parallel"].startswith("a critic layout of its own runs in processes of its own")

@@ -161,13 +161,13 @@ async def restart_trainers(cfg: Config, placement: Any, trainer: TrainerGroup, w
     """``train.max_restarts``: a trainer rank died. Start the trainer group again in the same placement group,
     load this run's newest checkpoint (or start over), rewind the batches to it and give the engines its
     weights; returns (trainers, the step to go on with, weight version)."""
-    from rlx.orchestrate.workers import RayTrainerGroup
+    from rlx.orchestrate.workers import ray_trainer_group
 
     print(f"rlx: {died}", file=sys.stderr, flush=True)
     print(f"rlx: restarting the trainers ({restarts} of train.max_restarts {cfg.train.max_restarts})",
           file=sys.stderr, flush=True)
     trainer.shutdown()
-    trainer = await asyncio.to_thread(RayTrainerGroup, cfg, placement.pg, 0)
+    trainer = await asyncio.to_thread(ray_trainer_group, cfg, placement.pg)
     weights.trainer, weights.urls = trainer, None
     await weights.setup()
     folder = checkpoint.newest(ckpt_root)
@@ -428,13 +428,13 @@ def write_placement(out: Path, trainer_hosts: list[str], engine_urls: list[str])
 
 def start_trainers(cfg: Config, verbose: bool = False) -> tuple[Any, TrainerGroup]:
     """(placement or None, trainer group): Ray actors when ``ray.enabled``, else one local rank."""
-    from rlx.orchestrate.workers import LocalTrainerGroup, RayPlacement, RayTrainerGroup
+    from rlx.orchestrate.workers import LocalTrainerGroup, RayPlacement, ray_trainer_group
 
     if not cfg.ray.enabled:
         return None, LocalTrainerGroup(cfg)
     placement = RayPlacement(cfg, verbose)
     try:
-        return placement, RayTrainerGroup(cfg, placement.pg, first_bundle=0)
+        return placement, ray_trainer_group(cfg, placement.pg)
     except BaseException:
         placement.shutdown()
         raise

@@ -64,6 +64,12 @@ class TrainerWorker:
     def train_step(self, batch: Any) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    def ppo_prepare(self, batch: Any, values: Any) -> Any:
+        return self.trainer.ppo_prepare(batch, values)
+
+    def ppo_train_actor(self) -> dict[str, float]:
+        return self.trainer.ppo_train_actor()
+
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self.sender.setup(engine_urls, output_dir, self.host)
 
@@ -82,6 +88,43 @@ class TrainerWorker:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+class CriticWorker:
+    """One rank of a critic with a layout of its own (``train.critic.parallel``): its own megatron world, placed
+    on the actor's bundles. Built empty like `TrainerWorker`, then `start`."""
+
+    def __init__(self, cfg: Config, host: str | None = None):
+        self.cfg = cfg
+        self.host = host or node_ip()
+        self.trainer: Any = None
+
+    address = TrainerWorker.address
+    node = TrainerWorker.node
+
+    def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        use_interface_of(self.host)
+        from rlx.plugins import build_plugins
+        from rlx.train.ppo import CriticTrainer
+
+        self.trainer = CriticTrainer(self.cfg, build_plugins(), master_addr)
+
+    def values(self, batch: Any) -> Any:
+        return self.trainer.values(batch)
+
+    def train_critic(self, batch: Any, returns: Any, values: Any) -> dict[str, float]:
+        return self.trainer.train(batch, returns, values)
+
+    def save(self, folder: str) -> None:
+        self.trainer.save(Path(folder))
+
+    def load(self, folder: str) -> None:
+        self.trainer.load(Path(folder))
+
+    def close(self) -> None:
+        pass
 
 
 class TrainerGroup(ABC):
@@ -138,25 +181,31 @@ class LocalTrainerGroup(TrainerGroup):
 
 
 class RayTrainerGroup(TrainerGroup):
-    """`world_size` TrainerWorker actors in a placement group; rank 0's node hosts the rendezvous."""
+    """`world_size` TrainerWorker actors in a placement group (rank r on bundle r); rank 0's node hosts the
+    rendezvous. With ``role="critic"``: the critic's own ranks (`CriticWorker`, ``train.critic.parallel``), on
+    the same bundles as the actor's."""
 
-    def __init__(self, cfg: Config, placement_group: Any, first_bundle: int):
+    def __init__(self, cfg: Config, placement_group: Any, first_bundle: int, role: str = "trainer"):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         rc = cfg.ray
-        world = cfg.train.parallel.world_size
-        actor = ray.remote(num_cpus=rc.cpus_per_trainer, num_gpus=rc.gpus_per_trainer)(TrainerWorker)
+        self.role = role
+        critic = cfg.train.critic.parallel
+        world = critic.world_size if role == "critic" else cfg.train.parallel.world_size
+        other = (cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
+        actor = ray.remote(num_cpus=rc.cpus_per_trainer)(CriticWorker if role == "critic" else TrainerWorker)
         self.workers = [
-            actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=first_bundle + rank)).remote(cfg)
+            actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              placement_group, placement_group_bundle_index=first_bundle + rank)).remote(cfg)
             for rank in range(world)
         ]
         try:
             addr, port = ray.get(self.workers[0].address.remote())
             ray.get([w.start.remote(rank, world, addr, port) for rank, w in enumerate(self.workers)])
         except ray.exceptions.RayActorError as e:
-            raise RLXError(f"a trainer worker failed to start: {e}") from None
+            raise RLXError(f"a {role} worker failed to start: {e}") from None
         except ray.exceptions.RayTaskError as e:
             _reraise(e)
 
@@ -169,7 +218,7 @@ class RayTrainerGroup(TrainerGroup):
         except ray.exceptions.RayTaskError as e:
             _reraise(e)
         except ray.exceptions.RayActorError as e:
-            raise TrainerDied(self._dead_rank(refs, e), method, e) from None
+            raise TrainerDied(self._dead_rank(refs, e), method, e, self.role) from None
 
     @staticmethod
     def _dead_rank(refs: list[Any], error: Any) -> int | None:
@@ -193,11 +242,58 @@ class RayTrainerGroup(TrainerGroup):
             ray.kill(w)
 
 
+class CriticTrainerGroup(TrainerGroup):
+    """The actor's ranks and a critic's ranks of its own (``train.critic.parallel``), as one trainer group: each
+    step the critic's values, the actor's advantages and returns, the critic's update, then the actor's. Weight
+    pushes and HF export are the actor's; checkpoints hold both."""
+
+    def __init__(self, actor: TrainerGroup, critic: TrainerGroup):
+        self.actor, self.critic = actor, critic
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self.actor._all(method, *args)
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        values = self.critic._all("values", batch)[0]
+        returns = self.actor._all("ppo_prepare", batch, values)[0]
+        metrics = self.critic._all("train_critic", batch, returns, values)[0]
+        return {**metrics, **self.actor._all("ppo_train_actor")[0]}
+
+    def save(self, folder: Path) -> None:
+        self.actor.save(folder)
+        self.critic.save(folder)
+
+    def load(self, folder: Path) -> None:
+        self.actor.load(folder)
+        self.critic.load(folder)
+
+    def close(self) -> None:
+        self.actor.close()
+        self.critic.close()
+
+    def shutdown(self) -> None:
+        self.actor.shutdown()
+        self.critic.shutdown()
+
+
+def ray_trainer_group(cfg: Config, placement_group: Any) -> TrainerGroup:
+    """The run's trainer ranks in its placement group: the actor's, and the critic's when it has a layout of
+    its own (on the same bundles)."""
+    actor = RayTrainerGroup(cfg, placement_group, 0)
+    if cfg.train.critic.parallel is None:
+        return actor
+    try:
+        return CriticTrainerGroup(actor, RayTrainerGroup(cfg, placement_group, 0, role="critic"))
+    except BaseException:
+        actor.shutdown()
+        raise
+
+
 class TrainerDied(RLXError):
     """A trainer rank's process died (killed, out of memory, crashed): one line with the rank, where it ran
     and Ray's reason, instead of Ray's traceback."""
 
-    def __init__(self, rank: int | None, method: str, error: Any):
+    def __init__(self, rank: int | None, method: str, error: Any, role: str = "trainer"):
         import re
 
         text = str(getattr(error, "error_msg", "") or error)
@@ -206,7 +302,7 @@ class TrainerDied(RLXError):
         detail = re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.)", text)
         where = f" (pid {pid.group(1)} on {ip.group(1)})" if pid and ip else ""
         why = f"{detail.group(1)}: {detail.group(2)}" if detail else text.splitlines()[0] if text else "unknown"
-        who = f"trainer rank {rank}" if rank is not None else "a trainer rank"
+        who = f"{role} rank {rank}" if rank is not None else f"a {role} rank"
         super().__init__(f"{who}{where} died during {method}: {why} Killed by a signal or the OOM killer "
                          f"(check dmesg on that host), or crashed: Ray's worker logs are in /tmp/ray/session_latest/logs there")
         self.rank = rank
@@ -242,13 +338,17 @@ class RayPlacement:
                 self.head = start_head(rc.num_cpus, logs, init)
             elif not ray.is_initialized():
                 ray.init(address=rc.address, **init)
-        self.trainer_bundles = cfg.train.parallel.world_size
+        actors = cfg.train.parallel.world_size
+        critics = cfg.train.critic.parallel.world_size if cfg.train.critic.parallel is not None else 0
+        self.trainer_bundles = max(actors, critics)  # bundle r: actor rank r and critic rank r, where they exist
         engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
         self.colocated = rc.placement == "colocated"
-        bundle = {"CPU": rc.cpus_per_trainer}
-        if rc.gpus_per_trainer:
-            bundle["GPU"] = rc.gpus_per_trainer
-        bundles = [dict(bundle) for _ in range(self.trainer_bundles)]
+        bundles = []
+        for r in range(self.trainer_bundles):
+            bundle = {"CPU": rc.cpus_per_trainer * ((r < actors) + (r < critics))}
+            if rc.gpus_per_trainer:
+                bundle["GPU"] = rc.gpus_per_trainer
+            bundles.append(bundle)
         if self.colocated:
             # Engines share the trainers' bundles; each bundle gets room for one engine's CPU as well.
             for i in range(engines):

@@ -19,6 +19,7 @@ whatever ``loss_norm`` the policy uses. Values, advantages and returns exist onl
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,12 +92,14 @@ class CriticStep:
             local.update(part)
         return gather(local)
 
-    def prepare(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None) -> TrainBatch:
+    def prepare(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
+                values: dict[int, torch.Tensor] | None = None) -> TrainBatch:
+        """Advantages and returns of the batch (on the actor's ranks), from `values` (the critic's, when it has
+        ranks of its own) or the critic beside the actor."""
+        samples = scored(batch)
         groups = [g for g in batch.groups if g.trainable]
-        samples = [s for g in groups for s in g.trainable if s.reward is not None]
-        if not samples:
-            raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
-        values = self.values(samples)
+        if values is None:
+            values = self.values(samples)
         kl = None
         metrics = batch_probes(samples)
         if self.obj.kl_in_reward:
@@ -165,11 +168,10 @@ class CriticStep:
                 "critic/grad_norm": vals["grad_norm"] * self.step.par.tp / updates,
                 "critic/lr": self.critic.lr}
 
-    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
-            step_index: int) -> dict[str, float | None]:
-        """Critic, then (after the warm-up) actor; global metrics."""
-        tb = self.prepare(batch, actor, reference)
-        metrics = self.train_critic(tb)
+    def train_actor(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None,
+                    step_index: int) -> dict[str, float | None]:
+        """The actor's updates (none during the critic's warm-up); the step's metrics but the critic's."""
+        metrics: dict[str, float | None] = {}
         if step_index < self.cc.warmup_steps:
             metrics.update(tb.metrics)
             metrics["critic/warmup"] = 1.0
@@ -183,3 +185,58 @@ class CriticStep:
             metrics["kl"] = kl
         metrics["critic/warmup"] = 0.0
         return metrics
+
+    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
+            step_index: int) -> dict[str, float | None]:
+        """Critic, then (after the warm-up) actor, in the same ranks; global metrics."""
+        tb = self.prepare(batch, actor, reference)
+        return {**self.train_critic(tb), **self.train_actor(tb, actor, reference, step_index)}
+
+
+def scored(batch: RolloutBatch) -> list[Sample]:
+    """The batch's trainable samples that have a reward: what the critic values and trains on."""
+    samples = [s for g in batch.groups if g.trainable for s in g.trainable if s.reward is not None]
+    if not samples:
+        raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
+    return samples
+
+
+class CriticTrainer:
+    """The critic in ranks of its own (``train.critic.parallel``): one rank of its megatron world, which is not
+    the actor's. The group calls `values`, then (with the actor's returns) `train`."""
+
+    def __init__(self, cfg: Any, plugins: Any, master_addr: str = "127.0.0.1"):
+        from rlx.models.tiny import resolve_model_path
+        from rlx.train.model import init_distributed
+        from rlx.train.spec import HFCheckpoint, model_spec
+        from rlx.train.step import RLStep
+        from rlx.train.trainer import torch_dtype
+
+        tc = cfg.train
+        parallel = tc.critic.parallel
+        self.par = init_distributed(parallel, cfg.run.seed, master_addr)
+        path = resolve_model_path(tc.critic.model_path or cfg.model.path)
+        self.spec = model_spec(path, plugins)
+        self.critic = ModelRole("critic", self.spec, self.par, parallel, torch_dtype(cfg.model.dtype), value_head=True)
+        self.critic.load_hf(HFCheckpoint(path))
+        self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
+        step = RLStep(tc, None, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
+        self.step_fn = CriticStep(tc, None, step, self.critic, "token")
+        self.steps = 0
+
+    def values(self, batch: RolloutBatch) -> dict[int, torch.Tensor]:
+        return self.step_fn.values(scored(batch))
+
+    def train(self, batch: RolloutBatch, returns: dict[int, torch.Tensor],
+              values: dict[int, torch.Tensor]) -> dict[str, float]:
+        samples = [s for s in scored(batch) if s.sample_id in returns]
+        groups = [g for g in batch.groups if any(s.sample_id in returns for s in g.trainable)]
+        tb = TrainBatch(batch.step, groups, samples, advantages={}, weights={}, returns=returns, values=values)
+        self.steps += 1
+        return self.step_fn.train_critic(tb)
+
+    def save(self, folder: Path) -> None:
+        self.critic.save(folder)
+
+    def load(self, folder: Path) -> None:
+        self.critic.load(folder)

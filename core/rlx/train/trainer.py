@@ -54,7 +54,10 @@ class Trainer:
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.critic: ModelRole | None = None
         self.critic_step: CriticStep | None = None
-        if getattr(self.estimator, "needs_critic", False):
+        if getattr(self.estimator, "needs_critic", False) and tc.critic.parallel is not None:
+            # the critic has ranks of its own (CriticTrainer): this side makes advantages and trains the actor
+            self.critic_step = CriticStep(tc, self.estimator, self.step_fn, None, self.loss_norm)
+        elif getattr(self.estimator, "needs_critic", False):
             self.critic = ModelRole("critic", self.spec, self.par, tc.parallel, dtype, value_head=True)
             critic_path = resolve_model_path(tc.critic.model_path) if tc.critic.model_path else self.model_path
             if read_model_type(critic_path) != self.spec.model_type:
@@ -67,11 +70,27 @@ class Trainer:
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on every trainable sample of the batch; returns global metrics."""
+        if self.critic_step is not None and self.critic is None:
+            raise RLXError("the critic has ranks of its own (train.critic.parallel): the trainer group runs the "
+                           "step (ppo_prepare, the critic's update, ppo_train_actor)")
         if self.critic_step is not None:
             metrics = self.critic_step.run(batch, self.actor, self.reference, self.step)
         else:
             tb = prepare(batch, self.estimator, self.loss_norm)
             metrics = self.step_fn.run(tb, self.actor, self.reference)
+        self.step += 1
+        return metrics
+
+    def ppo_prepare(self, batch: RolloutBatch, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """With a critic in ranks of its own: advantages from its `values`, kept for `ppo_train_actor`; returns
+        the critic's targets."""
+        self._pending = self.critic_step.prepare(batch, self.actor, self.reference, values)
+        return self._pending.returns
+
+    def ppo_train_actor(self) -> dict[str, float | None]:
+        """The actor's part of the step `ppo_prepare` began (nothing but metrics during the critic's warm-up)."""
+        tb, self._pending = self._pending, None
+        metrics = self.critic_step.train_actor(tb, self.actor, self.reference, self.step)
         self.step += 1
         return metrics
 
