@@ -92,6 +92,30 @@ def test_kill_9_then_resume_trains_on_the_same_samples_in_the_same_order(uninter
     assert sample_order(tmp_path / "run") == want, f"killed after step {kill_at}"
 
 
+def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_then_resume(uninterrupted, tmp_path):
+    """PPO with the critic in Ray processes of its own: kill -9 of the driver takes the critic's processes too,
+    and --resume restores the actor and the critic and trains the same sample ids as an uninterrupted run."""
+    want = sample_order(uninterrupted / "run")  # sample ids do not depend on the objective
+    cfg = write_config(tmp_path, "ppo")
+    sets = ["--set", "train.objective.advantage=gae", "--set", "train.critic.parallel.world_size=1",
+            "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5"]
+    kill_at = random.Random().randint(2, STEPS - 2)
+    tag = uuid.uuid4().hex
+    p = rl("train", cfg, *sets, tag=tag)
+    kill_after_steps(p, tmp_path / "ppo" / "metrics.jsonl", kill_at, tag)  # the critic's processes go as well
+    from rlx.orchestrate.checkpoint import newest
+
+    assert (newest(tmp_path / "ppo" / "checkpoints") / "critic" / "scheduler.pt").exists()  # what --resume takes
+
+    p = rl("train", cfg, *sets, "--resume", tag=tag)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert sample_order(tmp_path / "ppo") == want, f"killed after step {kill_at}"
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["critic/value_loss"] > 0 and r["critic/lr"] > 0 for r in rows)
+    assert wait_gone(tag) == [], "rl train left processes behind"
+
+
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_model_path, tmp_path):
     p = rl("train", write_config(tmp_path, "fresh"), "--resume", tag=uuid.uuid4().hex)
     _, err = p.communicate(timeout=300)
