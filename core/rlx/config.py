@@ -128,6 +128,16 @@ class FaultToleranceConfig(Section):
     max_resends: int = Field(3, ge=0)  # how often one request is sent again after engine failures
 
 
+def unique_rewards(specs: list[RewardSpec] | None) -> list[RewardSpec] | None:
+    """Each reward once: its score is kept and logged under its name (``reward/<name>/mean``)."""
+    names = [s.name for s in specs or []]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"reward {twice[0]!r} is listed twice; a reward's score is kept and logged under its "
+                         f"name, so list each once")
+    return specs
+
+
 class BufferConfig(Section):
     """The rollout buffer service (``rollout.source: buffer``)."""
 
@@ -157,6 +167,8 @@ class RolloutConfig(Section):
     reward_isolation: Literal["process", "thread"] = "process"  # where sync rewards run: worker processes (a
     #   hang or crash is killed and replaced) or threads of this process (for rewards that cannot be pickled)
     reward_workers: int = Field(4, ge=1)  # sync rewards scored at once (worker processes or threads)
+    reward_load_timeout_s: float = Field(300, gt=0)  # process: starting a worker and loading a reward into it
+    #                                                  (imports included; not counted in reward_timeout_s)
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
     partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step
@@ -177,6 +189,11 @@ class RolloutConfig(Section):
     @classmethod
     def _rewards(cls, v: Any) -> Any:
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_rewards(cls, v: Any) -> Any:
+        return unique_rewards(v)
 
 
 class ParallelConfig(Section):
@@ -234,7 +251,7 @@ class ObjectiveConfig(Section):
     loss_norm: Literal["token", "sequence", "group"] | None = None
     kl_coef: float = Field(0.0, ge=0)  # KL penalty against the initial policy (0: no reference model)
     kl_type: Literal["k1", "k2", "k3", "low_var", "unbiased"] = "low_var"  # unbiased: k3 x ratio to old policy
-    kl_in_reward: bool = False  # the KL penalty goes into the per-token reward (k1, before the step) instead of
+    kl_in_reward: bool = False  # the KL penalty goes into the per-token reward (kl_type, before the step) instead of
     #                            the loss, so a critic learns KL-shaped returns (estimators with a critic: gae)
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float | None = Field(None, gt=0)  # importance sampling between engine and trainer log-probs (None: off)
@@ -347,6 +364,11 @@ class EvalDatasetConfig(Section):
     @classmethod
     def _rewards(cls, v: Any) -> Any:
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_rewards(cls, v: Any) -> Any:
+        return unique_rewards(v)
 
     def effective_sampling(self, rollout: SamplingConfig) -> SamplingConfig:
         if self.sampling is not None:

@@ -26,7 +26,14 @@ def check(cfg: Any) -> list[Problem]:
         if g.model_path:
             _model_dir(g.model_path, ("rollout", "engines", i, "model_path"), problems)
     if model_dir is not None:
-        problems += _shape(cfg, model_dir)
+        problems += _shape(model_dir, ("train", "parallel"), cfg.train.parallel)
+    if cfg.train.critic.parallel is not None:  # the critic's own layout, against the critic's checkpoint
+        critic_dir = (_model_dir(cfg.train.critic.model_path, ("train", "critic", "model_path"), problems)
+                      if cfg.train.critic.model_path else model_dir)
+        if critic_dir is not None:
+            problems += _shape(critic_dir, ("train", "critic", "parallel"), cfg.train.critic.parallel)
+    elif cfg.train.critic.model_path:
+        _model_dir(cfg.train.critic.model_path, ("train", "critic", "model_path"), problems)
     if cfg.data.path and cfg.rollout.source == "generate":
         problems += _rows(cfg, Path(cfg.data.path), ("data", "path"))
     for i, d in enumerate(cfg.eval.datasets):
@@ -55,7 +62,9 @@ def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Pa
     return None
 
 
-def _shape(cfg: Any, model_dir: Path) -> list[Problem]:
+def _shape(model_dir: Path, key: tuple[Any, ...], par: Any) -> list[Problem]:
+    """The layout `par` (a ParallelConfig at `key`) against the model's shape: TP divides the heads, PP the
+    layers, and world_size is a multiple of tp*pp."""
     try:
         hf = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -64,19 +73,17 @@ def _shape(cfg: Any, model_dir: Path) -> list[Problem]:
     out: list[Problem] = []
     heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
     kv = hf.get("num_key_value_heads", heads)
-    layouts = [(("train", "parallel"), cfg.train.parallel)]
-    if cfg.train.critic.parallel is not None:  # the critic has the policy's shape, in a layout of its own
-        layouts.append((("train", "critic", "parallel"), cfg.train.critic.parallel))
-    for key, par in layouts:
-        if isinstance(heads, int) and heads % par.tp:
-            out.append(((*key, "tp"), f"{par.tp} does not divide the model's {heads} attention heads "
-                                      f"({model_dir / 'config.json'})"))
-        elif isinstance(kv, int) and kv % par.tp:
-            out.append(((*key, "tp"), f"{par.tp} does not divide the model's {kv} key-value heads "
-                                      f"({model_dir / 'config.json'})"))
-        if isinstance(layers, int) and layers % par.pp:
-            out.append(((*key, "pp"), f"{par.pp} does not divide the model's {layers} layers (pipeline "
-                                      f"stages split the layers evenly; {model_dir / 'config.json'})"))
+    if isinstance(heads, int) and heads % par.tp:
+        out.append(((*key, "tp"), f"{par.tp} does not divide the model's {heads} attention heads "
+                                  f"({model_dir / 'config.json'})"))
+    elif isinstance(kv, int) and kv % par.tp:
+        out.append(((*key, "tp"), f"{par.tp} does not divide the model's {kv} key-value heads "
+                                  f"({model_dir / 'config.json'})"))
+    if isinstance(layers, int) and layers % par.pp:
+        out.append(((*key, "pp"), f"{par.pp} does not divide the model's {layers} layers (pipeline "
+                                  f"stages split the layers evenly; {model_dir / 'config.json'})"))
+    if par.world_size % (par.tp * par.pp):
+        out.append(((*key, "world_size"), f"{par.world_size} is not a multiple of tp*pp = {par.tp * par.pp}"))
     return out
 
 

@@ -104,6 +104,16 @@ WORKER = textwrap.dedent("""
         role = ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32, value_head=True)
         role.load_hf(HFCheckpoint(ckpt))
         resumed.append(role.model.output_layer.weight.flatten().tolist())
+        # a reward model's checkpoint: untied, a score head and no LM head at all
+        hf_cfg = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**hf_cfg, "tie_word_embeddings": False}))
+        from rlx.train.spec import model_spec
+        untied = model_spec(ckpt, build_plugins())
+        assert not untied.tied
+        role = ModelRole("critic", untied, trainer.par, cfg.train.parallel, torch.float32, value_head=True)
+        role.load_hf(HFCheckpoint(ckpt))
+        resumed.append(role.model.output_layer.weight.flatten().tolist())
+        (ckpt / "config.json").write_text(json.dumps(hf_cfg))
         save_file({"score.weight": torch.zeros(2, hidden)}, str(ckpt / "score.safetensors"))
         try:
             ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32,
@@ -185,10 +195,11 @@ def test_ppo_with_a_critic_matches_one_process(single_ppo, tmp_path, nproc, tp, 
 
 
 def test_ppo_checkpoint_restores_the_critic_and_the_actor_and_a_value_head_loads_from_score_weight(single_ppo):
-    restored, original, head, error = single_ppo["resumed"]
+    restored, original, head, untied_head, error = single_ppo["resumed"]
     assert restored == original  # step 3 from the checkpoint of step 2, and step 3 of the trainer that went on
     assert restored["critic/value_mean"] != 0 and restored["critic/lr"] == 1e-2
     assert set(head) == {0.5}  # a value head from the critic checkpoint's score.weight
+    assert set(untied_head) == {0.5}  # also from a reward model's checkpoint, which has no LM head
     assert error.endswith("score.weight has shape (2, 64); a critic's value head is [1, 64]"), error
 
 

@@ -111,6 +111,13 @@ def test_critic_settings_without_a_critic_estimator_are_errors_not_silently_igno
                  plugins=build_plugins(entry_points=False)).train.critic.warmup_steps == 2
 
 
+def test_a_reward_listed_twice_is_an_error():
+    got = dict(problems("model: {path: /m}\nrollout:\n  rewards: [digits, {name: digits, weight: 2}]\n"))
+    assert got["<config>:3: rollout.rewards"].startswith(
+        "Value error, reward 'digits' is listed twice; a reward's score is kept and logged under its name, so list "
+        "each once")
+
+
 def test_yaml_syntax_error_has_a_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  path: [unclosed\n")

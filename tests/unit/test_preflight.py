@@ -66,9 +66,10 @@ def test_a_parallel_layout_that_does_not_fit_the_model(tmp_path, shape, par, mes
 def test_a_critic_layout_of_its_own_is_checked_against_the_model_and_needs_ray(tmp_path):
     m = model(tmp_path)
     text = (f"model: {{path: {m}}}\ntrain:\n  objective: {{advantage: gae}}\n"
-            f"  critic: {{parallel: {{tp: 3, pp: 4, world_size: 12}}}}\n")
+            f"  critic: {{parallel: {{tp: 3, pp: 4, world_size: 13}}}}\n")
     got, p = problems(tmp_path, text)
     assert got[f"{p}:4: train.critic.parallel.tp"].startswith("3 does not divide the model's 8 attention heads")
     assert got[f"{p}:4: train.critic.parallel.pp"].startswith("4 does not divide the model's 6 layers")
+    assert got[f"{p}:4: train.critic.parallel.world_size"] == "13 is not a multiple of tp*pp = 12"
     got, p = problems(tmp_path, text + "ray: {enabled: false}\n")
     assert got[f"{p}:4: train.critic.parallel"].startswith("a critic layout of its own runs in processes of its own")

@@ -139,3 +139,80 @@ def children(pid: int) -> list[int]:
                     (d / "cmdline").read_bytes():
                 out.append(int(d.name))
     return out
+
+
+class SlowToLoad:
+    """Takes 1.5 s to unpickle (as a reward importing a heavy verifier might); scoring is instant."""
+
+    def __init__(self):
+        self.state = "some"  # pickle calls __setstate__ only for a non-empty state
+
+    def __setstate__(self, state):
+        time.sleep(1.5)
+        self.__dict__.update(state)
+
+    def score(self, sample):
+        return 1.0
+
+
+class FailsToLoad:
+    def __init__(self):
+        self.state = "some"
+    def __setstate__(self, state):
+        raise ImportError("no module named 'verifier'")
+
+    def score(self, sample):
+        return 1.0
+
+
+class StartsAProgram:
+    """Starts a program that would run for an hour (as a code-execution reward might), writes its pid, hangs."""
+
+    def __init__(self, pid_file):
+        self.pid_file = pid_file
+
+    def score(self, sample):
+        child = subprocess.Popen(["sleep", "3600"])
+        Path(self.pid_file).write_text(str(child.pid))
+        time.sleep(3600)
+
+
+def failures(pool, key, n, timeout_s):
+    async def go():
+        out = []
+        for i in range(n):
+            try:
+                out.append(await pool.run(key, sample(i + 1), timeout_s))
+            except RewardFailed as e:
+                out.append(str(e))
+        return out
+
+    return asyncio.run(go())
+
+
+def test_starting_a_worker_and_loading_the_reward_do_not_count_against_the_sample_time_limit():
+    pool = RewardProcesses(1)
+    try:
+        assert failures(pool, pool.register(SlowToLoad()), 2, 1.0) == [1.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_a_reward_that_cannot_be_loaded_says_so_for_every_sample():
+    pool = RewardProcesses(1)
+    try:
+        got = failures(pool, pool.register(FailsToLoad()), 2, 30)
+        assert got == ["could not be loaded in the worker process (ImportError: no module named 'verifier')"] * 2
+    finally:
+        pool.close()
+
+
+def test_a_time_out_kills_what_the_reward_started_too(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    pool = RewardProcesses(1)
+    try:
+        got = failures(pool, pool.register(StartsAProgram(str(pid_file))), 1, 1.0)
+        assert got == ["timed out after 1s (its worker process was killed)"]
+        assert wait_gone(int(pid_file.read_text()), 5)
+    finally:
+        pool.close()

@@ -1,10 +1,11 @@
 """A reward worker process: scores samples with sync rewards sent to it by `rlx.rollout.rewards.RewardProcesses`.
 
 Run as ``python -m rlx.rollout.reward_worker READ_FD WRITE_FD PARENT_PID``. It reads frames (an 8-byte
-big-endian length, then a pickle) of ``(key, payload, sample)`` from READ_FD: `payload` is the pickled reward
-the first time a key is sent to this worker, else None. It answers each with one frame on WRITE_FD:
-``("ok", value)``, ``("raised", "TypeName: message")`` (the reward raised), or ``("failed", why)`` (the
-reward could not be loaded, or its result cannot be pickled). The frames have pipes of their own, so a reward
+big-endian length, then a pickle) of ``(key, payload, sample)`` from READ_FD: either a pickled reward to load
+under `key` (`sample` None), or a sample to score with the reward loaded under `key` (`payload` None). It
+answers each with one frame on WRITE_FD: ``("ok", value)`` (None for a load), ``("raised", "TypeName:
+message")`` (the reward raised), or ``("failed", why)`` (the reward could not be loaded, or its result cannot
+be pickled). The frames have pipes of their own, so a reward
 may print to stdout and stderr (both are the parent's).
 
 It exits when READ_FD reaches end of file (the parent closed it), and is killed when the parent dies (Linux:
@@ -86,11 +87,12 @@ def serve(rfd: int, wfd: int) -> None:
             return
         reply: tuple[str, Any]
         key, payload, sample = pickle.loads(frame)
-        try:
-            if payload is not None:
+        if payload is not None:  # load only (the parent times it apart from scoring)
+            try:
                 rewards[key] = pickle.loads(payload)
-        except Exception as e:  # noqa: BLE001 - reported with the sample
-            reply = ("failed", f"could not be loaded in the worker process ({type(e).__name__}: {e})")
+                reply = ("ok", None)
+            except Exception as e:  # noqa: BLE001 - reported with the sample
+                reply = ("failed", f"could not be loaded in the worker process ({type(e).__name__}: {e})")
         else:
             try:
                 reply = ("ok", _score(rewards[key], sample))

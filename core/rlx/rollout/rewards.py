@@ -153,7 +153,8 @@ def _exit_reason(code: int) -> str:
 
 
 class _Worker:
-    """One worker process and the pipes to it; started on first use and again after it is killed or dies."""
+    """One worker process (the leader of a process group of its own, so that what a reward starts goes with
+    it) and the pipes to it; started on first use and again after it is killed or dies."""
 
     def __init__(self, index: int):
         self.index = index
@@ -172,18 +173,30 @@ class _Worker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rlx.rollout.reward_worker", str(down_r), str(up_w), str(os.getpid())],
-                pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(down_w)
+            os.close(up_r)
+            raise
         finally:
             os.close(down_r)
             os.close(up_w)
         self.to_fd, self.from_fd, self.loaded = down_w, up_r, set()
 
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (what its reward started too); the pipes stay open."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def stop(self, kill: bool) -> None:
         """Close the pipes (a worker that reads exits at end of file) and reap the process; `kill`: SIGKILL
-        first (a hung or timed-out reward)."""
+        its process group first (a hung or timed-out reward)."""
+        if kill:
+            self.kill()
         proc, self.proc = self.proc, None
-        if proc is not None and kill:
-            proc.kill()
         for fd in (self.to_fd, self.from_fd):
             if fd >= 0:
                 os.close(fd)
@@ -198,38 +211,54 @@ class _Worker:
     def _died(self) -> RewardFailed:
         proc = self.proc
         code = proc.wait() if proc is not None else 0
-        self.stop(kill=False)
+        self.stop(kill=True)  # anything the reward started goes too
         return RewardFailed(f"crashed its worker process ({_exit_reason(code)})")
 
-    def call(self, key: str, payload: bytes, sample: Sample, timeout_s: float) -> Any:
-        """Score `sample` with reward `key` in this worker; RewardFailed if it times out (the worker is
-        killed) or the worker dies."""
-        if self.proc is None or self.proc.poll() is not None:
-            if self.proc is not None:
-                self.stop(kill=False)
-            self.start()
-        body = pickle.dumps((key, None if key in self.loaded else payload, sample))
-        deadline = time.monotonic() + timeout_s
+    def _exchange(self, body: bytes, timeout_s: float, what: str) -> tuple[str, Any]:
+        """Send one frame and read the reply within `timeout_s`; the worker is killed on a time-out and
+        reaped when it dies (even if something it started still holds its end of the pipe)."""
         try:
             reward_worker.write_frame(self.to_fd, body)
         except BrokenPipeError:
             raise self._died() from None
-        self.loaded.add(key)
-        while True:
-            left = deadline - time.monotonic()
-            ready = select.select([self.from_fd], [], [], max(left, 0))[0] if left > 0 else []
-            if ready:
-                break
-            if left <= 0:
+        poller = select.poll()  # not select(): descriptors may be past 1024 in a busy driver
+        poller.register(self.from_fd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not poller.poll(int(min(max(deadline - time.monotonic(), 0), 0.5) * 1000)):
+            if self.proc.poll() is not None:
+                raise self._died()
+            if time.monotonic() >= deadline:
                 self.stop(kill=True)
-                raise RewardFailed(f"timed out after {timeout_s:g}s (its worker process was killed)")
+                raise RewardFailed(f"{what} after {timeout_s:g}s (its worker process was killed)")
         try:
             frame = reward_worker.read_frame(self.from_fd)
         except EOFError:
             frame = None
         if frame is None:
             raise self._died()
-        status, value = pickle.loads(frame)
+        return pickle.loads(frame)
+
+    def call(self, key: str, payload: bytes, sample: Sample, timeout_s: float, load_timeout_s: float) -> Any:
+        """Score `sample` with reward `key` in this worker; RewardFailed if it times out (the worker is
+        killed), the worker dies, or the reward cannot be loaded. Starting the worker and loading the reward
+        into it have a limit of their own (`load_timeout_s`), outside the sample's."""
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                if self.proc is not None:
+                    self.stop(kill=True)
+                self.start()
+            if key not in self.loaded:
+                status, value = self._exchange(pickle.dumps((key, payload, None)), load_timeout_s,
+                                               "could not be loaded in its worker process")
+                if status != "ok":
+                    raise RewardFailed(value)
+                self.loaded.add(key)
+            status, value = self._exchange(pickle.dumps((key, None, sample)), timeout_s, "timed out")
+        except RewardFailed:
+            raise
+        except BaseException:  # out of step with the worker (a reply may be left in the pipe): start afresh
+            self.stop(kill=True)
+            raise
         if status == "raised":
             raise RewardFailed(f"raised {value}")
         if status == "failed":
@@ -240,18 +269,19 @@ class _Worker:
 class RewardProcesses:
     """Up to `n` worker processes for sync rewards, each served by a thread of this process that sends it
     one sample at a time and enforces the time limit from when the sample is sent (waiting for a free worker
-    does not count: a worker is never stuck, so every queued sample gets one)."""
+    does not count: a worker is never stuck, so every queued sample gets one). Each serving thread owns its
+    worker, and stops it when the pool closes."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, load_timeout_s: float = 300.0):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.payloads: dict[str, bytes] = {}
+        self.load_timeout_s = load_timeout_s
         self.workers = [_Worker(i) for i in range(n)]
         self.threads = [threading.Thread(target=self._serve, args=(w,), name=f"rlx-reward-worker-{w.index}",
                                          daemon=True) for w in self.workers]
         self.closed = False
         for t in self.threads:
             t.start()
-        atexit.register(self.close)
 
     def register(self, reward: Any) -> str:
         """Pickle `reward` once (a `pickle` error if it cannot be); the key its calls use."""
@@ -270,23 +300,29 @@ class RewardProcesses:
         return fut
 
     def _serve(self, worker: _Worker) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            loop, fut, key, sample, timeout_s = job
-            if fut.done():  # its caller went away while it waited
-                continue
-            try:
-                result, error = worker.call(key, self.payloads[key], sample, timeout_s), None
-            except RewardFailed as e:
-                result, error = None, e
-            except Exception as e:  # noqa: BLE001 - e.g. the sample or a result cannot be pickled
-                result, error = None, RewardFailed(f"could not be run in a worker process ({type(e).__name__}: {e})")
-            _hand_back(loop, fut, result, error)
+        try:
+            while True:
+                job = self.jobs.get()
+                if job is None:
+                    return
+                loop, fut, key, sample, timeout_s = job
+                if fut.done():  # its caller went away while it waited
+                    continue
+                try:
+                    result = worker.call(key, self.payloads[key], sample, timeout_s, self.load_timeout_s)
+                    error = None
+                except RewardFailed as e:
+                    result, error = None, e
+                except Exception as e:  # noqa: BLE001 - e.g. the sample or a result cannot be pickled
+                    result, error = None, RewardFailed(f"could not be run in a worker process "
+                                                       f"({type(e).__name__}: {e})")
+                _hand_back(loop, fut, result, error)
+        finally:
+            worker.stop(kill=True)
 
     def close(self) -> None:
-        """Stop every worker (closing its pipe; SIGKILL for one that does not exit) and its thread."""
+        """Stop every worker and its thread: idle threads stop their workers at once; a busy one's worker is
+        killed, so its thread sees it die and stops it."""
         if self.closed:
             return
         self.closed = True
@@ -294,17 +330,26 @@ class RewardProcesses:
             self.jobs.put(None)
         for t in self.threads:
             t.join(timeout=1)
-        for w in self.workers:
-            w.stop(kill=True)
+        for w, t in zip(self.workers, self.threads, strict=True):
+            if t.is_alive():  # busy with a sample: kill the process, its thread then reaps it and returns
+                w.kill()
+                t.join(timeout=5)
 
 
-_PROCESSES: dict[int, RewardProcesses] = {}  # by size: started on first use, shared by the process's rollouts
+_PROCESSES: dict[tuple[int, float], RewardProcesses] = {}  # started on first use, shared by the process's rollouts
 
 
-def reward_processes(n: int = 4) -> RewardProcesses:
-    if n not in _PROCESSES or _PROCESSES[n].closed:
-        _PROCESSES[n] = RewardProcesses(n)
-    return _PROCESSES[n]
+def reward_processes(n: int = 4, load_timeout_s: float = 300.0) -> RewardProcesses:
+    key = (n, load_timeout_s)
+    if key not in _PROCESSES or _PROCESSES[key].closed:
+        _PROCESSES[key] = RewardProcesses(n, load_timeout_s)
+    return _PROCESSES[key]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _PROCESSES.values():
+        pool.close()
 
 
 # -- scoring ------------------------------------------------------------------------------------------
@@ -321,19 +366,23 @@ class Rewards:
         self.timeout_s = rc.reward_timeout_s
         self.isolation = rc.reward_isolation
         self.workers = rc.reward_workers
-        self.keys: dict[str, str] = {}
+        self.load_timeout_s = rc.reward_load_timeout_s
+        self.keys: dict[int, str] = {}  # by position in the list: two entries may share a name
         if self.isolation == "process" and any(not b.is_async for b in self.bound):
-            pool = reward_processes(self.workers)
+            pool = self._pool()
             for i, b in enumerate(self.bound):
                 if b.is_async:
                     continue
                 try:
-                    self.keys[b.name] = pool.register(b.reward)
+                    self.keys[i] = pool.register(b.reward)
                 except Exception as e:  # noqa: BLE001 - pickle raises many kinds
                     raise RLXError(
                         f"{where}[{i}] ({b.name}): the reward cannot be sent to a reward worker process "
                         f"({type(e).__name__}: {e}); make it picklable (for example, build what cannot be "
                         f"pickled on first use in score()), or set rollout.reward_isolation: thread") from None
+
+    def _pool(self) -> RewardProcesses:
+        return reward_processes(self.workers, self.load_timeout_s)
 
     def __iter__(self):
         return iter(self.bound)
@@ -341,10 +390,9 @@ class Rewards:
     def __len__(self) -> int:
         return len(self.bound)
 
-    async def _call(self, b: BoundReward, sample: Sample) -> RewardResult:
-        if b.name in self.keys:  # a sync reward in a worker process: the pool enforces the time limit
-            return as_result(await reward_processes(self.workers).run(self.keys[b.name], sample, self.timeout_s),
-                             b.name)
+    async def _call(self, i: int, b: BoundReward, sample: Sample) -> RewardResult:
+        if i in self.keys:  # a sync reward in a worker process: the pool enforces the time limit
+            return as_result(await self._pool().run(self.keys[i], sample, self.timeout_s), b.name)
         try:
             return await asyncio.wait_for(call_reward(b.reward, sample, b.name, self.workers), self.timeout_s)
         except TimeoutError:
@@ -353,9 +401,9 @@ class Rewards:
     async def score(self, sample: Sample) -> Sample:
         """Fill `sample.rewards` and `sample.reward`; on any failure mark the sample FAILED with why."""
         total = 0.0
-        for b in self.bound:
+        for i, b in enumerate(self.bound):
             try:
-                result = await self._call(b, sample)
+                result = await self._call(i, b, sample)
             except RewardFailed as e:
                 return _fail(sample, f"reward {b.name!r} {e}")
             except Exception as e:  # noqa: BLE001 - the sample fails, the run goes on

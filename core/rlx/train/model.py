@@ -66,10 +66,11 @@ class ParallelState:
         return self.dp_rank == 0 and self.tp_rank == 0
 
 
-def init_distributed(parallel: Any, seed: int, master_addr: str = "127.0.0.1") -> ParallelState:
+def init_distributed(parallel: Any, seed: int, master_addr: str = "127.0.0.1",
+                     key: str = "train.parallel") -> ParallelState:
     """Join (or create, for one process) the default process group and megatron's model-parallel groups.
 
-    `parallel` is a ``ParallelConfig``. Outside torchrun/Ray (no ``WORLD_SIZE``) a one-process group
+    `parallel` is a ``ParallelConfig`` (at config `key`, for errors). Outside torchrun/Ray (no ``WORLD_SIZE``) a one-process group
     is created on `master_addr`.
     """
     import os
@@ -92,11 +93,11 @@ def init_distributed(parallel: Any, seed: int, master_addr: str = "127.0.0.1") -
     world = dist.get_world_size()
     p = parallel
     if world != p.world_size:
-        raise RLXError(f"train.parallel.world_size is {p.world_size} but {world} trainer processes are running")
+        raise RLXError(f"{key}.world_size is {p.world_size} but {world} trainer processes are running")
     if world % (p.tp * p.pp):
-        raise RLXError(f"train.parallel.world_size {world} is not a multiple of tp*pp = {p.tp * p.pp}")
+        raise RLXError(f"{key}.world_size {world} is not a multiple of tp*pp = {p.tp * p.pp}")
     if world % (p.expert_tp * p.ep * p.pp):
-        raise RLXError(f"train.parallel.world_size {world} is not a multiple of etp*ep*pp = "
+        raise RLXError(f"{key}.world_size {world} is not a multiple of etp*ep*pp = "
                        f"{p.expert_tp * p.ep * p.pp}")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -123,6 +124,33 @@ def stage_of(spec: ModelSpec, par: ParallelState) -> Stage:
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _LMHeadOptional:
+    """An HF checkpoint seen by a critic's bridge: a tensor it lacks reads as empty and is noted in
+    `missing`, so that a reward model's checkpoint (a ``score.weight``, no LM head) loads; the critic drops the
+    output layer and fails on any other missing tensor."""
+
+    def __init__(self, ckpt: HFCheckpoint):
+        self.ckpt, self.folder, self.missing = ckpt, ckpt.folder, []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ckpt, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.ckpt:
+            self.missing.append(name)
+            return torch.empty(0)
+        return self.ckpt.get(name)
+
+    def shard(self, name: str, dim: int, rank: int, parts: int) -> torch.Tensor:
+        if name not in self.ckpt:
+            self.missing.append(name)
+            return torch.empty(0)
+        return self.ckpt.shard(name, dim, rank, parts)
 
 
 class ValueHead(torch.nn.Module):
@@ -188,15 +216,22 @@ class ModelRole:
         takes everything but the output layer; its value head starts from the checkpoint's ``score.weight``
         (``[1, hidden]``, as a transformers sequence-classification model with one label stores it) when
         there is one, else from zero (every value 0 at the start)."""
+        if self.value_head:  # a reward model's checkpoint has no LM head: the bridge must not need to read one
+            ckpt = _LMHeadOptional(ckpt)
         named = self.spec.to_megatron(ckpt, self.stage)
         if self.value_head:
             named = self._with_value_head(named, ckpt)
         self._copy_in(named, f"model bridge for {self.spec.model_type!r}")
 
-    def _with_value_head(self, named: Any, ckpt: HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    def _with_value_head(self, named: Any, ckpt: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
-            if not name.startswith("output_layer."):
-                yield name, t
+            if name.startswith("output_layer."):
+                ckpt.missing.clear()  # what it lacked was the LM head's
+                continue
+            if ckpt.missing:  # a tensor other than the LM head was read but is not in the checkpoint
+                raise RLXError(f"train.critic.model_path: the checkpoint in {ckpt.folder} has no tensor "
+                               f"{ckpt.missing[0]!r}")
+            yield name, t
         if self.stage.last:
             hidden = self.config.hidden_size
             head = ckpt.get("score.weight") if "score.weight" in ckpt else torch.zeros(1, hidden)

@@ -28,6 +28,7 @@ from rlx.errors import RLXError
 from rlx.train.advantages import token_weights
 from rlx.train.batch import TrainBatch
 from rlx.train.gae import explained_variance, value_loss
+from rlx.train.losses import kl_penalty
 from rlx.train.model import ModelRole
 from rlx.train.packing import PackedBatch
 from rlx.train.step import RLStep, batch_probes, mini_batch_scales
@@ -37,6 +38,9 @@ from rlx.types import RolloutBatch, Sample
 def response_values(mb: PackedBatch, out: torch.Tensor) -> torch.Tensor:
     """The critic's value at each response token of a packed micro-batch (of the state before the token, at
     the position whose logits predict it, like its log-prob): flat ``[T]``."""
+    if out.shape[-1] != 1:
+        raise RLXError(f"the critic's model returned {out.shape[-1]} numbers per position, not 1: its output layer "
+                       f"is not the value head (does the model bridge's build() keep megatron's output_layer?)")
     return out.reshape(-1)[mb.response_positions.to(out.device)].float()
 
 
@@ -108,7 +112,7 @@ class CriticStep:
             mine = self.step.my_share(samples)
             old = gather(self.step.logprobs(actor, mine))
             ref = gather(self.step.logprobs(reference, mine))
-            kl = {sid: old[sid] - ref[sid] for sid in old}  # k1, the estimate whose sum is the sequence's KL
+            kl = {sid: kl_penalty(old[sid], ref[sid], self.obj.kl_type, old[sid]) for sid in old}  # no gradient
             masked = [(k, m) for s in samples for k, m in zip(kl[s.sample_id].tolist(), s.loss_mask, strict=True)]
             model = [k for k, m in masked if m]
             metrics["kl"] = sum(model) / len(model) if model else 0.0
@@ -193,6 +197,14 @@ class CriticStep:
         return {**self.train_critic(tb), **self.train_actor(tb, actor, reference, step_index)}
 
 
+def check_critic_model(critic: Any, actor: Any, path: Any) -> None:
+    """The critic reads the policy's tokens: the same architecture and vocabulary (it may differ in weights)."""
+    if critic.model_type != actor.model_type or critic.vocab_size != actor.vocab_size:
+        raise RLXError(f"train.critic.model_path: {path} is a {critic.model_type!r} model with a vocabulary of "
+                       f"{critic.vocab_size}; the critic reads the policy's tokens, so it must be a "
+                       f"{actor.model_type!r} model with the policy's vocabulary of {actor.vocab_size}")
+
+
 def scored(batch: RolloutBatch) -> list[Sample]:
     """The batch's trainable samples that have a reward: what the critic values and trains on."""
     samples = [s for g in batch.groups if g.trainable for s in g.trainable if s.reward is not None]
@@ -214,9 +226,10 @@ class CriticTrainer:
 
         tc = cfg.train
         parallel = tc.critic.parallel
-        self.par = init_distributed(parallel, cfg.run.seed, master_addr)
+        self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel")
         path = resolve_model_path(tc.critic.model_path or cfg.model.path)
         self.spec = model_spec(path, plugins)
+        check_critic_model(self.spec, model_spec(resolve_model_path(cfg.model.path), plugins), path)
         self.critic = ModelRole("critic", self.spec, self.par, parallel, torch_dtype(cfg.model.dtype), value_head=True)
         self.critic.load_hf(HFCheckpoint(path))
         self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)

@@ -20,8 +20,8 @@ from rlx.config import Config
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.train.model import ModelRole, ParallelState, init_distributed
-from rlx.train.ppo import CriticStep
-from rlx.train.spec import HFCheckpoint, model_spec, read_model_type
+from rlx.train.ppo import CriticStep, check_critic_model
+from rlx.train.spec import HFCheckpoint, model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
 
@@ -60,9 +60,8 @@ class Trainer:
         elif getattr(self.estimator, "needs_critic", False):
             self.critic = ModelRole("critic", self.spec, self.par, tc.parallel, dtype, value_head=True)
             critic_path = resolve_model_path(tc.critic.model_path) if tc.critic.model_path else self.model_path
-            if read_model_type(critic_path) != self.spec.model_type:
-                raise RLXError(f"train.critic.model_path: {critic_path} is a {read_model_type(critic_path)!r} model; "
-                               f"the critic has the policy's architecture ({self.spec.model_type!r})")
+            if critic_path != self.model_path:
+                check_critic_model(model_spec(critic_path, plugins), self.spec, critic_path)
             self.critic.load_hf(HFCheckpoint(critic_path))
             self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
             self.critic_step = CriticStep(tc, self.estimator, self.step_fn, self.critic, self.loss_norm)
