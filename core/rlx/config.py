@@ -240,6 +240,8 @@ class CriticConfig(Section):
     #                                             (PPO's clipped value loss; None: plain squared error)
     warmup_steps: int = Field(0, ge=0)  # the first N steps train the critic alone (the policy waits)
     parallel: ParallelConfig | None = None  # a layout of its own, in processes of its own (Ray); None: the actor's
+    placement: Literal["shared", "own"] = "shared"  # with parallel: on the actor's bundles (GPUs shared), or on
+    #                                                 bundles of its own (ray.cpus/gpus_per_trainer each)
 
 
 class ObjectiveConfig(Section):
@@ -564,6 +566,9 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
             problems.append((("train", "async", "max_staleness"), f"must be at least train.update_interval "
                              f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))
+    if cfg.train.critic.placement != "shared" and cfg.train.critic.parallel is None:
+        problems.append((("train", "critic", "placement"), "places a critic with processes of its own: set "
+                         "train.critic.parallel too (without it the critic lives in the actor's processes)"))
     if cfg.train.critic.parallel is not None and not cfg.ray.enabled:
         problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
                          "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))

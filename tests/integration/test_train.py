@@ -93,11 +93,13 @@ def test_kill_9_then_resume_trains_on_the_same_samples_in_the_same_order(uninter
 
 
 def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_then_resume(uninterrupted, tmp_path):
-    """PPO with the critic in Ray processes of its own: kill -9 of the driver takes the critic's processes too,
-    and --resume restores the actor and the critic and trains the same sample ids as an uninterrupted run."""
+    """PPO with the critic in Ray processes of its own, on bundles of its own: kill -9 of the driver takes the
+    critic's processes too, and --resume restores the actor and the critic and trains the same sample ids as
+    an uninterrupted run."""
     want = sample_order(uninterrupted / "run")  # sample ids do not depend on the objective
     cfg = write_config(tmp_path, "ppo")
     sets = ["--set", "train.objective.advantage=gae", "--set", "train.critic.parallel.world_size=1",
+            "--set", "train.critic.placement=own",  # bundles of its own (test_parallel covers shared ones)
             "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5"]
     kill_at = random.Random().randint(2, STEPS - 2)
     tag = uuid.uuid4().hex

@@ -118,6 +118,11 @@ def test_a_reward_listed_twice_is_an_error():
         "each once")
 
 
+def test_a_critic_placement_needs_a_critic_with_processes_of_its_own():
+    got = dict(problems("model: {path: /m}\ntrain: {critic: {placement: own}}\n"))
+    assert got["<config>:2: train.critic.placement"].startswith("places a critic with processes of its own")
+
+
 def test_yaml_syntax_error_has_a_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model:\n  path: [unclosed\n")

@@ -193,7 +193,8 @@ class RayTrainerGroup(TrainerGroup):
         self.role = role
         critic = cfg.train.critic.parallel
         world = critic.world_size if role == "critic" else cfg.train.parallel.world_size
-        other = (cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
+        other = 0 if cfg.train.critic.placement == "own" else (  # ranks of the other role on the same bundles
+            cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
         actor = ray.remote(num_cpus=rc.cpus_per_trainer)(CriticWorker if role == "critic" else TrainerWorker)
         self.workers = [
             actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
@@ -278,12 +279,13 @@ class CriticTrainerGroup(TrainerGroup):
 
 def ray_trainer_group(cfg: Config, placement_group: Any) -> TrainerGroup:
     """The run's trainer ranks in its placement group: the actor's, and the critic's when it has a layout of
-    its own (on the same bundles)."""
+    its own (on the actor's bundles, or on bundles of its own after them: ``train.critic.placement``)."""
     actor = RayTrainerGroup(cfg, placement_group, 0)
     if cfg.train.critic.parallel is None:
         return actor
     try:
-        return CriticTrainerGroup(actor, RayTrainerGroup(cfg, placement_group, 0, role="critic"))
+        first = 0 if cfg.train.critic.placement == "shared" else cfg.train.parallel.world_size
+        return CriticTrainerGroup(actor, RayTrainerGroup(cfg, placement_group, first, role="critic"))
     except BaseException:
         actor.shutdown()
         raise
@@ -340,19 +342,22 @@ class RayPlacement:
                 ray.init(address=rc.address, **init)
         actors = cfg.train.parallel.world_size
         critics = cfg.train.critic.parallel.world_size if cfg.train.critic.parallel is not None else 0
-        self.trainer_bundles = max(actors, critics)  # bundle r: actor rank r and critic rank r, where they exist
+        shared = cfg.train.critic.placement == "shared"
+        # shared: bundle r holds actor rank r and critic rank r, where they exist; own: the critic's bundles follow
+        self.trainer_bundles = max(actors, critics) if shared else actors + critics
         engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
         self.colocated = rc.placement == "colocated"
         bundles = []
         for r in range(self.trainer_bundles):
-            bundle = {"CPU": rc.cpus_per_trainer * ((r < actors) + (r < critics))}
+            ranks = (r < actors) + (r < critics) if shared else 1
+            bundle = {"CPU": rc.cpus_per_trainer * ranks}
             if rc.gpus_per_trainer:
                 bundle["GPU"] = rc.gpus_per_trainer
             bundles.append(bundle)
         if self.colocated:
-            # Engines share the trainers' bundles; each bundle gets room for one engine's CPU as well.
+            # Engines share the actor's bundles; each bundle gets room for one engine's CPU as well.
             for i in range(engines):
-                bundles[i % len(bundles)]["CPU"] += rc.cpus_per_engine
+                bundles[i % actors]["CPU"] += rc.cpus_per_engine
         else:
             eb = {"CPU": rc.cpus_per_engine}
             if rc.gpus_per_engine:
@@ -374,7 +379,7 @@ class RayPlacement:
             raise RLXError(f"Ray could not place the run's {len(bundles)} bundles {bundles} within "
                            f"{rc.placement_timeout_s:.0f}s; available: {ray.available_resources()}") from None
         self.engine_bundles = (
-            [i % self.trainer_bundles for i in range(engines)] if self.colocated
+            [i % actors for i in range(engines)] if self.colocated
             else list(range(self.trainer_bundles, self.trainer_bundles + engines))
         )
 
