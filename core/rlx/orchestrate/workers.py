@@ -28,6 +28,13 @@ from rlx.errors import RLXError
 from rlx.net import node_ip, use_interface_of
 
 
+def join_ranks(rank: int, world: int, master_addr: str, master_port: int, host: str) -> None:
+    """What torch.distributed reads to join this process to its world as `rank`, over `host`'s interface."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    use_interface_of(host)
+
+
 class TrainerWorker:
     """One trainer rank: the trainer and the sending side of weight sync. Built empty so that Ray can
     place it first; `start` then joins the ranks at the address rank 0 reported (`address`)."""
@@ -45,9 +52,7 @@ class TrainerWorker:
         return self.host, free_port(self.host)
 
     def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        use_interface_of(self.host)
+        join_ranks(rank, world, master_addr, master_port, self.host)
         from rlx.plugins import build_plugins
         from rlx.train.trainer import Trainer
         from rlx.transport.sender import WeightSender
@@ -103,9 +108,7 @@ class CriticWorker:
     node = TrainerWorker.node
 
     def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        use_interface_of(self.host)
+        join_ranks(rank, world, master_addr, master_port, self.host)
         from rlx.plugins import build_plugins
         from rlx.train.ppo import CriticTrainer
 

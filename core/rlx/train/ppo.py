@@ -25,13 +25,12 @@ from typing import Any
 import torch
 
 from rlx.errors import RLXError
-from rlx.train.advantages import token_weights
 from rlx.train.batch import TrainBatch
 from rlx.train.gae import explained_variance, value_loss
 from rlx.train.losses import kl_penalty
 from rlx.train.model import ModelRole
 from rlx.train.packing import PackedBatch
-from rlx.train.step import RLStep, batch_probes, mini_batch_scales
+from rlx.train.step import RLStep, batch_probes, mini_batch_scales, per_token_weights
 from rlx.types import RolloutBatch, Sample
 
 
@@ -113,32 +112,24 @@ class CriticStep:
             old = gather(self.step.logprobs(actor, mine))
             ref = gather(self.step.logprobs(reference, mine))
             kl = {sid: kl_penalty(old[sid], ref[sid], self.obj.kl_type, old[sid]) for sid in old}  # no gradient
-            masked = [(k, m) for s in samples for k, m in zip(kl[s.sample_id].tolist(), s.loss_mask, strict=True)]
-            model = [k for k, m in masked if m]
-            metrics["kl"] = sum(model) / len(model) if model else 0.0
+            model = torch.cat([kl[s.sample_id][TrainBatch.loss_mask([s]) > 0] for s in samples])
+            metrics["kl"] = float(model.mean()) if model.numel() else 0.0
         adv, ret = self.estimator.advantages_and_returns(
             groups, {sid: v.tolist() for sid, v in values.items()},
             {sid: v.tolist() for sid, v in kl.items()} if kl is not None else None, self.obj.kl_coef)
         samples = [s for s in samples if s.sample_id in adv]
         groups = [g for g in groups if any(s.sample_id in adv for s in g.trainable)]
-        w = token_weights(groups, self.loss_norm)
-        weights = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
         tb = TrainBatch(batch.step, groups, samples,
                         advantages={sid: torch.tensor(a, dtype=torch.float32) for sid, a in adv.items()},
-                        weights=weights, returns={sid: torch.tensor(r, dtype=torch.float32) for sid, r in ret.items()},
+                        weights=per_token_weights(groups, samples, self.loss_norm), returns={sid: torch.tensor(r, dtype=torch.float32) for sid, r in ret.items()},
                         values=values, metrics=metrics)
         tb.metrics.update(self._value_metrics(tb))
         return tb
 
     @staticmethod
     def _value_metrics(tb: TrainBatch) -> dict[str, float]:
-        v, r = [], []
-        for s in tb.samples:
-            for x, y, m in zip(tb.values[s.sample_id].tolist(), tb.returns[s.sample_id].tolist(), s.loss_mask,
-                               strict=True):
-                if m:
-                    v.append(x)
-                    r.append(y)
+        model = TrainBatch.loss_mask(tb.samples) > 0
+        v, r = tb.tokens(tb.samples, "values")[model].tolist(), tb.tokens(tb.samples, "returns")[model].tolist()
         return {"critic/value_mean": sum(v) / len(v) if v else 0.0,
                 "critic/returns_mean": sum(r) / len(r) if r else 0.0,
                 "critic/explained_variance": explained_variance(v, r)}
@@ -235,7 +226,6 @@ class CriticTrainer:
         self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
         step = RLStep(tc, None, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.step_fn = CriticStep(tc, None, step, self.critic, "token")
-        self.steps = 0
 
     def values(self, batch: RolloutBatch) -> dict[int, torch.Tensor]:
         return self.step_fn.values(scored(batch))
@@ -245,7 +235,6 @@ class CriticTrainer:
         samples = [s for s in scored(batch) if s.sample_id in returns]
         groups = [g for g in batch.groups if any(s.sample_id in returns for s in g.trainable)]
         tb = TrainBatch(batch.step, groups, samples, advantages={}, weights={}, returns=returns, values=values)
-        self.steps += 1
         return self.step_fn.train_critic(tb)
 
     def save(self, folder: Path) -> None:

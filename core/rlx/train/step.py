@@ -47,9 +47,14 @@ def prepare(batch: RolloutBatch, estimator: Any, loss_norm: str) -> TrainBatch:
     if not samples:
         raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
     advantages = {s.sample_id: _per_token(adv[s.sample_id], s, estimator) for s in samples}
+    return TrainBatch(batch.step, groups, samples, advantages, per_token_weights(groups, samples, loss_norm),
+                      metrics=batch_probes(samples))
+
+
+def per_token_weights(groups: list, samples: list[Sample], loss_norm: str) -> dict[int, torch.Tensor]:
+    """Each sample's normalisation weight per response token (`token_weights`), 0 where the loss mask is 0."""
     w = token_weights(groups, loss_norm)
-    weights = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
-    return TrainBatch(batch.step, groups, samples, advantages, weights, metrics=batch_probes(samples))
+    return {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
 
 
 def batch_probes(samples: list[Sample]) -> dict[str, float]:

@@ -54,6 +54,7 @@ class Trainer:
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.critic: ModelRole | None = None
         self.critic_step: CriticStep | None = None
+        self._pending: Any = None  # with a critic in ranks of its own: the TrainBatch ppo_prepare made
         if getattr(self.estimator, "needs_critic", False) and tc.critic.parallel is not None:
             # the critic has ranks of its own (CriticTrainer): this side makes advantages and trains the actor
             self.critic_step = CriticStep(tc, self.estimator, self.step_fn, None, self.loss_norm)
