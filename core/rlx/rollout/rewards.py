@@ -270,7 +270,7 @@ class RewardProcesses:
     """Up to `n` worker processes for sync rewards, each served by a thread of this process that sends it
     one sample at a time and enforces the time limit from when the sample is sent (waiting for a free worker
     does not count: a worker is never stuck, so every queued sample gets one). Each serving thread owns its
-    worker, and stops it when the pool closes."""
+    worker: it starts it when the pool is made (off the first step's path) and stops it when the pool closes."""
 
     def __init__(self, n: int, load_timeout_s: float = 300.0):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -301,6 +301,10 @@ class RewardProcesses:
 
     def _serve(self, worker: _Worker) -> None:
         try:
+            try:  # start at once, so that the first samples do not wait for an interpreter to start
+                worker.start()
+            except Exception:  # noqa: BLE001 - the first call tries again and reports why
+                worker.stop(kill=True)
             while True:
                 job = self.jobs.get()
                 if job is None:
