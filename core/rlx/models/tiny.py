@@ -20,6 +20,7 @@ from pathlib import Path
 from rlx.errors import RLXError
 
 SCHEME = "builtin://"
+BUILTIN_MODELS_GROUP = "rlx.builtin_models"
 VERSION = "2"  # bump when the recipe changes, so caches rebuild (2: tools in the chat template)
 
 # ChatML, with tools (Qwen/Hermes style): a system block lists them, assistant turns carry
@@ -59,10 +60,13 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(SCHEME):
         return path
     name = path[len(SCHEME):]
-    if name not in SHAPES and name not in PACKAGED:
-        known = ", ".join(SCHEME + n for n in [*SHAPES, *PACKAGED])
-        raise RLXError(f"unknown built-in model {path!r}; built-ins: {known}")
-    target = cache_root() / f"{name}-v{VERSION}"
+    plugged = plugin_builders()
+    if name not in SHAPES and name not in PACKAGED and name not in plugged:
+        known = ", ".join(SCHEME + n for n in [*SHAPES, *PACKAGED, *plugged])
+        raise RLXError(f"unknown built-in model {path!r}; built-ins: {known} (model plugins add their "
+                       f"families' tiny models)")
+    recipe = VERSION if name not in plugged else f"{VERSION}-{plugged[name].dist.version if plugged[name].dist else 0}"
+    target = cache_root() / f"{name}-v{recipe}"
     if (target / "config.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -72,11 +76,30 @@ def resolve_model_path(path: str) -> str:
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
             if name in PACKAGED:
                 convert_packaged_gguf(tmp, name)
+            elif name in plugged:
+                plugged[name].load()(tmp)
             else:
                 build_tiny_model(tmp, name)
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
     return str(target)
+
+
+def plugin_builders() -> dict:
+    """Tiny models that installed plugins offer, by name: entry points in the ``rlx.builtin_models`` group, each a
+    function ``build(folder)`` that writes an HF checkpoint there (a model plugin's tiny random model)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=BUILTIN_MODELS_GROUP)}
+
+
+def save_tiny(out: Path, model, tokenizer) -> Path:
+    """Write a tiny model and its tokenizer as an ordinary HF checkpoint folder."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return out
 
 
 def corpus(n: int = 4000, seed: int = 0) -> list[str]:
@@ -128,12 +151,7 @@ def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path
         **SHAPES[name],
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    return out
+    return save_tiny(out, Qwen3ForCausalLM(config), tok)
 
 
 def convert_packaged_gguf(out: Path, name: str) -> Path:

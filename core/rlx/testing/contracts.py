@@ -417,12 +417,13 @@ class ModelBridgeContract(_Contract):
     """A model bridge claims its ``model_type``, returns a `ModelSpec`, and converts HF -> megatron -> HF
     exactly, for every tensor-parallel rank and pipeline stage layout given (checked without megatron:
     the conversions are plain torch). Set `bridge_name`, `model_type` and `make_checkpoint(folder)`
-    (write a tiny HF checkpoint there); `layouts` are (tp, pp) pairs."""
+    (write a tiny HF checkpoint there); `layouts` are (tp, pp) or (tp, pp, ep) tuples (experts split over
+    ep ranks, expert tensor parallel = tp)."""
 
     kind = "models"
     bridge_name: ClassVar[str]
     model_type: ClassVar[str]
-    layouts: ClassVar[list[tuple[int, int]]] = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    layouts: ClassVar[list[tuple[int, ...]]] = [(1, 1), (2, 1), (1, 2), (2, 2)]
     logits_atol: ClassVar[float] = 1e-4
 
     @property
@@ -451,25 +452,27 @@ class ModelBridgeContract(_Contract):
     def test_round_trip_is_exact_for_every_layout(self, tmp_path):
         import torch
 
-        from rlx.train.spec import HFCheckpoint, Stage
+        from rlx.train.spec import HFCheckpoint, ShardGather, Stage
 
         self.make_checkpoint(tmp_path)
         spec = self._spec(tmp_path)
         ckpt = HFCheckpoint(tmp_path)
         reference = {n: ckpt.get(n) for n in ckpt.names()}
-        for tp, pp in self.layouts:
+        for layout in self.layouts:
+            tp, pp, ep = (*layout, 1)[:3]
             n = spec.num_layers // pp
             back: dict[str, torch.Tensor] = {}
             for stage_rank in range(pp):
-                stages = [Stage(stage_rank * n, n, stage_rank == 0, stage_rank == pp - 1, tp_rank=r, tp=tp)
-                          for r in range(tp)]
-                shards = [dict(spec.to_megatron(HFCheckpoint(tmp_path), st)) for st in stages]
-                assert all(set(s) == set(shards[0]) for s in shards)
-                back.update(spec.to_hf(stages[0], lambda name, shards=shards: [s[name] for s in shards]))
+                stages = {(r, e): Stage(stage_rank * n, n, stage_rank == 0, stage_rank == pp - 1, tp_rank=r, tp=tp,
+                                        ep_rank=e, ep=ep, etp_rank=r, etp=tp)
+                          for r in range(tp) for e in range(ep)}
+                shards = {k: dict(spec.to_megatron(HFCheckpoint(tmp_path), st)) for k, st in stages.items()}
+                assert all(set(s) == set(shards[(0, 0)]) for s in shards.values())
+                back.update(spec.to_hf(stages[(0, 0)], ShardGather(shards, tp, ep)))
             expected = set(reference) - ({"lm_head.weight"} if spec.tied else set())
-            assert set(back) == expected, f"tp={tp} pp={pp}: {sorted(set(back) ^ expected)[:5]}"
+            assert set(back) == expected, f"{layout}: {sorted(set(back) ^ expected)[:5]}"
             for name, t in back.items():
-                assert torch.equal(t, reference[name]), f"tp={tp} pp={pp}: {name} differs after the round trip"
+                assert torch.equal(t, reference[name]), f"{layout}: {name} differs after the round trip"
 
     @pytest.mark.integration
     def test_megatron_logits_match_hf(self, tmp_path):

@@ -28,6 +28,10 @@ For mixture-of-experts and latent attention (each its own function, with a test 
   ``isinstance`` with them. MLA's core attention is `rlx.train.attention.SDPACoreAttention`: megatron's
   local one does not take ``k_channels``/``v_channels``.
 * `no_compile`: megatron's ``jit_fuser`` is ``torch.compile``; its first call on CPU takes tens of seconds.
+* `uneven_gathers`: with expert and expert-tensor parallelism together, the token dispatcher all-gathers and
+  reduce-scatters pieces of different lengths over the expert-tensor-parallel group; gloo takes only equal
+  pieces. Uneven pieces are padded to the longest for the all-gather, and the reduce-scatter becomes an
+  all-reduce of which each rank keeps its piece.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ def enable() -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: torch.get_rng_state()
     _proxy_megatron_torch()
-    for fix in (stub_cuda_streams, fix_router_gemm, list_split_sizes, no_te_in_mla, no_compile):
+    for fix in (stub_cuda_streams, fix_router_gemm, list_split_sizes, no_te_in_mla, no_compile, uneven_gathers):
         fix()
     _enabled = True
     return True
@@ -187,6 +191,38 @@ def no_compile() -> None:
     import torch._dynamo
 
     torch._dynamo.config.disable = True
+
+
+def uneven_gathers() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    if getattr(mappings, "_rlx_uneven", False):
+        return
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = _int_list(output_split_sizes)
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)], 0)
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        sizes = _int_list(input_split_sizes)
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone().contiguous()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start:start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+    mappings._rlx_uneven = True
 
 
 def _on_cpu(device):

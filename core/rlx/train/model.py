@@ -61,6 +61,13 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
     @property
+    def gathers(self) -> bool:
+        """Whether this rank takes part in gathering its stage's weights (`ModelRole.hf_tensors`): data-parallel
+        rank 0's tensor-parallel group, and with expert parallelism every rank (experts live on several
+        data-parallel ranks)."""
+        return self.dp_rank == 0 or self.ep > 1
+
+    @property
     def sender(self) -> bool:
         """Whether this rank sends its stage's weights (one rank per pipeline stage)."""
         return self.dp_rank == 0 and self.tp_rank == 0
@@ -180,9 +187,13 @@ class ModelRole:
         if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
             raise RLXError(f"train.parallel: ep={par.ep}, etp={par.etp} split experts, but the "
                            f"{spec.model_type!r} model has none; leave ep at 1 and etp unset")
-        if par.ep > 1:
-            raise RLXError("train.parallel.ep > 1: weight pushes and HF export do not gather experts split "
-                           "over ranks yet (this comes with the MoE model plugins); use ep: 1")
+        if spec.num_experts and spec.num_experts % par.ep:
+            raise RLXError(f"train.parallel.ep: {par.ep} expert-parallel ranks cannot split the model's "
+                           f"{spec.num_experts} experts evenly")
+        if spec.num_experts and par.tp > 1:
+            from rlx.train.moe import split_sequence_around_experts
+
+            split_sequence_around_experts()
         self.stage = stage_of(spec, par)
         # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
         self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
@@ -331,6 +342,12 @@ class ModelRole:
         # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
         # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
         finalize_model_grads([self.ddp])
+        if self.spec.num_experts and self.par.tp > 1:  # each tensor-parallel rank routed part of the tokens
+            from megatron.core import parallel_state as ps
+
+            from rlx.train.moe import sum_router_grads
+
+            sum_router_grads(self.ddp, ps.get_tensor_model_parallel_group())
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RLXError(f"{self.name}: the optimizer step failed (non-finite gradients)")
@@ -344,23 +361,32 @@ class ModelRole:
     # -- weights out -----------------------------------------------------------------------------
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's full HF tensors, one at a time (collective over the stage's tensor-parallel group:
-        every rank of it must iterate to the end)."""
+        """This stage's full HF tensors, one at a time (collective over the stage's tensor-parallel group, and
+        with experts split over ranks its expert-parallel groups: every rank with `ParallelState.gathers`
+        must iterate to the end)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         state = self._local_state(self.model)
-        tp = self.par.tp
+        par = self.par
 
-        def gather(name: str) -> list[torch.Tensor]:
-            t = state[name].detach()
-            if tp == 1:
+        def over(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+            if size == 1:
                 return [t]
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
             return parts
 
-        yield from self.spec.to_hf(self.stage, gather)
+        class _Gather:
+            def __call__(self, name: str) -> list[torch.Tensor]:
+                return over(state[name].detach(), par.tp, ps.get_tensor_model_parallel_group())
+
+            def experts(self, name: str) -> list[list[torch.Tensor]]:
+                mine = over(state[name].detach(), par.etp, ps.get_expert_tensor_parallel_group())
+                each = [over(t, par.ep, ps.get_expert_model_parallel_group()) for t in mine]  # [etp][ep]
+                return [[each[r][e] for r in range(par.etp)] for e in range(par.ep)]
+
+        yield from self.spec.to_hf(self.stage, _Gather())
 
     # -- checkpoint ------------------------------------------------------------------------------
 

@@ -15,17 +15,18 @@ no architecture (as torchtitan's TrainSpec and state-dict adapters do). A spec s
 * what engines need beside the HF folder (`engine_args`, e.g. SGLang flags a family requires).
 
 `Stage` says which part of the model a rank holds. Helpers here (`tp_chunk`, `fuse_qkv`, `split_qkv`)
-are shared by bridges; families with experts or latent attention add their own on top of these.
+are shared by bridges; `rlx.train.decoder.DecoderSpec` is the standard decoder (GQA, dense MLP or experts)
+that bridges fill or extend, and `rlx.train.moe` holds the expert mappings.
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
@@ -33,8 +34,33 @@ from rlx.train.balance import FlopsModel
 if TYPE_CHECKING:
     import torch
 
-#: ``gather(megatron_name)``: that tensor from every tensor-parallel rank of the stage, in rank order.
-Gather = Callable[[str], "list[torch.Tensor]"]
+class Gather(Protocol):
+    """How `ModelSpec.to_hf` reads the stage's megatron tensors (collective: every rank of the stage's
+    parallel groups calls it in the same order).
+
+    * ``gather(name)``: that tensor from every tensor-parallel rank of the stage, in rank order;
+    * ``gather.experts(name)``: a local expert's tensor from every expert-parallel rank (outer list) and
+      expert-tensor-parallel rank (inner list), in rank order.
+    """
+
+    def __call__(self, name: str) -> list[torch.Tensor]: ...
+
+    def experts(self, name: str) -> list[list[torch.Tensor]]: ...
+
+
+class ShardGather:
+    """A `Gather` over shards held in one process: ``shards[(tp_rank, ep_rank)]`` is the state of the rank at
+    that tensor- and expert-parallel position (expert-tensor-parallel rank = tensor-parallel rank). For tests
+    and offline conversion."""
+
+    def __init__(self, shards: dict[tuple[int, int], dict[str, torch.Tensor]], tp: int, ep: int = 1):
+        self.shards, self.tp, self.ep = shards, tp, ep
+
+    def __call__(self, name: str) -> list[torch.Tensor]:
+        return [self.shards[(r, 0)][name] for r in range(self.tp)]
+
+    def experts(self, name: str) -> list[list[torch.Tensor]]:
+        return [[self.shards[(r, e)][name] for r in range(self.tp)] for e in range(self.ep)]
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class WeightSender:
             if self.sending:
                 asyncio.run(self.transport.send(prints.watch(named), version, self.ctx))
         finally:
-            if self.par.dp_rank == 0:
+            if self.par.gathers:
                 for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure
                     pass
 
@@ -189,7 +189,7 @@ class WeightSender:
                         written["map"].update(dict.fromkeys(tensors, fname))
                         written["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
             finally:
-                if self.par.dp_rank == 0:
+                if self.par.gathers:
                     for _ in named:
                         pass
 

@@ -1,0 +1,213 @@
+"""Mixture-of-experts pieces bridges share: the experts' shape and megatron settings (`MoEShape`), and the
+weight mappings of routers, routed experts and gated MLPs (dense or shared experts).
+
+HF checkpoints store routed experts one tensor per expert and projection (transformers 5 fuses them in
+memory but ``save_pretrained`` writes ``experts.{e}.{gate,up,down}_proj.weight``); megatron's SequentialMLP
+holds expert-parallel rank r's experts ``[r*E/ep, (r+1)*E/ep)`` as ``experts.local_experts.{j}`` with
+``linear_fc1 = [gate; up]`` and ``linear_fc2 = down``, each split over expert-tensor-parallel ranks like a
+dense MLP. ``gather.experts(name)`` (see `rlx.train.spec.Gather`) returns a local expert tensor from every
+expert-parallel rank (outer) and expert-tensor-parallel rank (inner), so `experts_to_hf` can name each by
+its global index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from rlx.errors import RLXError
+
+if TYPE_CHECKING:
+    from rlx.train.spec import Gather, HFCheckpoint, Stage
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A model's experts and how its router picks them (the megatron settings of the family)."""
+
+    experts: int  # routed experts per MoE layer
+    topk: int  # experts per token
+    ffn: int  # width of one routed expert
+    layers: frozenset[int]  # global indices of the MoE layers (the others are dense)
+    shared_ffn: int = 0  # width of the shared experts (0: none)
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    pre_softmax: bool = False  # softmax over all experts before top-k (no renormalisation of the k)
+    expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
+    bias_update_rate: float = 1e-3
+    groups: int | None = None  # grouped top-k: experts in `groups` groups, the best `group_topk` groups
+    group_topk: int | None = None
+    scaling: float | None = None  # routed weights multiplied by this
+    aux_loss_coeff: float = 0.0  # load-balancing loss in the training loss (0: off)
+
+    def transformer_kwargs(self, num_layers: int, parallel: Any) -> dict[str, Any]:
+        """megatron ``TransformerConfig`` arguments for these experts under `parallel` (a ParallelConfig)."""
+        kw: dict[str, Any] = dict(
+            num_moe_experts=self.experts, moe_router_topk=self.topk, moe_ffn_hidden_size=self.ffn,
+            moe_grouped_gemm=False, moe_layer_freq=[1 if i in self.layers else 0 for i in range(num_layers)],
+            moe_router_pre_softmax=self.pre_softmax, moe_router_score_function=self.score,
+            moe_router_enable_expert_bias=self.expert_bias, moe_router_num_groups=self.groups,
+            moe_router_group_topk=self.group_topk, moe_router_topk_scaling_factor=self.scaling,
+            moe_router_load_balancing_type="aux_loss" if self.aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=self.aux_loss_coeff, moe_router_dtype="fp32",
+            expert_model_parallel_size=parallel.ep, expert_tensor_parallel_size=parallel.expert_tp,
+        )
+        if self.expert_bias:
+            kw["moe_router_bias_update_rate"] = self.bias_update_rate
+        if self.shared_ffn:
+            kw["moe_shared_expert_intermediate_size"] = self.shared_ffn
+        return kw
+
+    def check_layout(self, ep: int, key: str = "train.parallel.ep") -> None:
+        if self.experts % ep:
+            raise RLXError(f"{key}: {ep} expert-parallel ranks cannot split the model's {self.experts} experts "
+                           f"evenly")
+
+
+def local_experts(stage: Stage, experts: int) -> range:
+    """Global indices of the experts this rank holds, in local order."""
+    n = experts // stage.ep
+    return range(stage.ep_rank * n, (stage.ep_rank + 1) * n)
+
+
+# -- HF -> megatron -------------------------------------------------------------------------------
+
+
+def gated_mlp_to_megatron(ckpt: HFCheckpoint, hf: str, mg: str, rank: int, parts: int,
+                          names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                          ) -> Iterator[tuple[str, Any]]:
+    """A SwiGLU MLP at HF prefix `hf` (``{hf}gate_proj.weight``...) as megatron's ``{mg}linear_fc1/fc2``,
+    split `parts` ways (this is part `rank`)."""
+    import torch
+
+    gate, up, down = names
+    yield mg + "linear_fc1.weight", torch.cat([ckpt.shard(f"{hf}{gate}.weight", 0, rank, parts),
+                                               ckpt.shard(f"{hf}{up}.weight", 0, rank, parts)], 0)
+    yield mg + "linear_fc2.weight", ckpt.shard(f"{hf}{down}.weight", 1, rank, parts)
+
+
+def router_to_megatron(ckpt: HFCheckpoint, hf: str, mg: str, shape: MoEShape) -> Iterator[tuple[str, Any]]:
+    """The router (replicated on every rank): ``{hf}weight`` and, with expert bias, DeepSeek's
+    ``{hf}e_score_correction_bias``."""
+    yield mg + "weight", ckpt.get(hf + "weight")
+    if shape.expert_bias:
+        yield mg + "expert_bias", ckpt.get(hf + "e_score_correction_bias")
+
+
+def experts_to_megatron(ckpt: HFCheckpoint, stage: Stage, hf: str, mg: str,
+                        experts: int) -> Iterator[tuple[str, Any]]:
+    """This rank's routed experts, each read only in its expert-tensor-parallel slice."""
+    for j, e in enumerate(local_experts(stage, experts)):
+        yield from gated_mlp_to_megatron(ckpt, f"{hf}{e}.", f"{mg}local_experts.{j}.", stage.etp_rank, stage.etp)
+
+
+# -- megatron -> HF -------------------------------------------------------------------------------
+
+
+def _unfuse(fc1_parts: list[Any], fc2_parts: list[Any]) -> tuple[Any, Any, Any]:
+    import torch
+
+    gates, ups = zip(*(p.chunk(2, 0) for p in fc1_parts), strict=True)
+    return torch.cat(gates, 0), torch.cat(ups, 0), torch.cat(fc2_parts, 1)
+
+
+def gated_mlp_to_hf(gather: Gather, hf: str, mg: str,
+                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Iterator[tuple[str, Any]]:
+    gate, up, down = _unfuse(gather(mg + "linear_fc1.weight"), gather(mg + "linear_fc2.weight"))
+    yield f"{hf}{names[0]}.weight", gate
+    yield f"{hf}{names[1]}.weight", up
+    yield f"{hf}{names[2]}.weight", down
+
+
+def router_to_hf(gather: Gather, hf: str, mg: str, shape: MoEShape) -> Iterator[tuple[str, Any]]:
+    yield hf + "weight", gather(mg + "weight")[0]
+    if shape.expert_bias:
+        yield hf + "e_score_correction_bias", gather(mg + "expert_bias")[0]
+
+
+def experts_to_hf(stage: Stage, gather: Gather, hf: str, mg: str, experts: int) -> Iterator[tuple[str, Any]]:
+    """Every routed expert of the layer, gathered over expert (tensor) parallelism one local index at a time."""
+    n = experts // stage.ep
+    for j in range(n):
+        fc1 = gather.experts(f"{mg}local_experts.{j}.linear_fc1.weight")
+        fc2 = gather.experts(f"{mg}local_experts.{j}.linear_fc2.weight")
+        for r, (a, b) in enumerate(zip(fc1, fc2, strict=True)):
+            gate, up, down = _unfuse(a, b)
+            e = r * n + j
+            yield f"{hf}{e}.gate_proj.weight", gate
+            yield f"{hf}{e}.up_proj.weight", up
+            yield f"{hf}{e}.down_proj.weight", down
+
+
+def split_sequence_around_experts() -> None:
+    """MoE layers under tensor parallelism without sequence parallelism, trained correctly.
+
+    megatron-core's MoE layer assumes sequence parallelism when tensor parallelism is on: its token dispatcher
+    all-gathers tokens over the expert-tensor-parallel ranks as if each held a different part of the sequence.
+    Without it (rlx's local layer spec: torch norms refuse sequence parallelism) every tensor-parallel rank holds
+    the whole sequence, so each token is processed once per rank and expert gradients come out ``tp`` times too
+    large (megatron refuses to train that way, calling it a performance problem). This does locally what
+    sequence parallelism does around the layer: each rank routes its 1/tp of the sequence (padded to a multiple
+    of tp, the pad rows masked out of the router's statistics), the routed experts run as megatron intends, and
+    the outputs are gathered back (the gradient of a replicated output is split, not summed). Shared experts run
+    on the whole sequence, as the dense MLP they are. Each rank's router then sees only its part of the tokens,
+    so router gradients are summed over tensor-parallel ranks after the backward (`sum_router_grads`), as
+    megatron does for them under sequence parallelism.
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if getattr(MoELayer, "_rlx_split_sequence", False):
+        return
+    forward = MoELayer.forward
+
+    def split_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        import torch
+
+        group = self.attn_tp_group
+        tp = group.size()
+        if tp == 1 or self.config.sequence_parallel or intermediate_tensors is not None:
+            return forward(self, hidden_states, intermediate_tensors, padding_mask)
+        seq, batch = hidden_states.shape[:2]
+        pad = (-seq) % tp
+        shared = self.shared_experts(hidden_states) if self.use_shared_expert else None
+        if pad:
+            hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, 0, 0, pad))
+        mine = scatter_to_sequence_parallel_region(hidden_states, group=group)
+        n, rank = mine.shape[0], group.rank()
+        pads = torch.zeros(seq + pad, batch, dtype=torch.bool, device=mine.device)  # [seq, batch], True: a pad
+        pads[seq:] = True
+        if padding_mask is not None:
+            pads[:seq] |= padding_mask.transpose(0, 1).bool()
+        pads = pads[rank * n:(rank + 1) * n]
+        probs, routing_map = self.route(mine, pads if (pad or padding_mask is not None) else None)
+        x, probs = self.preprocess(mine, probs, routing_map)
+        x, probs = self.dispatch(x, probs)
+        out, bias = self.routed_experts_compute(x, probs)
+        out = self.postprocess(self.combine(out), None)
+        out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=group)[:seq]
+        return (out + shared if shared is not None else out), bias
+
+    MoELayer.forward = split_forward
+    MoELayer._rlx_split_sequence = True
+
+
+def sum_router_grads(model: Any, group: Any) -> None:
+    """Sum the routers' gradients over the tensor-parallel `group` (see `split_sequence_around_experts`); call
+    after the data-parallel reduction, as megatron's own tensor-parallel reductions run."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.main_grad for name, p in model.named_parameters()
+             if p.requires_grad and ".mlp.router." in name and getattr(p, "main_grad", None) is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    with torch.no_grad():
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(synced)

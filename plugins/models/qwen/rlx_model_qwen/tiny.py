@@ -1,0 +1,31 @@
+"""``builtin://tiny-qwen3-moe``: a random Qwen3-MoE with the built-in tokenizer, small enough to train on a CPU
+(2 layers, 8 experts of width 32, 2 per token: about 0.2 M parameters)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def qwen3_moe_config(tokenizer: Any, **shape: Any) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=False,
+                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **{**SHAPE, **shape})
+
+
+def build_tiny_qwen3_moe(out: Path, seed: int = 0, **shape: Any) -> Path:
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from rlx.models.tiny import build_tokenizer, save_tiny
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(qwen3_moe_config(tok, **shape))
+    return save_tiny(Path(out), model, tok)
