@@ -178,6 +178,11 @@ class Plugins:
     def bridge_for(self, model_type: str) -> Any:
         """The model bridge (an instance) that claims `model_type`."""
         comp = self._bridges.get(model_type)
+        if comp is None and model_type in FAMILY_PLUGINS:
+            dist, folder = FAMILY_PLUGINS[model_type]
+            raise RLXError(f"model.path: a {model_type!r} checkpoint needs the {dist} model plugin, which is not "
+                           f"installed (or is disabled): pip install {dist} (from the rlx repository: pip install "
+                           f"./{folder})")
         if comp is None:
             known = ", ".join(sorted(self._bridges)) or "none"
             raise RLXError(f"model.path: no model bridge for model_type {model_type!r} (bridges are installed for: "
@@ -268,6 +273,17 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as e:
         raise PluginError(f"plugin {name!r} rejected: {e}") from e
+
+
+#: Model families whose bridges ship as rlx's own model plugins: model_type -> (distribution, its folder).
+FAMILY_PLUGINS = {
+    "qwen3_moe": ("rlx-model-qwen", "plugins/models/qwen"),
+    "qwen3_next": ("rlx-model-qwen", "plugins/models/qwen"),
+    "qwen3_5_moe": ("rlx-model-qwen", "plugins/models/qwen"),
+    "glm4_moe": ("rlx-model-glm", "plugins/models/glm"),
+    "glm4_moe_lite": ("rlx-model-glm", "plugins/models/glm"),
+    "deepseek_v3": ("rlx-model-deepseek", "plugins/models/deepseek"),
+}
 
 
 def build_plugins(

@@ -205,6 +205,11 @@ class ModelRole:
                 self.model.output_layer = ValueHead(self.config.hidden_size, dtype)
         if torch.cuda.is_available():
             self.model.cuda()
+        self.router_stats: Any = None  # per-layer routing statistics of the training forwards (models with experts)
+        if spec.num_experts and not value_head:
+            from rlx.train.moe import RouterStats
+
+            self.router_stats = RouterStats(self.model, spec.num_layers, spec.num_experts, self.config.moe_router_topk)
         self.trainable = False
         self.ddp: Any = None
         self.optimizer: Any = None

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlx.errors import RLXError
 
 if TYPE_CHECKING:
     from rlx.train.spec import Gather, HFCheckpoint, Stage
@@ -57,11 +56,6 @@ class MoEShape:
         if self.shared_ffn:
             kw["moe_shared_expert_intermediate_size"] = self.shared_ffn
         return kw
-
-    def check_layout(self, ep: int, key: str = "train.parallel.ep") -> None:
-        if self.experts % ep:
-            raise RLXError(f"{key}: {ep} expert-parallel ranks cannot split the model's {self.experts} experts "
-                           f"evenly")
 
 
 def local_experts(stage: Stage, experts: int) -> range:
@@ -211,3 +205,91 @@ def sum_router_grads(model: Any, group: Any) -> None:
     with torch.no_grad():
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             g.copy_(synced)
+
+
+class RouterStats:
+    """Per-layer routing statistics of a model's training forwards (forward-only passes, for log-probs or a
+    reference, are not counted), reduced over every rank by `metrics`:
+
+    * ``moe/aux_loss``: the switch-transformer load-balancing loss ``E * sum_e f_e * P_e`` before any coefficient,
+      averaged over MoE layers (1.0 when perfectly balanced; ``f_e`` the fraction of routed slots that went to
+      expert e, ``P_e`` its mean router score: softmax over all experts, or sigmoid normalised per token);
+    * ``moe/load_max_mean``: the busiest expert's tokens over the mean expert's, averaged over layers, and
+      ``moe/layer{L}/load_max_mean`` per layer L;
+    * ``moe/tokens_dropped``: routed slots dropped for capacity, as a fraction of all (0 without a capacity factor).
+
+    Pad rows the tensor-parallel split adds (`split_sequence_around_experts`) are not counted.
+    """
+
+    def __init__(self, model: Any, spec_layers: int, experts: int, topk: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.experts, self.topk, self.layers = experts, topk, spec_layers
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self._reset()
+        for router in self.routers:
+            router.register_forward_hook(self._hook)
+
+    def _reset(self) -> None:
+        import torch
+
+        self.counts = torch.zeros(self.layers, self.experts, dtype=torch.float64)
+        self.scores = torch.zeros(self.layers, self.experts, dtype=torch.float64)
+        self.tokens = torch.zeros(self.layers, dtype=torch.float64)
+        self.seen = torch.zeros(self.layers, dtype=torch.float64)
+
+    def _hook(self, router: Any, args: tuple, output: Any) -> None:
+        import torch
+
+        if not (router.training and torch.is_grad_enabled()):
+            return
+        hidden, pads = args[0], (args[1] if len(args) > 1 else None)
+        _, routing_map = output
+        with torch.no_grad():
+            logits = router.gating(hidden).reshape(-1, self.experts).double()
+            keep = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+            if pads is not None:
+                keep = ~pads.reshape(-1).bool()
+            logits, routed = logits[keep], routing_map.reshape(-1, self.experts)[keep]
+            if router.score_function == "sigmoid":
+                s = torch.sigmoid(logits)
+                scores = s / s.sum(-1, keepdim=True).clamp_min(1e-20)
+            else:
+                scores = torch.softmax(logits, -1)
+            layer = router.layer_number - 1  # megatron numbers layers from 1, globally
+            self.counts[layer] += routed.sum(0).double().cpu()
+            self.scores[layer] += scores.sum(0).cpu()
+            self.tokens[layer] += logits.shape[0]
+            self.seen[layer] = 1
+
+    def metrics(self) -> dict[str, float]:
+        """Reduce over all ranks (collective) and start counting afresh."""
+        import torch
+        import torch.distributed as dist
+
+        flat = torch.cat([self.counts.flatten(), self.scores.flatten(), self.tokens, self.seen])
+        dist.all_reduce(flat)
+        L, E = self.layers, self.experts
+        counts, scores = flat[:L * E].view(L, E), flat[L * E:2 * L * E].view(L, E)
+        tokens, seen = flat[2 * L * E:2 * L * E + L], flat[2 * L * E + L:]
+        self._reset()
+        out: dict[str, float] = {}
+        aux, load, dropped, slots = [], [], 0.0, 0.0
+        for layer in range(L):
+            if not seen[layer] or not tokens[layer]:
+                continue
+            t = float(tokens[layer])
+            routed = float(counts[layer].sum())
+            f = counts[layer] / max(routed, 1.0)
+            p = scores[layer] / t
+            aux.append(float(E * (f * p).sum()))
+            mean = routed / E
+            load.append(float(counts[layer].max()) / mean if mean else 0.0)
+            out[f"moe/layer{layer}/load_max_mean"] = load[-1]
+            dropped += t * self.topk - routed
+            slots += t * self.topk
+        if aux:
+            out["moe/aux_loss"] = sum(aux) / len(aux)
+            out["moe/load_max_mean"] = sum(load) / len(load)
+            out["moe/tokens_dropped"] = dropped / slots if slots else 0.0
+        return out

@@ -201,6 +201,8 @@ class RLStep:
         metrics.update(dict(zip(MAX_KEYS, top.tolist(), strict=True)))
         metrics.update(tb.metrics)
         metrics["grad_norm"] = vals["grad_norm"]
+        if actor.router_stats is not None:
+            metrics.update(actor.router_stats.metrics())
         metrics["lr"] = actor.lr
         metrics["samples"] = float(len(tb.samples))
         metrics["tokens"] = float(sum(s.total_len for s in tb.samples))

@@ -80,6 +80,12 @@ def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp, ep):
     for step in ("m1", "m2"):
         for key in ("loss", "pg_loss", "entropy", "kl", "samples", "tokens"):
             assert got[step][key] == pytest.approx(single[step][key], abs=1e-5), (step, key)
+    moe = sorted(k for k in single["m1"] if k.startswith("moe/"))
+    assert moe == ["moe/aux_loss", "moe/layer0/load_max_mean", "moe/layer1/load_max_mean", "moe/load_max_mean",
+                   "moe/tokens_dropped"]
+    for key in moe:  # routing statistics count every token once, whatever the layout
+        assert got["m1"][key] == pytest.approx(single["m1"][key], abs=1e-6), key
+    assert single["m1"]["moe/aux_loss"] > 1 and single["m1"]["moe/tokens_dropped"] == 0
     assert single["m2"]["kl"] > 0 and single["m1"]["loss"] != single["m2"]["loss"]  # the model did move
     assert set(got["weights"]) == set(single["weights"])
     assert any(".mlp.experts.7.down_proj" in n for n in single["weights"])  # every expert, by its HF name

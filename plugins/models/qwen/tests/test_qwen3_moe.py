@@ -71,3 +71,21 @@ def test_tiny_model_is_built_offline_and_claimed(tmp_path):
     assert c.model_type == "qwen3_moe" and c.num_experts == 8
     spec = build_plugins().bridge_for("qwen3_moe").spec(c)
     assert spec.moe.layers == {0, 1}
+
+
+def test_installed_it_is_listed_and_without_it_a_checkpoint_names_the_plugin(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from rlx.errors import RLXError
+    from rlx.plugins import build_plugins
+    from rlx.train.spec import model_spec
+
+    listing = subprocess.run([sys.executable, "-m", "rlx_cli.main", "plugins"], capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0 and "qwen3-moe" in listing.stdout and "rlx-model-qwen" in listing.stdout
+    write_qwen3_moe(tmp_path)
+    monkeypatch.setenv("RLX_DISABLE_PLUGINS", "qwen")  # as if uninstalled
+    with pytest.raises(RLXError, match=r"'qwen3_moe' checkpoint needs the rlx-model-qwen model plugin.*"
+                                       r"pip install \./plugins/models/qwen"):
+        model_spec(tmp_path, build_plugins())

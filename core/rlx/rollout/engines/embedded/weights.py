@@ -15,7 +15,7 @@ import torch
 from rlx.transport.wire import WireError, deserialize_named_tensors
 
 __all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
-           "deserialize_named_tensors", "load_from_disk", "load_named", "weights_by_name"]
+           "deserialize_named_tensors", "load_from_disk", "load_named", "served_state", "weights_by_name"]
 
 # SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -25,9 +25,35 @@ class WeightError(WireError):
     """A weight update that cannot be applied (unknown name, wrong shape, unreadable file)."""
 
 
+def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names, as views of what it serves with.
+
+    transformers 5 keeps a layer's routed experts fused in memory (``experts.gate_up_proj`` [E, 2I, H] with gate
+    before up, ``experts.down_proj`` [E, H, I]) but reads and writes checkpoints per expert
+    (``experts.{e}.{gate,up,down}_proj.weight``), which is also how trainers push them. Those per-expert names
+    are views into the fused tensors, so an update by name writes straight into them; the fused names are not
+    listed. Tied weights appear under every name they have.
+    """
+    state = model.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:
+            for e in range(t.shape[0]):
+                if leaf == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, 0)
+                    out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+        else:
+            out[name] = t
+    return out
+
+
 def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Copy tensors into the model's parameters and buffers by name; all checked before any copy."""
-    state = model.state_dict(keep_vars=True)  # tied weights appear under every name they have
+    """Copy tensors into the model's parameters and buffers by name (checkpoint names, `served_state`); all
+    checked before any copy."""
+    state = served_state(model)
     for name, t in named:
         if name not in state:
             raise WeightError(f"unknown weight {name!r}")
@@ -90,7 +116,7 @@ def checksums(model: torch.nn.Module, names: list[str] | None, head: int | None 
     dtype than the rest)."""
     from rlx.transport.wire import tensor_hash
 
-    state = model.state_dict(keep_vars=True)
+    state = served_state(model)
     unknown = [n for n in (names or []) if n not in state]
     if unknown:
         raise WeightError(f"unknown weight {unknown[0]!r}")
@@ -110,7 +136,7 @@ BY_NAME_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausa
 def weights_by_name(model: torch.nn.Module, name: str, truncate_size: int = 100) -> list[Any]:
     """SGLang's answer: the first `truncate_size` entries along the first dimension (rows at full width for a
     matrix), as float32 values."""
-    state = model.state_dict(keep_vars=True)
+    state = served_state(model)
     if name not in state:
         raise WeightError(f"unknown weight {name!r}")
     return state[name].detach().float().cpu().numpy().tolist()[:truncate_size]
