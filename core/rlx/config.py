@@ -172,6 +172,9 @@ class RolloutConfig(Section):
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
     partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step
+    routed_experts: bool = False  # MoE: engines report the experts each token was routed to (SGLang's
+    #   --enable-return-routed-experts, set on engines rlx launches), and the trainer logs how often its own
+    #   routing agrees (moe/routing_agreement); train.objective.routing_replay implies it
     over_sampling: float = Field(1.0, ge=1.0)  # with partial_rollout: start this many x n_prompts groups
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
@@ -261,6 +264,8 @@ class ObjectiveConfig(Section):
     tis_mode: Literal["truncate", "mask"] = "truncate"  # weights outside [tis_low, tis_cap]: clamp, or drop tokens
     tis_level: Literal["token", "sequence", "geometric"] = "token"  # a ratio per token, or per sequence (the
     #                                                product of its token ratios, or their geometric mean)
+    routing_replay: bool = False  # MoE, rollout routing replay (R3): the trainer's routers take the experts the
+    #                               engine routed each token to, in the policy and the reference
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod
@@ -746,3 +751,9 @@ def _line_map(node: yaml.Node, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, 
         for i, v in enumerate(node.value):
             out.update(_line_map(v, prefix + (i,)))
     return out
+
+
+def records_routing(cfg: Config) -> bool:
+    """Whether engines are asked for the experts they routed each token to (``rollout.routed_experts``, or
+    routing replay, which needs them)."""
+    return cfg.rollout.routed_experts or cfg.train.objective.routing_replay

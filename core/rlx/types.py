@@ -66,6 +66,9 @@ class Sample:
     weight_version: int = 0  # policy version that generated it (lowest, for a resumed partial rollout)
     token_versions: list[int] = field(default_factory=list)  # per response token: the weights that sampled it
     metadata: dict[str, Any] = field(default_factory=dict)  # dataset metadata and generator notes
+    # the experts the engine routed each token to (rollout routing replay): SGLang's base64 int32
+    # [rows, layers, top_k] for the first `rows` tokens of prompt + response (rows <= total_len - 1)
+    routed_experts: str | None = None
 
     @property
     def total_len(self) -> int:

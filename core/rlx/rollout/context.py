@@ -62,6 +62,7 @@ class GenerateContext:
     gate: RequestGate = field(default_factory=RequestGate)
     context_length: int | None = None  # the engines' context length, when they report one
     health: Any = None  # the fleet's FleetHealth (rollout.fault_tolerance): failed requests are sent again
+    routed_experts: bool = False  # ask engines for the experts each token was routed to (routing replay)
     _rids: Any = field(default_factory=itertools.count)
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
@@ -93,7 +94,7 @@ class GenerateContext:
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
         async with self.gate:
-            res = await self._send(GenerateRequest(input_ids, params, True, rid))
+            res = await self._send(GenerateRequest(input_ids, params, True, rid, self.routed_experts))
         res.temperature = float(params.get("temperature", 1.0))
         return res
 
@@ -169,6 +170,10 @@ def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
         sample.weight_version = min(sample.token_versions)
     sample.finish_reason = res.finish_reason
     sample.status = _FINISH_STATUS.get(res.finish_reason, SampleStatus.COMPLETED)
+    # The engine's routing covers the whole request, prompt + output - 1 tokens; a request sent with the
+    # sample's ids so far (every rlx generator does) then covers the sample up to its last token.
+    if res.routed_experts is not None:
+        sample.routed_experts = res.routed_experts
 
 
 def append_env_tokens(sample: Sample, ids: list[int]) -> None:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlx.config import Config
+from rlx.config import Config, records_routing
 from rlx.data.datasets import PromptDataset
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
@@ -62,7 +62,7 @@ class RolloutSession:
                    if self.with_data else None)
         await self.fleet.start()
         self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries,
-                                   health=self.fleet.health)
+                                   health=self.fleet.health, routed_experts=records_routing(self.cfg))
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
         self.ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:

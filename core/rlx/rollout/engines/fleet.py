@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlx.config import Config, EngineGroupConfig
+from rlx.config import Config, EngineGroupConfig, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, sglang_command, wait_healthy
@@ -86,9 +86,13 @@ class EngineFleet:
             if self.cfg.model.dtype != "auto":
                 args.setdefault("dtype", self.cfg.model.dtype)
             args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
+            if records_routing(self.cfg):
+                args.setdefault("enable_return_routed_experts", True)
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
         args = {**self.engine_args(path), **g.server_args}
+        if records_routing(self.cfg):
+            args.setdefault("enable_return_routed_experts", True)
         if offloads(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
             args.setdefault("enable_memory_saver", True)
         return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,

@@ -38,11 +38,15 @@ class GenerateRequest:
     # max_new_tokens, stop, stop_token_ids, n, ignore_eos, skip_special_tokens
     return_logprob: bool = True
     rid: str | None = None
+    # SGLang >= 0.5.6 launched with --enable-return-routed-experts: report the experts each token was routed to
+    return_routed_experts: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         if self.rid is None:
             d.pop("rid")
+        if not self.return_routed_experts:  # a field older servers do not know
+            d.pop("return_routed_experts")
         return d
 
 
@@ -59,6 +63,8 @@ class GenerateResult:
     rid: str | None
     raw: dict[str, Any]
     temperature: float | None = None  # the request's sampling temperature (set by the caller)
+    # SGLang's meta_info.routed_experts: base64 of int32 [prompt + output tokens - 1, layers, top_k], when asked
+    routed_experts: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateResult:
@@ -81,6 +87,7 @@ class GenerateResult:
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
             rid=meta.get("id"),
             raw=d,
+            routed_experts=meta.get("routed_experts"),
         )
 
 

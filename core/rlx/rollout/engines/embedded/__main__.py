@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record the experts each token is routed to, for requests with return_routed_experts")
     return p.parse_args(argv)
 
 
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
-                          max_context=args.context_length)
+                          max_context=args.context_length, capture_experts=args.enable_return_routed_experts)
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

@@ -58,6 +58,9 @@ class Request:
     text: str = ""
     finish_reason: dict[str, Any] | None = None
     aborted: str | None = None  # the abort message, once asked to abort
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] per forward, in order
     on_token: Callable[[Request], None] | None = None  # called in the scheduler thread
     on_done: Callable[[Request], None] | None = None
     created: float = field(default_factory=time.monotonic)
@@ -91,8 +94,11 @@ class Scheduler:
     """Owns the model and the running batch; everything that touches them runs in its thread."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_running: int = 64, seed: int = 0,
-                 max_context: int | None = None):
+                 max_context: int | None = None, capture_experts: bool = False):
+        """`capture_experts`: record the experts each token is routed to (SGLang's
+        ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`)."""
         self.model = model
+        self.experts = RoutedExperts(model) if capture_experts else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_running = max_running
@@ -256,8 +262,14 @@ class Scheduler:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._make_cache([])
         padded = bool((mask[:, 0] == 0).any())
+        routed = self._routing(new)
         out = self.model(input_ids=ids, attention_mask=mask if padded else None, position_ids=pos,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if routed:
+            taken = self.experts.take(n, length)
+            for i, r in enumerate(new):
+                if r.return_routed_experts:
+                    r.routed.append(taken[i, length - len(r.input_ids):])
         logits = out.logits[:, -1].float()
         new_pos = mask.sum(-1)
         self._merge(new, out.past_key_values, mask, new_pos)
@@ -296,12 +308,25 @@ class Scheduler:
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, 1))], dim=1)
         # Without padding the model can take its causal fast path; building a mask costs ~30% at batch 1.
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
+        routed = self._routing(self.rows)
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
+        if routed:
+            taken = self.experts.take(b, 1)
+            for i, r in enumerate(self.rows):
+                if r.return_routed_experts:
+                    r.routed.append(taken[i])
         self._cache = out.past_key_values
         self._pos = self._pos + 1
         self.steps += 1
         self._emit(out.logits[:, -1].float())
+
+    def _routing(self, rows: list[Request]) -> bool:
+        """Whether this forward records routed experts (some row asked, and the engine captures them)."""
+        if self.experts is None or not any(r.return_routed_experts for r in rows):
+            return False
+        self.experts.begin()
+        return True
 
     # -- sampling and stopping -----------------------------------------------------------------
 
@@ -407,3 +432,44 @@ def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
     tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
     tokens = torch.where(t.greedy, logits.argmax(-1), tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+class RoutedExperts:
+    """Records, per forward, the experts every token was routed to in each layer, as SGLang's routed-experts
+    capturer does. transformers 5 gives every MoE layer an ``experts`` module called as
+    ``experts(hidden_states, top_k_index, top_k_weights)`` on the flattened tokens: a pre-hook on each reads
+    ``top_k_index`` there, whatever the family's router. Layers without experts stay 0, as SGLang reports
+    ``[tokens, num_hidden_layers, top_k]`` for every layer."""
+
+    def __init__(self, model: Any):
+        import re
+
+        self.layers = model.config.num_hidden_layers
+        self.topk = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        self.found = 0
+        self._current: dict[int, torch.Tensor] = {}
+        for name, module in model.named_modules():
+            m = re.search(r"layers\.(\d+)\.mlp\.experts$", name)
+            if m is not None:
+                module.register_forward_pre_hook(self._hook(int(m.group(1))))
+                self.found += 1
+        if not self.found or not self.topk:
+            raise ValueError(f"--enable-return-routed-experts: the {model.config.model_type!r} model has no "
+                             f"mixture-of-experts layers")
+
+    def _hook(self, layer: int):
+        def pre(module: Any, args: tuple) -> None:
+            if self._current is not None and len(args) > 1:
+                self._current[layer] = args[1].detach()
+        return pre
+
+    def begin(self) -> None:
+        self._current = {}
+
+    def take(self, batch: int, length: int) -> torch.Tensor:
+        """This forward's routing as int32 ``[batch, length, layers, top_k]`` (CPU)."""
+        out = torch.zeros(batch, length, self.layers, self.topk, dtype=torch.int32)
+        for layer, idx in self._current.items():
+            out[:, :, layer] = idx.reshape(batch, length, self.topk).to("cpu", torch.int32)
+        self._current = {}
+        return out

@@ -10,11 +10,13 @@ Errors are ``{"error": {"message": ...}}`` with a 4xx for bad requests, as SGLan
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 import uuid
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from rlx.rollout.engines.embedded import weights as W
@@ -195,6 +197,9 @@ class EngineServer:
             meta["weight_versions"] = spans
             meta["weight_version"] = spans[-1]["version"]
             meta["e2e_latency"] = time.monotonic() - r.created
+        if r.return_routed_experts and r.finish_reason is not None and r.routed:
+            rows = torch.cat(r.routed)[r.routed_experts_start_len:]  # [seqlen - 1 - start, layers, top_k]
+            meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode("ascii")
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
@@ -213,6 +218,16 @@ class EngineServer:
             self._check_length(ids, params.max_new_tokens)
         rid = body.get("rid")
         return_logprob = bool(body.get("return_logprob", False))
+        routed, start = bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0)
+        if routed:
+            for ids in prompts:  # SGLang's checks (0.5.23)
+                if not isinstance(start, int) or start < 0:
+                    raise BadRequest(f"recv_req.routed_experts_start_len={start!r} is lower than 0. Please use a "
+                                     f"non-negative routed_experts_start_len.")
+                if start > len(ids):
+                    raise BadRequest(f"recv_req.routed_experts_start_len={start!r} is higher than the number of "
+                                     f"input tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller "
+                                     f"routed_experts_start_len.")
         stream = bool(body.get("stream", False))
         loop = asyncio.get_running_loop()
         reqs: list[tuple[Request, asyncio.Future, int]] = []
@@ -220,7 +235,8 @@ class EngineServer:
         for i, ids in enumerate(prompts):
             for _ in range(params.n):
                 fut = loop.create_future()
-                r = Request(list(ids), params)
+                r = Request(list(ids), params, return_routed_experts=routed and self.s.experts is not None,
+                            routed_experts_start_len=start if routed else 0)
                 # SGLang gives every sample of an n > 1 request a fresh id (so an abort by the request's rid
                 # does not reach them), and keeps the caller's rid otherwise.
                 if params.n > 1:
