@@ -179,9 +179,10 @@ class ModelRole:
     then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
 
     def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: Any, dtype: torch.dtype,
-                 value_head: bool = False):
+                 value_head: bool = False, routing_replay: bool = False):
         """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
-        embeddings are never tied to it, and the HF checkpoint's output layer is not loaded."""
+        embeddings are never tied to it, and the HF checkpoint's output layer is not loaded. `routing_replay`
+        (models with experts): every forward routes tokens to the experts the engine routed them to (R3)."""
         self.name, self.spec, self.par, self.dtype = name, spec, par, dtype
         self.value_head = value_head
         if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
@@ -196,8 +197,12 @@ class ModelRole:
             split_sequence_around_experts()
         self.stage = stage_of(spec, par)
         # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
+        if routing_replay and not spec.num_experts:
+            raise RLXError(f"train.objective.routing_replay: the {spec.model_type!r} model has no experts to route")
+        replay = {"moe_enable_routing_replay": True} if routing_replay else {}
         self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
-                                              variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+                                              variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                                              **replay)
         self.model = spec.build(self.config, self.stage)
         if value_head:
             self.model.share_embeddings_and_output_weights = False  # on every stage: no embedding-grad sync
@@ -206,10 +211,13 @@ class ModelRole:
         if torch.cuda.is_available():
             self.model.cuda()
         self.router_stats: Any = None  # per-layer routing statistics of the training forwards (models with experts)
+        self.routing: Any = None  # the engine's routing, set on the routers micro-batch by micro-batch
         if spec.num_experts and not value_head:
-            from rlx.train.moe import RouterStats
+            from rlx.train.moe import RouterStats, RoutingReplay
 
-            self.router_stats = RouterStats(self.model, spec.num_layers, spec.num_experts, self.config.moe_router_topk)
+            topk = self.config.moe_router_topk
+            self.router_stats = RouterStats(self.model, spec.num_layers, spec.num_experts, topk)
+            self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay)
         self.trainable = False
         self.ddp: Any = None
         self.optimizer: Any = None
@@ -321,6 +329,8 @@ class ModelRole:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.set(mb)
             out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
 
             def reduce(logits, non_loss_data=False):
@@ -331,10 +341,14 @@ class ModelRole:
 
             return out, reduce
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-            num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for b in batches),
-            micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                num_microbatches=len(batches), seq_length=max(b.input_ids.shape[1] for b in batches),
+                micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()

@@ -177,7 +177,8 @@ def split_sequence_around_experts() -> None:
         if padding_mask is not None:
             pads[:seq] |= padding_mask.transpose(0, 1).bool()
         pads = pads[rank * n:(rank + 1) * n]
-        probs, routing_map = self.route(mine, pads if (pad or padding_mask is not None) else None)
+        with _chunk_of_engine_routing(self.router, seq, batch, pad, rank, n):
+            probs, routing_map = self.route(mine, pads if (pad or padding_mask is not None) else None)
         x, probs = self.preprocess(mine, probs, routing_map)
         x, probs = self.dispatch(x, probs)
         out, bias = self.routed_experts_compute(x, probs)
@@ -187,6 +188,46 @@ def split_sequence_around_experts() -> None:
 
     MoELayer.forward = split_forward
     MoELayer._rlx_split_sequence = True
+
+
+class _chunk_of_engine_routing:
+    """While a tensor-parallel rank routes its part of the sequence (`split_sequence_around_experts`), the
+    engine's routing the router carries (`RoutingReplay`) is cut to the same rows (pad rows: experts 0..k-1,
+    not covered)."""
+
+    def __init__(self, router: Any, seq: int, batch: int, pad: int, rank: int, n: int):
+        self.router = router
+        self.rows = slice(rank * n * batch, (rank + 1) * n * batch)
+        self.pad_rows = pad * batch
+        self.saved: tuple[Any, Any] = (None, None)
+
+    def _cut(self, t: Any, fill: Any) -> Any:
+        import torch
+
+        if self.pad_rows:
+            t = torch.cat([t, fill.expand(self.pad_rows, *t.shape[1:]).to(t.dtype)])
+        return t[self.rows]
+
+    def __enter__(self) -> None:
+        import torch
+
+        engine = getattr(self.router, "_rlx_engine", None)
+        rr = getattr(self.router, "router_replay", None)
+        target = rr.target_topk_idx if rr is not None else None
+        self.saved = (engine, target)
+        if engine is not None:
+            idx, covered = engine
+            k = idx.shape[1]
+            self.router._rlx_engine = (self._cut(idx, torch.arange(k)[None]), self._cut(covered, torch.zeros(1)))
+        if target is not None:
+            rr.target_topk_idx = self._cut(target, torch.arange(target.shape[1])[None])
+
+    def __exit__(self, *exc: Any) -> None:
+        engine, target = self.saved
+        if engine is not None:
+            self.router._rlx_engine = engine
+        if target is not None:
+            self.router.router_replay.target_topk_idx = target
 
 
 def sum_router_grads(model: Any, group: Any) -> None:
@@ -216,7 +257,10 @@ class RouterStats:
       expert e, ``P_e`` its mean router score: softmax over all experts, or sigmoid normalised per token);
     * ``moe/load_max_mean``: the busiest expert's tokens over the mean expert's, averaged over layers, and
       ``moe/layer{L}/load_max_mean`` per layer L;
-    * ``moe/tokens_dropped``: routed slots dropped for capacity, as a fraction of all (0 without a capacity factor).
+    * ``moe/tokens_dropped``: routed slots dropped for capacity, as a fraction of all (0 without a capacity factor);
+    * with engine routing on the samples (`RoutingReplay`): ``moe/routing_agreement``, the fraction of (token,
+      layer) pairs whose experts the trainer used were the engine's (1 with replay), and ``moe/natural_agreement``,
+      the fraction the trainer's router would have picked by itself.
 
     Pad rows the tensor-parallel split adds (`split_sequence_around_experts`) are not counted.
     """
@@ -237,6 +281,9 @@ class RouterStats:
         self.scores = torch.zeros(self.layers, self.experts, dtype=torch.float64)
         self.tokens = torch.zeros(self.layers, dtype=torch.float64)
         self.seen = torch.zeros(self.layers, dtype=torch.float64)
+        # tokens with engine routing, and of those, how many the router sent to the engine's experts (used) and
+        # would have chosen by itself (natural)
+        self.agree = torch.zeros(3, dtype=torch.float64)
 
     def _hook(self, router: Any, args: tuple, output: Any) -> None:
         import torch
@@ -257,23 +304,46 @@ class RouterStats:
             else:
                 scores = torch.softmax(logits, -1)
             layer = router.layer_number - 1  # megatron numbers layers from 1, globally
+            engine = getattr(router, "_rlx_engine", None)
+            if engine is not None:
+                self._agreement(router, logits, routed, engine[0][keep], engine[1][keep].bool())
             self.counts[layer] += routed.sum(0).double().cpu()
             self.scores[layer] += scores.sum(0).cpu()
             self.tokens[layer] += logits.shape[0]
             self.seen[layer] = 1
+
+    def _agreement(self, router: Any, logits: Any, used: Any, engine: Any, covered: Any) -> None:
+        """Count covered tokens whose experts (as a set) were the engine's: those the router used (replayed or
+        chosen), and those its own top-k picks (megatron's routing function, without replay)."""
+        import torch
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+        c = router.config
+        _, natural = topk_routing_with_score_function(
+            logits.float(), self.topk, use_pre_softmax=c.moe_router_pre_softmax, num_groups=c.moe_router_num_groups,
+            group_topk=c.moe_router_group_topk, scaling_factor=c.moe_router_topk_scaling_factor,
+            score_function=router.score_function, expert_bias=router.expert_bias, fused=False)
+        want = torch.zeros_like(used, dtype=torch.bool).scatter_(1, engine.to(used.device).long(), True)
+        self.agree[0] += float(covered.sum())
+        self.agree[1] += float(((used.bool() == want).all(1) & covered).sum())
+        self.agree[2] += float(((natural.bool() == want).all(1) & covered).sum())
 
     def metrics(self) -> dict[str, float]:
         """Reduce over all ranks (collective) and start counting afresh."""
         import torch
         import torch.distributed as dist
 
-        flat = torch.cat([self.counts.flatten(), self.scores.flatten(), self.tokens, self.seen])
+        flat = torch.cat([self.counts.flatten(), self.scores.flatten(), self.tokens, self.seen, self.agree])
         dist.all_reduce(flat)
         L, E = self.layers, self.experts
         counts, scores = flat[:L * E].view(L, E), flat[L * E:2 * L * E].view(L, E)
-        tokens, seen = flat[2 * L * E:2 * L * E + L], flat[2 * L * E + L:]
+        tokens, seen = flat[2 * L * E:2 * L * E + L], flat[2 * L * E + L:2 * L * E + 2 * L]
+        agree = flat[2 * L * E + 2 * L:]
         self._reset()
         out: dict[str, float] = {}
+        if agree[0]:  # token-layer pairs with engine routing
+            out["moe/routing_agreement"] = float(agree[1] / agree[0])
+            out["moe/natural_agreement"] = float(agree[2] / agree[0])
         aux, load, dropped, slots = [], [], 0.0, 0.0
         for layer in range(L):
             if not seen[layer] or not tokens[layer]:
@@ -293,3 +363,91 @@ class RouterStats:
             out["moe/load_max_mean"] = sum(load) / len(load)
             out["moe/tokens_dropped"] = dropped / slots if slots else 0.0
         return out
+
+
+# -- rollout routing replay (R3) --------------------------------------------------------------------
+
+
+def engine_routing(batch: Any, layers: int, topk: int, required: bool) -> tuple[Any, Any] | None:
+    """The experts the engine routed each token of a packed micro-batch to: ``(indices [R, W, layers, top_k],
+    covered [R, W])`` from the samples' ``routed_experts`` (SGLang's int32 [rows, layers, top_k], rows <= the
+    sample's tokens - 1). Positions no engine routing covers (each sample's last token, pads, samples without
+    routing) hold experts 0..k-1 and are not covered: none of them feeds a trained log-prob. None when no sample
+    carries routing; with `required` (replay), a sample without it is an error."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from rlx.errors import RLXError
+
+    if not any(s.routed_experts for s in batch.samples):
+        if required and batch.samples:
+            raise _no_routing(batch.samples[0])
+        return None
+    rows, width = batch.input_ids.shape
+    idx = torch.arange(topk, dtype=torch.long).expand(rows, width, layers, topk).clone()
+    covered = torch.zeros(rows, width, dtype=torch.bool)
+    for s, (r, c) in zip(batch.samples, batch.starts, strict=True):
+        if not s.routed_experts:
+            if required:
+                raise _no_routing(s)
+            continue
+        flat = np.frombuffer(base64.b64decode(s.routed_experts), dtype=np.int32)
+        if flat.size % (layers * topk):
+            raise RLXError(f"sample {s.sample_id}: its routed experts ({flat.size} ids) are not whole tokens of "
+                           f"{layers} layers x top-{topk}: the engine serves another model than the trainer")
+        a = torch.from_numpy(flat.copy()).view(-1, layers, topk)
+        if a.shape[0] > s.total_len - 1:
+            raise RLXError(f"sample {s.sample_id}: routed experts for {a.shape[0]} tokens, but it has "
+                           f"{s.total_len} (at most {s.total_len - 1} are routed)")
+        idx[r, c:c + a.shape[0]] = a.long()
+        covered[r, c:c + a.shape[0]] = True
+    return idx, covered
+
+
+def _no_routing(sample: Any) -> Exception:
+    from rlx.errors import RLXError
+
+    return RLXError(f"train.objective.routing_replay: sample {sample.sample_id} carries no routed experts; engines "
+                    f"must report them (SGLang >= 0.5.6 with --enable-return-routed-experts, which rlx sets on "
+                    f"engines it launches; attached engines need it at their launch), and its generator must keep "
+                    f"them (rlx.rollout.context.append_model_tokens does)")
+
+
+class RoutingReplay:
+    """One model role's routers fed the engine's routing, micro-batch by micro-batch: with `replay` megatron's
+    router replay takes those experts (REPLAY_FORWARD; no recomputation, so the backward needs none), and either
+    way the routers carry them for `RouterStats` to compare with what they chose. The role's own routers are
+    set directly, never through megatron's global list, which a second model (the reference) joins too."""
+
+    def __init__(self, model: Any, layers: int, topk: int, replay: bool):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.layers, self.topk, self.replay = layers, topk, replay
+
+    def set(self, batch: Any) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        got = engine_routing(batch, self.layers, self.topk, required=self.replay)
+        for router in self.routers:
+            router._rlx_engine = None
+            if got is None:
+                continue
+            idx, covered = got
+            rows, width = covered.shape
+            mine = idx[:, :, router.layer_number - 1].transpose(0, 1).reshape(width * rows, self.topk)  # seq-major
+            router._rlx_engine = (mine, covered.t().reshape(-1))
+            if self.replay:
+                rr = router.router_replay
+                rr.clear_indices()
+                rr.set_target_indices(mine)
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def clear(self) -> None:
+        for router in self.routers:
+            router._rlx_engine = None
+            if self.replay:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()

@@ -28,6 +28,7 @@ class PackedBatch:
     seq_index: torch.Tensor  # [T] which sample (0..n-1, in `samples` order) each response token is from
     temperatures: torch.Tensor  # [T] the sampling temperature of each response token's distribution
     samples: list[Sample]  # in packed order
+    starts: list[tuple[int, int]] | None = None  # per sample (packed order): its row and first column
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     seq_index: list[int] = []
     temps: list[float] = []
     ordered: list[Sample] = []
+    starts: list[tuple[int, int]] = []
     for r, row in enumerate(rows):
         col = 0
         for i in row:
@@ -65,6 +67,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
             seq_index += [len(ordered)] * len(s.response_ids)
             temps += s.token_temperatures + [1.0] * (len(s.response_ids) - len(s.token_temperatures))
             ordered.append(s)
+            starts.append((r, col))
             col += len(full)
     pad = seg < 0
     seg[pad] = -2 - torch.arange(int(pad.sum()))  # each pad token alone in its own block
@@ -79,6 +82,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
         seq_index=torch.tensor(seq_index, dtype=torch.long),
         temperatures=torch.tensor(temps, dtype=torch.float32),
         samples=ordered,
+        starts=starts,
     )
 
 

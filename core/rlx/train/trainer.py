@@ -40,11 +40,12 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model.path)
         self.spec = model_spec(self.model_path, plugins)
         dtype = torch_dtype(cfg.model.dtype)
-        self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype)
+        replay = tc.objective.routing_replay
+        self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
         self.actor.load_hf(HFCheckpoint(self.model_path))
         self.reference = None
         if tc.objective.kl_coef > 0:
-            self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype)
+            self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
             self.reference.load_from(self.actor)
             self.reference.freeze()
         self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step)
