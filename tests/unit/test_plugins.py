@@ -269,8 +269,10 @@ def test_build_instantiates_with_validated_args_and_names_a_failing_plugin():
 def test_model_bridges_are_selected_by_model_type_and_may_not_overlap():
     p = build_plugins(entry_points=False)
     assert p.bridge_for("qwen3").name == "llama"
-    with pytest.raises(RLXError, match="no model bridge for model_type 'glm4_moe'.*install the model plugin"):
-        p.bridge_for("glm4_moe")
+    with pytest.raises(RLXError, match="no model bridge for model_type 'gpt_oss'.*install the model plugin"):
+        p.bridge_for("gpt_oss")
+    with pytest.raises(RLXError, match="'glm4_moe' checkpoint needs the rlx-model-glm model plugin"):
+        p.bridge_for("glm4_moe")  # a family rlx ships as a plugin is named
 
     class Rival:
         name = "rival"

@@ -57,8 +57,6 @@ class DecoderSpec(ModelSpec):
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         experts = self.moe.transformer_kwargs(self.num_layers, parallel) if self.moe else {}
-        if not self.moe:
-            common.pop("moe_token_dispatcher_type", None)  # meaningless without experts
         return TransformerConfig(
             num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.heads,
             num_query_groups=self.kv_heads, kv_channels=self.head_dim, ffn_hidden_size=self.ffn,

@@ -156,6 +156,7 @@ def split_sequence_around_experts() -> None:
 
     if getattr(MoELayer, "_rlx_split_sequence", False):
         return
+    _expert_bias_with_padding()
     forward = MoELayer.forward
 
     def split_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
@@ -188,6 +189,22 @@ def split_sequence_around_experts() -> None:
 
     MoELayer.forward = split_forward
     MoELayer._rlx_split_sequence = True
+
+
+def _expert_bias_with_padding() -> None:
+    """megatron-core 0.16.1 counts tokens per expert for the expert bias as ``routing_map & ~padding_mask`` with the
+    mask flattened to [tokens] against a [tokens, experts] map, which fails (or, with as many tokens as experts,
+    masks the wrong entries) whenever a padding mask is given: the mask is made a column here."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    apply = TopKRouter._apply_expert_bias
+
+    def with_column_mask(self, routing_map, padding_mask=None):
+        if padding_mask is not None and padding_mask.dim() == 1:
+            padding_mask = padding_mask[:, None]
+        return apply(self, routing_map, padding_mask)
+
+    TopKRouter._apply_expert_bias = with_column_mask
 
 
 class _chunk_of_engine_routing:

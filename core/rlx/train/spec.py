@@ -157,6 +157,7 @@ class ModelSpec(ABC):
     tied: bool
     flops: FlopsModel
     rope_theta: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's dimensions that rotary embedding rotates (rotate-half)
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
     # -- megatron side ---------------------------------------------------------------------------
@@ -176,7 +177,8 @@ class ModelSpec(ABC):
 
         return GPTModel(config, self.layer_spec(config, stage), vocab_size=self.vocab_size,
                         max_sequence_length=self.max_positions, position_embedding_type="rope",
-                        rotary_base=self.rope_theta, share_embeddings_and_output_weights=self.tied,
+                        rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
+                        share_embeddings_and_output_weights=self.tied,
                         pre_process=stage.first, post_process=stage.last)
 
     # -- weights ---------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""Train a model a few steps under a parallel layout (torchrun, gloo on CPU) and read back what came out, for
+tests that show a layout trains exactly like one process: model plugins' tests use it on their tiny models.
+
+`run(folder, model_path, nproc, tp=..., pp=..., ep=..., replay=...)` runs two GRPO steps (two optimizer updates
+each, a reference model for the KL) on fixed samples with ragged lengths and returns ``{"m1", "m2", "weights"}``:
+each step's metrics and the updated weights in HF names, flattened. With ``replay`` ``"off"`` or ``"on"`` the
+samples carry the routing and log-probs of an "engine": the same model with noise added to its router weights
+(``noise`` x their std); ``"on"`` turns on rollout routing replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+WORKER = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from rlx.config import parse_config
+    from rlx.plugins import build_plugins
+    from rlx.train.trainer import Trainer
+    from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+    args = json.loads(sys.argv[1])
+    tp, pp, ep, world, out, replay = (args[k] for k in ("tp", "pp", "ep", "nproc", "out", "replay"))
+    cfg = parse_config(json.dumps({
+        "run": {"output_dir": out + ".run"}, "ray": {"enabled": False},
+        "model": {"path": args["model"]},
+        "train": {"parallel": {"tp": tp, "pp": pp, "ep": ep, "world_size": world}, "updates_per_step": 2,
+                  "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group",
+                                "routing_replay": replay == "on"},
+                  "max_tokens_per_micro_batch": 40, "optim": {"lr": 1e-2, "adam_eps": 1e-4}}}))
+    g = torch.Generator().manual_seed(0)
+
+    def sample(gid, sid, n):
+        prompt = torch.randint(3, 500, (5,), generator=g).tolist()
+        resp = torch.randint(3, 500, (n,), generator=g).tolist()
+        return Sample(prompt, resp, [1] * (n - 1) + [0], [-6.2] * n, reward=float(sid % 3),
+                      status=SampleStatus.COMPLETED, sample_id=sid, group_id=gid)
+
+    groups, sid = [], 0
+    for gid, k in enumerate([3, 2, 4, 1]):
+        groups.append(Group(gid, [sample(gid, sid + j, 4 + (sid + j) % 7) for j in range(k)]))
+        sid += k
+    if replay != "none":  # an engine whose routers differ from the trainer's: its routing and log-probs
+        import base64
+        from transformers import AutoModelForCausalLM
+        from rlx.models.tiny import resolve_model_path
+        engine = AutoModelForCausalLM.from_pretrained(resolve_model_path(args["model"]), dtype=torch.float32).eval()
+        noise = torch.Generator().manual_seed(1)
+        topk = engine.config.num_experts_per_tok
+        with torch.no_grad():
+            for layer in engine.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "weight") and gate.weight.dim() == 2:
+                    gate.weight.add_(torch.randn(gate.weight.shape, generator=noise) * gate.weight.std() * args["noise"])
+            routed = {}
+            for layer_idx, layer in enumerate(engine.model.layers):
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None:
+                    experts.register_forward_pre_hook(
+                        lambda m, a, i=layer_idx: routed.__setitem__(i, a[1].detach().clone()))
+            for group in groups:
+                for s in group.samples:
+                    full = s.prompt_ids + s.response_ids
+                    routed.clear()
+                    o = engine(torch.tensor([full[:-1]]))
+                    top = torch.zeros(len(full) - 1, len(engine.model.layers), topk, dtype=torch.int32)
+                    for i, idx in routed.items():
+                        top[:, i] = idx.reshape(len(full) - 1, topk).to(torch.int32)
+                    s.routed_experts = base64.b64encode(top.numpy().tobytes()).decode()
+                    lp = torch.log_softmax(o.logits[0].float(), -1)
+                    p0 = len(s.prompt_ids) - 1
+                    s.rollout_logprobs = [lp[p0 + j, t].item() for j, t in enumerate(s.response_ids)]
+    trainer = Trainer(cfg, build_plugins())
+    m1 = trainer.train_step(RolloutBatch(1, groups))
+    m2 = trainer.train_step(RolloutBatch(2, groups))
+    mine = {}
+    if trainer.par.gathers:
+        named = {k: v.flatten().tolist() for k, v in trainer.hf_tensors()}
+        mine = named if trainer.par.sender else {}
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    if torch.distributed.get_rank() == 0:
+        json.dump({"m1": m1, "m2": m2, "weights": {k: v for p in parts for k, v in p.items()}}, open(out, "w"))
+""")
+
+
+def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
+        noise: float = 0.25, timeout_s: float = 600) -> dict[str, Any]:
+    from rlx.net import free_port
+
+    folder = Path(folder)
+    script = folder / "parallel_worker.py"
+    script.write_text(WORKER)
+    out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}.json"
+    args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                        f"--master-port={free_port('127.0.0.1')}", "--master-addr=127.0.0.1", str(script),
+                        json.dumps(args)],
+                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if r.returncode != 0:
+        raise AssertionError(f"{nproc} processes, tp={tp} pp={pp} ep={ep} replay={replay}:\n{r.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def assert_same(got: dict[str, Any], single: dict[str, Any], keys: tuple[str, ...], atol: float = 1e-5) -> None:
+    """Every metric in `keys` of both steps, and every updated weight, equal within `atol`."""
+    import pytest
+
+    for step in ("m1", "m2"):
+        for key in keys:
+            assert got[step][key] == pytest.approx(single[step][key], abs=atol), (step, key)
+    assert set(got["weights"]) == set(single["weights"])
+    worst = max(max(abs(a - b) for a, b in zip(got["weights"][n], w, strict=True))
+                for n, w in single["weights"].items())
+    assert worst < atol, f"updated weights differ by up to {worst}"

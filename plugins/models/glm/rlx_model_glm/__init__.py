@@ -1,0 +1,70 @@
+"""rlx model plugin for GLM's mixture-of-experts families: ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7).
+
+GLM-4.5 is rlx's standard decoder (`rlx.train.decoder.DecoderSpec`) with:
+
+* GQA attention with a q/k/v bias (``attention_bias``), optional qk-norm (``use_qk_norm``), and rotary embedding
+  on the first ``partial_rotary_factor`` of each head (rotate-half, not interleaved: megatron's
+  ``rotary_percent``);
+* dense MLPs in the first ``first_k_dense_replace`` layers, then routed experts with ``n_shared_experts`` shared
+  experts beside them;
+* DeepSeek-V3's router: sigmoid scores plus a per-expert correction bias (``e_score_correction_bias``, used for
+  selection only), top ``topk_group`` of ``n_group`` groups, top-k within them, weights renormalised and scaled by
+  ``routed_scaling_factor``. The bias is megatron's expert bias: aux-loss-free balancing updates it after each
+  optimizer step (rate 1e-3, megatron's default), and weight pushes carry it to the engines.
+
+Not covered: the multi-token-prediction layer real checkpoints carry after the last layer
+(``num_nextn_predict_layers``) is neither trained nor exported; ``glm4_moe_lite`` (GLM-4.7-Flash, latent
+attention) comes with the MLA support.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlx import hookimpl
+from rlx.errors import RLXError
+from rlx.train.decoder import DecoderSpec, decoder_flops
+from rlx.train.moe import MoEShape
+from rlx.train.spec import rope_theta
+
+
+def partial_rotary(c: Any) -> float:
+    rope = getattr(c, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return float(factor or getattr(c, "partial_rotary_factor", None) or 1.0)
+
+
+class Glm4MoeBridge:
+    name = "glm4-moe"
+    model_types = ("glm4_moe",)
+
+    def spec(self, hf_config: Any) -> DecoderSpec:
+        c = hf_config
+        if not getattr(c, "norm_topk_prob", True):
+            raise RLXError("model.path: a glm4_moe checkpoint with norm_topk_prob: false; megatron's sigmoid router "
+                           "always renormalises the top-k weights")
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        scaling = float(getattr(c, "routed_scaling_factor", 1.0) or 1.0)
+        groups = getattr(c, "n_group", None) or 1
+        shape = MoEShape(experts=c.n_routed_experts, topk=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
+                         layers=frozenset(range(c.first_k_dense_replace, c.num_hidden_layers)),
+                         shared_ffn=(c.n_shared_experts or 0) * c.moe_intermediate_size, score="sigmoid",
+                         expert_bias=True, groups=groups if groups > 1 else None,
+                         group_topk=c.topk_group if groups > 1 else None, scaling=scaling if scaling != 1.0 else None)
+        return DecoderSpec(
+            model_type=c.model_type, hf_config=c, num_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size, max_positions=c.max_position_embeddings,
+            tied=bool(getattr(c, "tie_word_embeddings", False)), rope_theta=rope_theta(c),
+            rotary_percent=partial_rotary(c),
+            flops=decoder_flops(c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size, kv_heads,
+                                heads, shape),
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=c.intermediate_size, rms_eps=c.rms_norm_eps,
+            qk_norm=bool(getattr(c, "use_qk_norm", False)), qkv_bias=bool(getattr(c, "attention_bias", False)),
+            moe=shape,
+        )
+
+
+@hookimpl
+def register_models(register):
+    register(Glm4MoeBridge)
