@@ -56,3 +56,51 @@ def test_megatron_settings_follow_the_shape():
     assert kw["moe_shared_expert_intermediate_size"] == 32 and kw["moe_router_enable_expert_bias"]
     assert kw["expert_model_parallel_size"] == 2 and kw["expert_tensor_parallel_size"] == 2
     assert kw["moe_router_load_balancing_type"] == "none" and kw["moe_grouped_gemm"] is False
+
+
+def _routed(rows, layers=2, topk=2, value=None):
+    import base64
+
+    import numpy as np
+
+    a = np.zeros((rows, layers, topk), dtype=np.int32) if value is None else np.full((rows, layers, topk), value,
+                                                                                        dtype=np.int32)
+    if value is None:
+        a[:, :, 1] = 1 + np.arange(rows)[:, None] % 3
+    return base64.b64encode(a.tobytes()).decode()
+
+
+def test_engine_routing_is_placed_where_each_sample_sits_in_the_packed_rows():
+    from rlx.train.moe import engine_routing
+    from rlx.train.packing import pack
+    from rlx.types import Sample
+
+    a = Sample([1, 2, 3], [4, 5], [1, 1], [0.0, 0.0], sample_id=0, routed_experts=_routed(4))
+    b = Sample([6], [7, 8], [1, 1], [0.0, 0.0], sample_id=1, routed_experts=_routed(1))  # covers less: allowed
+    batch = pack([a, b], row_tokens=5)
+    idx, covered = engine_routing(batch, 2, 2, required=True, experts=4)
+    (ra, ca), (rb, cb) = batch.starts
+    assert covered[ra, ca:ca + 4].all() and not covered[ra, ca + 4]  # the last token is never routed
+    assert idx[ra, ca + 2, 1].tolist() == [0, 3] and covered[rb, cb] and not covered[rb, cb + 1:cb + 3].any()
+    assert idx[rb, cb + 1, 0].tolist() == [0, 1]  # placeholders: distinct experts 0..k-1
+    assert batch.pad_mask.sum() == batch.input_ids.numel() - 8
+
+
+def test_engine_routing_refuses_what_it_cannot_replay():
+    from rlx.errors import RLXError
+    from rlx.train.moe import engine_routing
+    from rlx.train.packing import pack
+    from rlx.types import Sample
+
+    def batch(routed):
+        return pack([Sample([1, 2, 3], [4, 5], [1, 1], [0.0, 0.0], sample_id=7, routed_experts=routed)])
+
+    assert engine_routing(batch(None), 2, 2, required=False, experts=4) is None
+    with pytest.raises(RLXError, match="sample 7 carries no routed experts"):
+        engine_routing(batch(None), 2, 2, required=True, experts=4)
+    with pytest.raises(RLXError, match="expert 4 .* the model has 4 experts"):
+        engine_routing(batch(_routed(4, value=4)), 2, 2, required=True, experts=4)
+    with pytest.raises(RLXError, match="routed experts for 5 tokens, but it has 5"):
+        engine_routing(batch(_routed(5)), 2, 2, required=True, experts=4)
+    with pytest.raises(RLXError, match="not whole tokens of 3 layers x top-2"):
+        engine_routing(batch(_routed(4)), 3, 2, required=True, experts=4)

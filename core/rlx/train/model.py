@@ -191,10 +191,12 @@ class ModelRole:
         if spec.num_experts and spec.num_experts % par.ep:
             raise RLXError(f"train.parallel.ep: {par.ep} expert-parallel ranks cannot split the model's "
                            f"{spec.num_experts} experts evenly")
-        if spec.num_experts and par.tp > 1:
-            from rlx.train.moe import split_sequence_around_experts
+        if spec.num_experts:
+            from rlx.train.moe import expert_bias_with_padding, split_sequence_around_experts
 
-            split_sequence_around_experts()
+            expert_bias_with_padding()  # rlx passes padding masks to the routers
+            if par.tp > 1:
+                split_sequence_around_experts()
         self.stage = stage_of(spec, par)
         # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
         if routing_replay and not spec.num_experts:
@@ -217,7 +219,7 @@ class ModelRole:
 
             topk = self.config.moe_router_topk
             self.router_stats = RouterStats(self.model, spec.num_layers, spec.num_experts, topk)
-            self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay)
+            self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay, spec.num_experts)
         self.trainable = False
         self.ddp: Any = None
         self.optimizer: Any = None
@@ -329,9 +331,15 @@ class ModelRole:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            if self.routing is not None:
-                self.routing.set(mb)
-            out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev))
+            extra = {}
+            if self.spec.num_experts:  # pads stay out of the routers' statistics and expert-bias counts
+                pads = mb.pad_mask.clone()
+                if self.routing is not None:
+                    unrouted = self.routing.set(mb)
+                    if unrouted is not None:  # replayed with placeholder experts: not counted either
+                        pads |= unrouted
+                extra["padding_mask"] = pads.to(dev)
+            out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev), **extra)
 
             def reduce(logits, non_loss_data=False):
                 if non_loss_data:

@@ -156,7 +156,6 @@ def split_sequence_around_experts() -> None:
 
     if getattr(MoELayer, "_rlx_split_sequence", False):
         return
-    _expert_bias_with_padding()
     forward = MoELayer.forward
 
     def split_forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
@@ -191,12 +190,14 @@ def split_sequence_around_experts() -> None:
     MoELayer._rlx_split_sequence = True
 
 
-def _expert_bias_with_padding() -> None:
+def expert_bias_with_padding() -> None:
     """megatron-core 0.16.1 counts tokens per expert for the expert bias as ``routing_map & ~padding_mask`` with the
     mask flattened to [tokens] against a [tokens, experts] map, which fails (or, with as many tokens as experts,
     masks the wrong entries) whenever a padding mask is given: the mask is made a column here."""
     from megatron.core.transformer.moe.router import TopKRouter
 
+    if getattr(TopKRouter, "_rlx_column_mask", False):
+        return
     apply = TopKRouter._apply_expert_bias
 
     def with_column_mask(self, routing_map, padding_mask=None):
@@ -205,6 +206,7 @@ def _expert_bias_with_padding() -> None:
         return apply(self, routing_map, padding_mask)
 
     TopKRouter._apply_expert_bias = with_column_mask
+    TopKRouter._rlx_column_mask = True
 
 
 class _chunk_of_engine_routing:
@@ -222,7 +224,7 @@ class _chunk_of_engine_routing:
         import torch
 
         if self.pad_rows:
-            t = torch.cat([t, fill.expand(self.pad_rows, *t.shape[1:]).to(t.dtype)])
+            t = torch.cat([t, fill.to(t.device, t.dtype).expand(self.pad_rows, *t.shape[1:])])
         return t[self.rows]
 
     def __enter__(self) -> None:
@@ -385,7 +387,7 @@ class RouterStats:
 # -- rollout routing replay (R3) --------------------------------------------------------------------
 
 
-def engine_routing(batch: Any, layers: int, topk: int, required: bool) -> tuple[Any, Any] | None:
+def engine_routing(batch: Any, layers: int, topk: int, required: bool, experts: int) -> tuple[Any, Any] | None:
     """The experts the engine routed each token of a packed micro-batch to: ``(indices [R, W, layers, top_k],
     covered [R, W])`` from the samples' ``routed_experts`` (SGLang's int32 [rows, layers, top_k], rows <= the
     sample's tokens - 1). Positions no engine routing covers (each sample's last token, pads, samples without
@@ -415,6 +417,10 @@ def engine_routing(batch: Any, layers: int, topk: int, required: bool) -> tuple[
             raise RLXError(f"sample {s.sample_id}: its routed experts ({flat.size} ids) are not whole tokens of "
                            f"{layers} layers x top-{topk}: the engine serves another model than the trainer")
         a = torch.from_numpy(flat.copy()).view(-1, layers, topk)
+        if a.numel() and (int(a.min()) < 0 or int(a.max()) >= experts):
+            raise RLXError(f"sample {s.sample_id}: the engine routed tokens to expert {int(a.max())} (or below 0), "
+                           f"but the model has {experts} experts: an engine with redundant or remapped (physical) "
+                           f"experts (SGLang's expert-location/EPLB options) reports ids the trainer cannot replay")
         if a.shape[0] > s.total_len - 1:
             raise RLXError(f"sample {s.sample_id}: routed experts for {a.shape[0]} tokens, but it has "
                            f"{s.total_len} (at most {s.total_len - 1} are routed)")
@@ -438,16 +444,23 @@ class RoutingReplay:
     way the routers carry them for `RouterStats` to compare with what they chose. The role's own routers are
     set directly, never through megatron's global list, which a second model (the reference) joins too."""
 
-    def __init__(self, model: Any, layers: int, topk: int, replay: bool):
+    def __init__(self, model: Any, layers: int, topk: int, replay: bool, experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-        self.layers, self.topk, self.replay = layers, topk, replay
+        self.layers, self.topk, self.replay, self.experts = layers, topk, replay, experts
 
-    def set(self, batch: Any) -> None:
+    def set(self, batch: Any) -> Any:
+        """Set the batch's engine routing on the routers; returns, with replay, the [R, W] positions replayed with
+        placeholder experts (no engine routing), for the caller to mask out of routing statistics."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        got = engine_routing(batch, self.layers, self.topk, required=self.replay)
+        if not self.routers:  # a pipeline stage of dense layers only
+            return None
+        got = engine_routing(batch, self.layers, self.topk, self.replay, self.experts)
+        if got is not None:
+            dev = self.routers[0].weight.device
+            got = (got[0].to(dev), got[1].to(dev))
         for router in self.routers:
             router._rlx_engine = None
             if got is None:
@@ -461,6 +474,7 @@ class RoutingReplay:
                 rr.clear_indices()
                 rr.set_target_indices(mine)
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        return ~got[1].cpu() if (got is not None and self.replay) else None
 
     def clear(self) -> None:
         for router in self.routers:

@@ -29,6 +29,7 @@ class PackedBatch:
     temperatures: torch.Tensor  # [T] the sampling temperature of each response token's distribution
     samples: list[Sample]  # in packed order
     starts: list[tuple[int, int]] | None = None  # per sample (packed order): its row and first column
+    pad_mask: torch.Tensor | None = None  # [R, L] True where no sample sits (megatron's MoE padding mask)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
         temperatures=torch.tensor(temps, dtype=torch.float32),
         samples=ordered,
         starts=starts,
+        pad_mask=pad.clone(),
     )
 
 

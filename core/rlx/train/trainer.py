@@ -98,7 +98,7 @@ class Trainer:
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's HF tensors of this rank's pipeline stage, one at a time. Every rank of the stage's
         tensor-parallel group must drain it (gathers are collective); ranks of other data-parallel
-        replicas need not."""
+        replicas need not, unless experts are split over ranks (every rank with ``par.gathers`` drains it)."""
         return self.actor.hf_tensors()
 
     def save(self, folder: Path) -> None:

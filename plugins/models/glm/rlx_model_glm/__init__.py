@@ -47,6 +47,11 @@ class Glm4MoeBridge:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         scaling = float(getattr(c, "routed_scaling_factor", 1.0) or 1.0)
         groups = getattr(c, "n_group", None) or 1
+        if groups > 1 and c.num_experts_per_tok // c.topk_group != 2:
+            raise RLXError(f"model.path: glm4_moe with n_group {groups}, topk_group {c.topk_group} and "
+                           f"num_experts_per_tok {c.num_experts_per_tok}: transformers scores a group by its best 2 "
+                           f"experts, megatron by its best num_experts_per_tok // topk_group; they agree only when "
+                           f"that is 2")
         shape = MoEShape(experts=c.n_routed_experts, topk=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
                          layers=frozenset(range(c.first_k_dense_replace, c.num_hidden_layers)),
                          shared_ffn=(c.n_shared_experts or 0) * c.moe_intermediate_size, score="sigmoid",

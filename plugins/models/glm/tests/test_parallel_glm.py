@@ -1,5 +1,5 @@
-"""GLM-4.5 under megatron on CPU (gloo, torchrun): tensor, expert and pipeline parallelism train exactly like one
-process, with shared experts beside the routed ones, a dense first layer, and the aux-loss-free correction bias
+"""GLM-4.5 under megatron on CPU (gloo, torchrun): expert, pipeline and tensor×expert parallelism train exactly like
+one process (tensor parallelism alone is the same code as Qwen3-MoE's, tested there), with shared experts beside the routed ones, a dense first layer, and the aux-loss-free correction bias
 updated after every optimizer step (it is in the exported weights); and rollout routing replay through the grouped
 sigmoid router."""
 
@@ -18,8 +18,7 @@ def single(tmp_path_factory):
     return run(tmp_path_factory.mktemp("single"), MODEL, 1)
 
 
-@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 1, 2), (2, 1, 2, 1), (4, 2, 1, 2)],
-                         ids=["tp2", "ep2", "pp2", "tp2-ep2"])
+@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 1, 1, 2), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["ep2", "pp2", "tp2-ep2"])
 def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp, ep):
     assert_same(run(tmp_path, MODEL, nproc, tp, pp, ep), single, KEYS)
 

@@ -52,7 +52,7 @@ def test_routing_replay_makes_the_trainer_route_as_the_engine_did(replayed):
           f"{m_on['train_rollout_logprob_diff']:.2e}")
 
 
-@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 1, 2), (2, 1, 2, 1)], ids=["tp2", "ep2", "pp2"])
+@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["tp2", "pp2", "tp2-ep2"])
 def test_routing_replay_under_parallelism_matches_one_process(replayed, tmp_path, nproc, tp, pp, ep):
     """Replay cut to each tensor-parallel rank's part of the sequence, to each pipeline stage's layers, and with
     tokens dispatched over expert-parallel ranks, trains as one process does (a reference model is present)."""

@@ -36,9 +36,15 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     state = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
+
+    def fused(prefix: str) -> bool:  # [E, 2I, H] gate_up beside [E, H, I] down: the layout these views assume
+        gu, d = state.get(prefix + ".gate_up_proj"), state.get(prefix + ".down_proj")
+        return (gu is not None and d is not None and gu.dim() == d.dim() == 3 and gu.shape[0] == d.shape[0]
+                and gu.shape[1] == 2 * d.shape[2] and gu.shape[2] == d.shape[1])
+
     for name, t in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith("experts") and leaf in ("gate_up_proj", "down_proj") and t.dim() == 3:
+        if prefix.endswith("experts") and leaf in ("gate_up_proj", "down_proj") and fused(prefix):
             for e in range(t.shape[0]):
                 if leaf == "down_proj":
                     out[f"{prefix}.{e}.down_proj.weight"] = t[e]
