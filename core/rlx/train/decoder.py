@@ -53,11 +53,17 @@ class DecoderSpec(ModelSpec):
     # -- megatron side ---------------------------------------------------------------------------
 
     def transformer_config(self, parallel: Any, dtype: Any, **common: Any) -> Any:
-        import torch
         from megatron.core.transformer.transformer_config import TransformerConfig
 
+        return TransformerConfig(**self.config_kwargs(parallel, dtype), **common)
+
+    def config_kwargs(self, parallel: Any, dtype: Any) -> dict[str, Any]:
+        """megatron ``TransformerConfig`` arguments of this decoder (a family that needs another config class
+        adds its own to these)."""
+        import torch
+
         experts = self.moe.transformer_kwargs(self.num_layers, parallel) if self.moe else {}
-        return TransformerConfig(
+        return dict(
             num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.heads,
             num_query_groups=self.kv_heads, kv_channels=self.head_dim, ffn_hidden_size=self.ffn,
             normalization="RMSNorm", layernorm_epsilon=self.rms_eps, gated_linear_unit=True,
@@ -65,7 +71,7 @@ class DecoderSpec(ModelSpec):
             qk_layernorm=self.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
             tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
             params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=False,
-            use_cpu_initialization=True, pipeline_dtype=dtype, **experts, **common,
+            use_cpu_initialization=True, pipeline_dtype=dtype, **experts,
         )
 
     def layer_spec(self, config: Any, stage: Stage) -> Any:
@@ -161,14 +167,17 @@ class DecoderSpec(ModelSpec):
             yield from moe.gated_mlp_to_hf(gather, h + self.hf_shared + ".", m + "mlp.shared_experts.")
 
 
+def mean_ffn(layers: int, ffn: int, shape: moe.MoEShape | None = None) -> float:
+    """The MLP width a token passes through, averaged over layers: each MoE layer counts its active experts
+    (top-k routed plus shared), not all of them."""
+    if shape is None:
+        return float(ffn)
+    n_moe = len(shape.layers)
+    return ((layers - n_moe) * ffn + n_moe * (shape.topk * shape.ffn + shape.shared_ffn)) / layers
+
+
 def decoder_flops(hidden: int, layers: int, ffn: int, vocab: int, kv_heads: int, heads: int,
                   shape: moe.MoEShape | None = None) -> FlopsModel:
-    """The FLOPs model of a decoder: with experts, each MoE layer costs its active experts (top-k routed plus
-    shared), not all of them."""
-    if shape is None:
-        return FlopsModel.from_shape(hidden, layers, ffn, vocab, kv_heads, heads)
-    n_moe = len(shape.layers)
-    active = shape.topk * shape.ffn + shape.shared_ffn
-    mean_ffn = ((layers - n_moe) * ffn + n_moe * active) / layers
-    return FlopsModel.from_shape(hidden, layers, mean_ffn, vocab, kv_heads, heads)  # type: ignore[arg-type]
-
+    """The FLOPs model of a decoder: with experts, each MoE layer costs its active experts, not all of them."""
+    return FlopsModel.from_shape(hidden, layers, mean_ffn(layers, ffn, shape), vocab, kv_heads,  # type: ignore[arg-type]
+                                 heads)

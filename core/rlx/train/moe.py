@@ -58,6 +58,31 @@ class MoEShape:
         return kw
 
 
+def deepseek_router(c: Any, layers: frozenset[int]) -> MoEShape:
+    """The experts of a family with DeepSeek-V3's router (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash), read from its HF
+    config `c`: sigmoid scores plus a per-expert correction bias (``e_score_correction_bias``, for selection only,
+    updated by aux-loss-free balancing), the best ``topk_group`` of ``n_group`` groups, top-k within them, weights
+    renormalised and scaled by ``routed_scaling_factor``, and ``n_shared_experts`` shared experts beside them.
+    `layers` are the MoE layers (the family decides which are dense). Configs megatron's router cannot
+    reproduce are refused, naming the keys."""
+    from rlx.errors import RLXError
+
+    where = f"model.path: a {c.model_type} checkpoint"
+    if not getattr(c, "norm_topk_prob", True):
+        raise RLXError(f"{where} with norm_topk_prob: false; megatron's sigmoid router always renormalises the "
+                       f"top-k weights")
+    groups = getattr(c, "n_group", None) or 1
+    if groups > 1 and c.num_experts_per_tok // c.topk_group != 2:
+        raise RLXError(f"{where} with n_group {groups}, topk_group {c.topk_group} and num_experts_per_tok "
+                       f"{c.num_experts_per_tok}: transformers scores a group by its best 2 experts, megatron by its "
+                       f"best num_experts_per_tok // topk_group; they agree only when that is 2")
+    scaling = float(getattr(c, "routed_scaling_factor", 1.0) or 1.0)
+    return MoEShape(experts=c.n_routed_experts, topk=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
+                    layers=frozenset(layers), shared_ffn=(c.n_shared_experts or 0) * c.moe_intermediate_size,
+                    score="sigmoid", expert_bias=True, groups=groups if groups > 1 else None,
+                    group_topk=c.topk_group if groups > 1 else None, scaling=scaling if scaling != 1.0 else None)
+
+
 def local_experts(stage: Stage, experts: int) -> range:
     """Global indices of the experts this rank holds, in local order."""
     n = experts // stage.ep

@@ -22,9 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlx import hookimpl
-from rlx.errors import RLXError
 from rlx.train.decoder import DecoderSpec, decoder_flops
-from rlx.train.moe import MoEShape
+from rlx.train.moe import deepseek_router
 from rlx.train.spec import rope_theta
 
 
@@ -40,23 +39,9 @@ class Glm4MoeBridge:
 
     def spec(self, hf_config: Any) -> DecoderSpec:
         c = hf_config
-        if not getattr(c, "norm_topk_prob", True):
-            raise RLXError("model.path: a glm4_moe checkpoint with norm_topk_prob: false; megatron's sigmoid router "
-                           "always renormalises the top-k weights")
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        scaling = float(getattr(c, "routed_scaling_factor", 1.0) or 1.0)
-        groups = getattr(c, "n_group", None) or 1
-        if groups > 1 and c.num_experts_per_tok // c.topk_group != 2:
-            raise RLXError(f"model.path: glm4_moe with n_group {groups}, topk_group {c.topk_group} and "
-                           f"num_experts_per_tok {c.num_experts_per_tok}: transformers scores a group by its best 2 "
-                           f"experts, megatron by its best num_experts_per_tok // topk_group; they agree only when "
-                           f"that is 2")
-        shape = MoEShape(experts=c.n_routed_experts, topk=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
-                         layers=frozenset(range(c.first_k_dense_replace, c.num_hidden_layers)),
-                         shared_ffn=(c.n_shared_experts or 0) * c.moe_intermediate_size, score="sigmoid",
-                         expert_bias=True, groups=groups if groups > 1 else None,
-                         group_topk=c.topk_group if groups > 1 else None, scaling=scaling if scaling != 1.0 else None)
+        shape = deepseek_router(c, frozenset(range(c.first_k_dense_replace, c.num_hidden_layers)))
         return DecoderSpec(
             model_type=c.model_type, hf_config=c, num_layers=c.num_hidden_layers, vocab_size=c.vocab_size,
             hidden_size=c.hidden_size, max_positions=c.max_position_embeddings,

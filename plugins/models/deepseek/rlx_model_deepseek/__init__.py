@@ -1,0 +1,40 @@
+"""rlx model plugin for DeepSeek-V3 (``deepseek_v3``: DeepSeek-V3, V3.1, R1 and their distillations of the same
+architecture).
+
+DeepSeek-V3 is rlx's standard decoder with multi-head latent attention (`rlx.train.mla`) and DeepSeek's router
+(`rlx.train.moe.deepseek_router`):
+
+* latent attention with a query latent (``q_lora_rank``) and a key/value latent (``kv_lora_rank``), rotary
+  embedding on ``qk_rope_head_dim`` of each head, plain or YaRN (``rope_parameters.rope_type: yarn``, with
+  megatron's YaRN solved to give transformers' attention factor and softmax scale);
+* dense MLPs in the first ``first_k_dense_replace`` layers, then routed experts with ``n_shared_experts`` shared
+  experts beside them;
+* sigmoid scores plus a per-expert correction bias (selection only), the best ``topk_group`` of ``n_group``
+  groups, top-k within them, weights renormalised and scaled by ``routed_scaling_factor``; aux-loss-free
+  balancing updates the bias after each optimizer step (megatron's rate, 1e-3) and weight pushes carry it.
+
+Not covered: the multi-token-prediction layer real checkpoints carry after the last layer
+(``num_nextn_predict_layers``) is neither trained nor exported (transformers ignores it as well); FP8
+checkpoints (DeepSeek's own ``weight_scale_inv`` tensors) must be converted to bf16 first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlx import hookimpl
+from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
+
+
+class DeepseekV3Bridge:
+    name = "deepseek-v3"
+    model_types = ("deepseek_v3",)
+
+    def spec(self, hf_config: Any) -> MLADecoderSpec:
+        c = hf_config
+        return deepseek_v3_spec(c, range(c.first_k_dense_replace, c.num_hidden_layers))
+
+
+@hookimpl
+def register_models(register):
+    register(DeepseekV3Bridge)

@@ -1,0 +1,40 @@
+"""``builtin://tiny-deepseek-v3``: a random DeepSeek-V3-shaped model with the built-in tokenizer, small enough to
+train on a CPU (4 layers: one dense, three with 8 routed experts of width 32, 2 per token in 2 groups, and a
+shared expert; latent attention with a query latent of 32 and a key/value latent of 32, YaRN rotary embedding)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             first_k_dense_replace=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+             rope_interleave=True)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512, beta_fast=32.0,
+            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def deepseek_v3_config(tokenizer: Any, rope: dict[str, Any] | None = None, **shape: Any) -> Any:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=False,
+                            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                            rope_parameters=dict(YARN if rope is None else rope), **{**SHAPE, **shape})
+
+
+def build_tiny_deepseek_v3(out: Path, seed: int = 0, **shape: Any) -> Path:
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from rlx.models.tiny import build_tokenizer, save_tiny
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(tok, **shape))
+    with torch.no_grad():  # a correction bias that matters, as a trained model's does
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+    return save_tiny(Path(out), model, tok)

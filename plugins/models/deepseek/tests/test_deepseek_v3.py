@@ -1,0 +1,174 @@
+"""The DeepSeek-V3 bridge: the model-bridge contract (exact round trips over tensor, pipeline and expert parallel
+layouts, megatron logits equal to transformers') with latent attention under YaRN, a dense first layer, shared
+experts and grouped sigmoid routing with a correction bias; and the variants a checkpoint may carry (no query
+latent, plain rotary, rotary rows not interleaved)."""
+
+import math
+
+import pytest
+import torch
+
+from rlx.testing import ModelBridgeContract
+
+
+class Tok:  # the config needs only these of a tokenizer
+    pad_token_id = 0
+
+    def __len__(self):
+        return 96
+
+    def convert_tokens_to_ids(self, t):
+        return 1
+
+
+def write_deepseek_v3(folder, rope=None, **shape):
+    from transformers import DeepseekV3ForCausalLM
+
+    from rlx_model_deepseek.tiny import deepseek_v3_config
+
+    torch.manual_seed(0)
+    c = deepseek_v3_config(Tok(), rope, **{**dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                                 q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                                                 qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4,
+                                                 routed_scaling_factor=2.5), **shape})
+    m = DeepseekV3ForCausalLM(c)
+    with torch.no_grad():
+        for p in m.parameters():  # routing decided well above float noise
+            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
+            if p.dim() == 1:
+                p.add_(1.0)
+        for layer in m.model.layers[c.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    m.save_pretrained(folder)
+
+
+class TestDeepseekV3Bridge(ModelBridgeContract):
+    bridge_name = "deepseek-v3"
+    model_type = "deepseek_v3"
+    layouts = [(1, 1), (2, 1), (1, 2), (1, 1, 2), (1, 1, 4), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_deepseek_v3(folder)
+
+
+class TestDeepseekV3BridgeNoQueryLatentPlainRope(ModelBridgeContract):
+    """One q_proj (no query latent), plain rotary, rotary rows in halves (rope_interleave: false), a stated
+    attention factor, one expert group."""
+
+    bridge_name = "deepseek-v3"
+    model_type = "deepseek_v3"
+    layouts = [(1, 1), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_deepseek_v3(folder, dict(rope_type="default", rope_theta=5000.0), q_lora_rank=None,
+                          rope_interleave=False, n_group=1, topk_group=1)
+
+
+class TestDeepseekV3BridgeYarnVariants(ModelBridgeContract):
+    """YaRN with only mscale_all_dim stated and rotary rows in halves."""
+
+    bridge_name = "deepseek-v3"
+    model_type = "deepseek_v3"
+    layouts = [(2, 1)]
+
+    def make_checkpoint(self, folder):
+        write_deepseek_v3(folder, dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                       original_max_position_embeddings=256, mscale_all_dim=0.7),
+                          rope_interleave=False)
+
+
+def test_spec_reads_the_family(tmp_path):
+    from transformers import AutoConfig
+
+    from rlx_model_deepseek import DeepseekV3Bridge
+
+    write_deepseek_v3(tmp_path)
+    spec = DeepseekV3Bridge().spec(AutoConfig.from_pretrained(tmp_path))
+    assert spec.moe.layers == {1, 2, 3} and spec.moe.shared_ffn == 16 and spec.moe.expert_bias
+    assert (spec.moe.groups, spec.moe.group_topk, spec.moe.scaling) == (2, 1, 2.5)
+    m = spec.mla
+    assert (m.q_lora, m.kv_lora, m.nope, m.rope, m.v, m.interleaved) == (16, 12, 8, 4, 6, True)
+    assert (m.rope_type, m.factor, m.original_max_positions, m.mscale_all_dim) == ("yarn", 4.0, 512, 1.0)
+    assert m.mscale == pytest.approx(1.0)  # mscale == mscale_all_dim: cos/sin unscaled, softmax by mscale(4)²
+
+
+@pytest.mark.parametrize("rope,softmax,cos_sin", [
+    # transformers: attention factor mscale(f, ms) / mscale(f, mad) when both are set, else mscale(f); the softmax
+    # carries mscale(f, mad)² only when mscale_all_dim is set
+    (dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0), (0.1 * math.log(40) + 1) ** 2, 1.0),
+    (dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707), (0.0707 * math.log(40) + 1) ** 2, 1.0),
+    (dict(factor=8.0, mscale_all_dim=0.5), (0.05 * math.log(8) + 1) ** 2, 0.1 * math.log(8) + 1),
+    (dict(factor=8.0), 1.0, 0.1 * math.log(8) + 1),
+    (dict(factor=8.0, attention_factor=1.3, mscale_all_dim=1.0), (0.1 * math.log(8) + 1) ** 2, 1.3),
+])
+def test_yarn_scales_as_transformers(rope, softmax, cos_sin):
+    """megatron's softmax scale is mscale(f, mad)² / sqrt(d) and its cos/sin factor mscale(f, ms) / mscale(f, mad):
+    with the solved mscale both are transformers' numbers, computed here by hand."""
+    from transformers import DeepseekV3Config
+
+    from rlx.train.mla import MLAShape, _mscale
+
+    c = DeepseekV3Config(num_hidden_layers=1, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                                 original_max_position_embeddings=4096, **rope))
+    s = MLAShape.from_hf(c)
+    assert _mscale(s.factor, s.mscale_all_dim) ** 2 == pytest.approx(softmax, rel=1e-12)
+    assert _mscale(s.factor, s.mscale) / _mscale(s.factor, s.mscale_all_dim) == pytest.approx(cos_sin, rel=1e-12)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(num_key_value_heads=2), "num_key_value_heads 2"),
+    (dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4)), "rope_type 'linear'"),
+    (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4, original_max_position_embeddings=64,
+                               truncate=False)), "truncate"),
+    (dict(norm_topk_prob=False), "norm_topk_prob"),
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=4), "best 2 experts"),
+])
+def test_configs_megatron_cannot_reproduce_are_refused(change, message):
+    from transformers import DeepseekV3Config
+
+    from rlx.errors import RLXError
+    from rlx_model_deepseek import DeepseekV3Bridge
+
+    c = DeepseekV3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                         num_experts_per_tok=2, first_k_dense_replace=1)
+    for k, v in change.items():
+        setattr(c, k, v)
+    with pytest.raises(RLXError, match=message):
+        DeepseekV3Bridge().spec(c)
+
+
+def test_flops_count_latent_projections_and_active_experts(tmp_path):
+    """Per token: latent projections, up projections and output per layer, the MLP's active width (a dense layer's
+    intermediate size or top-k experts plus the shared one) and the LM head; per (query, key) pair each head's
+    q·k over nope+rope and weights·values over v, halved (causal). By hand for the test model."""
+    from transformers import AutoConfig
+
+    from rlx_model_deepseek import DeepseekV3Bridge
+
+    write_deepseek_v3(tmp_path)
+    f = DeepseekV3Bridge().spec(AutoConfig.from_pretrained(tmp_path)).flops
+    hidden, heads, layers, vocab = 32, 4, 4, 96
+    attention = 16 * (32 + 4 * 12) + 32 * (12 + 4) + 12 * 4 * (8 + 6) + 4 * 6 * 32
+    mlp = (48 + 3 * (2 * 16 + 16)) / 4 * 3 * hidden
+    assert f.a == layers * (attention + mlp) + hidden * vocab
+    assert f.b == layers * heads * (12 + 6) / 2
+
+
+def test_installed_it_is_listed_and_without_it_a_checkpoint_names_the_plugin(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from rlx.errors import RLXError
+    from rlx.plugins import build_plugins
+    from rlx.train.spec import model_spec
+
+    listing = subprocess.run([sys.executable, "-m", "rlx_cli.main", "plugins"], capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0 and "deepseek-v3" in listing.stdout and "rlx-model-deepseek" in listing.stdout
+    write_deepseek_v3(tmp_path)
+    monkeypatch.setenv("RLX_DISABLE_PLUGINS", "deepseek")  # as if uninstalled
+    with pytest.raises(RLXError, match=r"'deepseek_v3' checkpoint needs the rlx-model-deepseek model plugin.*"
+                                       r"pip install \./plugins/models/deepseek"):
+        model_spec(tmp_path, build_plugins())
