@@ -461,6 +461,7 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     head = ManagedProcess(cmd, log_dir / "ray-head.log")
+    run_token_auth()
     # Ray drains a node for 30 s on SIGTERM (for Serve replicas to move); this cluster is the run's own and
     # its work is over when it is stopped: no drain, so a run ends (or fails) without a 30 s wait.
     head.start(env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
@@ -477,6 +478,32 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
                 head.stop()
                 raise RLXError(f"the Ray head at {address} did not come up in 120s; log {head.log_path}") from None
             time.sleep(0.5)
+
+
+def run_token_auth() -> None:
+    """Token authentication for the run's own Ray cluster, with a token of its own, unless ``RAY_AUTH_MODE`` is set.
+
+    Ray (2.5x-2.6x) turns 127.0.0.1 into the machine's network address when it has one, so the head listens
+    there. ``ray start`` then enables token authentication by itself when a token file exists
+    (``~/.ray/auth_token``, written by any earlier ``ray.init()`` that started a local cluster), while
+    ``ray.init(address=...)`` does not: the driver is refused ("Authentication token is missing or incorrect")
+    and retries forever. Setting the mode and a fresh token in this process's environment, which the head, its
+    workers and this driver share, makes both ends agree and keeps the cluster closed to others on the network.
+    """
+    import secrets
+
+    if "RAY_AUTH_MODE" in os.environ:  # the user's choice (with their token), for both ends
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    try:  # Ray caches its config and token at import; refresh both (what ray.init does when it enables auth)
+        from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+        from ray._raylet import Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # another Ray layout: it reads the environment when it connects
+        pass
 
 
 class EngineHost:
