@@ -1,4 +1,5 @@
-"""rlx model plugin for GLM's mixture-of-experts families: ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7).
+"""rlx model plugin for GLM's mixture-of-experts families: ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7)
+and ``glm4_moe_lite`` (GLM-4.7-Flash).
 
 GLM-4.5 is rlx's standard decoder (`rlx.train.decoder.DecoderSpec`) with:
 
@@ -12,9 +13,11 @@ GLM-4.5 is rlx's standard decoder (`rlx.train.decoder.DecoderSpec`) with:
   ``routed_scaling_factor``. The bias is megatron's expert bias: aux-loss-free balancing updates it after each
   optimizer step (rate 1e-3, megatron's default), and weight pushes carry it to the engines.
 
+GLM-4.7-Flash is DeepSeek-V3's architecture (`rlx.train.mla.deepseek_v3_spec`: multi-head latent attention and
+the same router), with its dense and sparse layers listed in ``mlp_layer_types``.
+
 Not covered: the multi-token-prediction layer real checkpoints carry after the last layer
-(``num_nextn_predict_layers``) is neither trained nor exported; ``glm4_moe_lite`` (GLM-4.7-Flash, latent
-attention) comes with the MLA support.
+(``num_nextn_predict_layers``) is neither trained nor exported.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from rlx import hookimpl
 from rlx.train.decoder import DecoderSpec, decoder_flops
+from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
 from rlx.train.moe import deepseek_router
 from rlx.train.spec import rope_theta
 
@@ -55,6 +59,16 @@ class Glm4MoeBridge:
         )
 
 
+class Glm4MoeLiteBridge:
+    name = "glm4-moe-lite"
+    model_types = ("glm4_moe_lite",)
+
+    def spec(self, hf_config: Any) -> MLADecoderSpec:
+        c = hf_config
+        return deepseek_v3_spec(c, [i for i, kind in enumerate(c.mlp_layer_types) if kind == "sparse"])
+
+
 @hookimpl
 def register_models(register):
     register(Glm4MoeBridge)
+    register(Glm4MoeLiteBridge)

@@ -86,3 +86,47 @@ def test_installed_it_is_listed_and_without_it_a_checkpoint_names_the_plugin(tmp
     with pytest.raises(RLXError, match=r"'glm4_moe' checkpoint needs the rlx-model-glm model plugin.*"
                                        r"pip install \./plugins/models/glm"):
         model_spec(tmp_path, build_plugins())
+
+
+def write_glm4_moe_lite(folder, **shape):
+    from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+    torch.manual_seed(0)
+    c = Glm4MoeLiteConfig(**{**dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                                    kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                    routed_scaling_factor=1.8, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                    mlp_layer_types=["dense", "sparse", "dense", "sparse"]), **shape})
+    m = Glm4MoeLiteForCausalLM(c)
+    with torch.no_grad():
+        for p in m.parameters():  # routing decided well above float noise
+            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
+            if p.dim() == 1:
+                p.add_(1.0)
+        for i in (1, 3):
+            m.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    m.save_pretrained(folder)
+
+
+class TestGlm4MoeLiteBridge(ModelBridgeContract):
+    """GLM-4.7-Flash: latent attention (rotary rows in halves, latent norms at eps 1e-6 beside rms_norm_eps 1e-5),
+    dense and sparse layers interleaved by mlp_layer_types, DeepSeek's router with one group."""
+
+    bridge_name = "glm4-moe-lite"
+    model_type = "glm4_moe_lite"
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_glm4_moe_lite(folder, rope_interleave=False)
+
+
+def test_lite_spec_reads_the_layer_types(tmp_path):
+    from transformers import AutoConfig
+
+    from rlx_model_glm import Glm4MoeLiteBridge
+
+    write_glm4_moe_lite(tmp_path)
+    spec = Glm4MoeLiteBridge().spec(AutoConfig.from_pretrained(tmp_path))
+    assert spec.moe.layers == {1, 3} and spec.moe.groups is None and spec.moe.scaling == 1.8
+    assert (spec.mla.q_lora, spec.mla.kv_lora, spec.mla.rope_type, spec.mla.interleaved) == (16, 12, "rope", True)
