@@ -17,9 +17,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 SCRIPT = """
-import pathlib, sys
+import os, pathlib, sys
 import ray
-from rlx.orchestrate.workers import start_head
+from rlx.orchestrate.workers import end_token_auth, start_head
 head = start_head(1, pathlib.Path(sys.argv[1]), {})
 try:
     print("RESULT", ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60), ray.util.get_node_ip_address(),
@@ -27,6 +27,8 @@ try:
 finally:
     ray.shutdown()
     head.stop()
+    end_token_auth()
+print("AFTER", sorted(k for k in os.environ if k.startswith("RAY_AUTH")), flush=True)
 """
 
 
@@ -67,5 +69,5 @@ def test_the_driver_joins_its_head_when_a_ray_token_file_exists(namespace, tmp_p
                            capture_output=True, text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the driver did not join its Ray head in 120 s: {(e.stderr or b'')[-2000:]!r}")
-    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
-    assert lines == ["RESULT 42 10.79.0.1"], (r.stdout[-2000:], r.stderr[-3000:])
+    lines = [x for x in r.stdout.splitlines() if x.startswith(("RESULT", "AFTER"))]
+    assert lines == ["RESULT 42 10.79.0.1", "AFTER []"], (r.stdout[-2000:], r.stderr[-3000:])  # env put back

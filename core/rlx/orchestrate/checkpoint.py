@@ -89,12 +89,18 @@ def newest(root: Path) -> Path | None:
     return max(found, key=lambda x: (x[2].get("saved_at", 0.0), x[0]))[1] if found else None
 
 
-def load_latest(root: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """(folder for the trainer's ``load``, rollout state, meta) of the newest complete checkpoint."""
+def resume_folder(root: Path) -> Path:
+    """The checkpoint ``--resume`` takes: the newest complete one under `root`, or a clear error."""
     folder = newest(root)
     if folder is None:
         raise RLXError(f"--resume: no complete checkpoint under {root} (nothing was saved yet; run without "
                        f"--resume)")
+    return folder
+
+
+def load_latest(root: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """(folder for the trainer's ``load``, rollout state, meta) of the newest complete checkpoint."""
+    folder = resume_folder(root)
     try:
         rollout = json.loads((folder / "rollout.json").read_text())
         meta = json.loads((folder / "meta.json").read_text())

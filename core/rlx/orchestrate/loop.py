@@ -38,6 +38,8 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
     out = Path(cfg.run.output_dir)
     ckpt_root = out / "checkpoints"
     save_hf = save_hf.resolve() if save_hf is not None else None  # workers run in other folders
+    if resume:  # before anything starts: nothing to resume is an error in a second, not after Ray and engines
+        checkpoint.resume_folder(ckpt_root)
     for line in objective_notes(cfg, plugins):
         print(f"rlx: note: {line}", file=sys.stderr, flush=True)
     stop = StopRequest()

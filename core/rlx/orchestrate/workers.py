@@ -416,6 +416,7 @@ class RayPlacement:
         ray.shutdown()
         if self.head is not None:
             self.head.stop(grace_s=30)
+            end_token_auth()
 
 
 @contextlib.contextmanager
@@ -469,6 +470,7 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
     deadline = time.monotonic() + 120
     while True:
         if not head.alive():
+            end_token_auth()
             raise RLXError(f"ray start exited with code {head.returncode}; log {head.log_path}:\n{head.log_tail()}")
         try:
             ray.init(address=address, **init)
@@ -476,8 +478,12 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
         except (ConnectionError, RuntimeError):
             if time.monotonic() > deadline:
                 head.stop()
+                end_token_auth()
                 raise RLXError(f"the Ray head at {address} did not come up in 120s; log {head.log_path}") from None
             time.sleep(0.5)
+
+
+_saved_auth: dict[str, str | None] | None = None  # the environment `run_token_auth` replaced, until `end_token_auth`
 
 
 def run_token_auth() -> None:
@@ -489,14 +495,35 @@ def run_token_auth() -> None:
     ``ray.init(address=...)`` does not: the driver is refused ("Authentication token is missing or incorrect")
     and retries forever. Setting the mode and a fresh token in this process's environment, which the head, its
     workers and this driver share, makes both ends agree and keeps the cluster closed to others on the network.
+    `end_token_auth` puts the environment back when the cluster is gone.
     """
     import secrets
 
+    global _saved_auth
     if "RAY_AUTH_MODE" in os.environ:  # the user's choice (with their token), for both ends
         return
+    _saved_auth = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    try:  # Ray caches its config and token at import; refresh both (what ray.init does when it enables auth)
+    _refresh_ray_auth()
+
+
+def end_token_auth() -> None:
+    """Undo `run_token_auth` (nothing if it set nothing): a later cluster in this process gets its own settings."""
+    global _saved_auth
+    if _saved_auth is None:
+        return
+    for key, value in _saved_auth.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _saved_auth = None
+    _refresh_ray_auth()
+
+
+def _refresh_ray_auth() -> None:
+    try:  # Ray caches its config and token; refresh both (what ray.init does when it enables auth)
         from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
         from ray._raylet import Config
 

@@ -78,7 +78,8 @@ class DecoderSpec(ModelSpec):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
         if self.moe is None:
-            return get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm")
+            return get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm",
+                                            multi_latent_attention=config.multi_latent_attention)
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
                                           pp_rank=stage.layer_offset // max(stage.num_layers, 1))
 

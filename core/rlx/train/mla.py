@@ -93,6 +93,8 @@ class MLAShape:
         if not rope.get("truncate", True):
             raise RLXError(f"{where}: rope_parameters.truncate: false; megatron's YaRN always rounds the "
                            f"correction range to whole dimensions")
+        if "original_max_position_embeddings" not in rope:
+            raise RLXError(f"{where}: rope_parameters has no original_max_position_embeddings, which YaRN needs")
         original = int(rope["original_max_position_embeddings"])
         factor = float(rope.get("factor") or c.max_position_embeddings / original)
         ms, mad = rope.get("mscale"), rope.get("mscale_all_dim")
@@ -176,24 +178,18 @@ class MLADecoderSpec(DecoderSpec):
         return MLATransformerConfig(**kw, **common)
 
     def layer_spec(self, config: Any, stage: Stage) -> Any:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
-
         from rlx.train.attention import SDPACoreAttention
 
-        if self.moe is None:
-            spec = get_gpt_layer_local_spec(qk_layernorm=True, multi_latent_attention=True, normalization="RMSNorm")
-            layers = [spec]
-        else:
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                              pp_rank=stage.layer_offset // max(stage.num_layers, 1))
-            layers = spec.layer_specs
-        for layer in layers:
+        spec = super().layer_spec(config, stage)  # latent attention, as config.multi_latent_attention says
+        for layer in spec.layer_specs if self.moe is not None else [spec]:
             attention = layer.submodules.self_attention.submodules
             attention.core_attention = SDPACoreAttention
             attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
         return spec
 
     def build(self, config: Any, stage: Stage) -> torch.nn.Module:
+        if config.sequence_parallel:  # the hook below hands megatron a whole output, which SP would cut again
+            raise RLXError("latent attention (rlx.train.mla) does not support sequence parallelism")
         model = super().build(config, stage)
         if config.tensor_model_parallel_size > 1:
             from megatron.core.transformer.multi_latent_attention import MLASelfAttention

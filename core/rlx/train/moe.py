@@ -72,6 +72,10 @@ def deepseek_router(c: Any, layers: frozenset[int]) -> MoEShape:
         raise RLXError(f"{where} with norm_topk_prob: false; megatron's sigmoid router always renormalises the "
                        f"top-k weights")
     groups = getattr(c, "n_group", None) or 1
+    if groups > 1 and getattr(c, "topk_group", None) is None:
+        raise RLXError(f"{where} with n_group {groups} and no topk_group")
+    if groups > 1 and c.topk_group >= groups:  # every group is kept: no grouping, on both sides
+        groups = 1
     if groups > 1 and c.num_experts_per_tok // c.topk_group != 2:
         raise RLXError(f"{where} with n_group {groups}, topk_group {c.topk_group} and num_experts_per_tok "
                        f"{c.num_experts_per_tok}: transformers scores a group by its best 2 experts, megatron by its "

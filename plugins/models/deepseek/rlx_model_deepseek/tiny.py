@@ -35,6 +35,7 @@ def build_tiny_deepseek_v3(out: Path, seed: int = 0, **shape: Any) -> Path:
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(deepseek_v3_config(tok, **shape))
     with torch.no_grad():  # a correction bias that matters, as a trained model's does
+        g = torch.Generator().manual_seed(seed)
         for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed))
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
     return save_tiny(Path(out), model, tok)

@@ -53,8 +53,8 @@ class TestDeepseekV3Bridge(ModelBridgeContract):
 
 
 class TestDeepseekV3BridgeNoQueryLatentPlainRope(ModelBridgeContract):
-    """One q_proj (no query latent), plain rotary, rotary rows in halves (rope_interleave: false), a stated
-    attention factor, one expert group."""
+    """One q_proj (no query latent), plain rotary, rotary rows in halves (rope_interleave: false), one expert
+    group."""
 
     bridge_name = "deepseek-v3"
     model_type = "deepseek_v3"
@@ -94,8 +94,8 @@ def test_spec_reads_the_family(tmp_path):
 
 
 @pytest.mark.parametrize("rope,softmax,cos_sin", [
-    # transformers: attention factor mscale(f, ms) / mscale(f, mad) when both are set, else mscale(f); the softmax
-    # carries mscale(f, mad)² only when mscale_all_dim is set
+    # by hand from transformers' rules: attention factor mscale(f, ms) / mscale(f, mad) when both are set, else
+    # mscale(f) (unless stated); the softmax carries mscale(f, mad)² only when mscale_all_dim is set
     (dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0), (0.1 * math.log(40) + 1) ** 2, 1.0),
     (dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707), (0.0707 * math.log(40) + 1) ** 2, 1.0),
     (dict(factor=8.0, mscale_all_dim=0.5), (0.05 * math.log(8) + 1) ** 2, 0.1 * math.log(8) + 1),
@@ -103,17 +103,36 @@ def test_spec_reads_the_family(tmp_path):
     (dict(factor=8.0, attention_factor=1.3, mscale_all_dim=1.0), (0.1 * math.log(8) + 1) ** 2, 1.3),
 ])
 def test_yarn_scales_as_transformers(rope, softmax, cos_sin):
-    """megatron's softmax scale is mscale(f, mad)² / sqrt(d) and its cos/sin factor mscale(f, ms) / mscale(f, mad):
-    with the solved mscale both are transformers' numbers, computed here by hand."""
+    """The softmax scale and the cos/sin factor megatron's own code computes from the solved settings equal
+    transformers' own (its YaRN parameters and DeepSeek's attention scaling) and the values by hand."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+        _yarn_get_mscale,
+    )
     from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-    from rlx.train.mla import MLAShape, _mscale
+    from rlx.train.mla import MLAShape
 
     c = DeepseekV3Config(num_hidden_layers=1, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
                                                                  original_max_position_embeddings=4096, **rope))
     s = MLAShape.from_hf(c)
-    assert _mscale(s.factor, s.mscale_all_dim) ** 2 == pytest.approx(softmax, rel=1e-12)
-    assert _mscale(s.factor, s.mscale) / _mscale(s.factor, s.mscale_all_dim) == pytest.approx(cos_sin, rel=1e-12)
+    hf_softmax = yarn_apply_mscale(c.rope_parameters, 1.0)
+    hf_cos_sin = _compute_yarn_parameters(c)[1]
+    megatron_softmax = _yarn_get_mscale(s.factor, s.mscale_all_dim) ** 2  # MLA: mscale² / sqrt(d)
+    megatron_cos_sin = _yarn_get_concentration_factor(s.factor, s.mscale, s.mscale_all_dim)
+    assert megatron_softmax == pytest.approx(hf_softmax, rel=1e-12) and hf_softmax == pytest.approx(softmax)
+    assert megatron_cos_sin == pytest.approx(hf_cos_sin, rel=1e-12) and hf_cos_sin == pytest.approx(cos_sin)
+
+
+def test_latent_norms_use_transformers_eps_not_the_models():
+    from types import SimpleNamespace
+
+    from rlx.train.mla import LatentRMSNorm
+
+    norm = LatentRMSNorm(SimpleNamespace(params_dtype=torch.float32), 8, eps=1e-5)  # megatron passes rms_norm_eps
+    assert norm.eps == 1e-6
 
 
 @pytest.mark.parametrize("change,message", [
@@ -124,6 +143,8 @@ def test_yarn_scales_as_transformers(rope, softmax, cos_sin):
                                truncate=False)), "truncate"),
     (dict(norm_topk_prob=False), "norm_topk_prob"),
     (dict(n_group=2, topk_group=1, num_experts_per_tok=4), "best 2 experts"),
+    (dict(n_group=2, topk_group=None), "no topk_group"),
+    (dict(rope_parameters=dict(rope_type="yarn", factor=2.0, rope_theta=1e4)), "original_max_position_embeddings"),
 ])
 def test_configs_megatron_cannot_reproduce_are_refused(change, message):
     from transformers import DeepseekV3Config
@@ -137,6 +158,16 @@ def test_configs_megatron_cannot_reproduce_are_refused(change, message):
         setattr(c, k, v)
     with pytest.raises(RLXError, match=message):
         DeepseekV3Bridge().spec(c)
+
+
+def test_keeping_every_group_is_no_grouping():
+    from transformers import DeepseekV3Config
+
+    from rlx_model_deepseek import DeepseekV3Bridge
+
+    c = DeepseekV3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                         num_experts_per_tok=4, first_k_dense_replace=1, n_group=2, topk_group=2)
+    assert DeepseekV3Bridge().spec(c).moe.groups is None
 
 
 def test_flops_count_latent_projections_and_active_experts(tmp_path):

@@ -1,8 +1,9 @@
 """DeepSeek-V3 under megatron on CPU (gloo, torchrun): expert, pipeline and tensor×expert parallelism train exactly
 like one process, with latent attention under YaRN (its latent projections split by rows over tensor-parallel
 ranks and gathered; tp2-ep2 fails without `rlx.train.mla`'s fix for the rotary key's gradient, which megatron
-leaves unsummed over tensor-parallel ranks), shared experts, a dense first layer and the aux-loss-free correction bias updated after every
-optimizer step; and rollout routing replay through latent-attention layers."""
+leaves unsummed over tensor-parallel ranks), shared experts, a dense first layer and the aux-loss-free correction
+bias updated after every optimizer step. (Routing replay is router-level: the perturbed-router tests run on Qwen3-MoE and GLM-4.5, and
+`test_train_deepseek.py` replays the embedded engine's routing through latent-attention layers.)"""
 
 import pytest
 
@@ -22,9 +23,3 @@ def single(tmp_path_factory):
 @pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 1, 1, 2), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["ep2", "pp2", "tp2-ep2"])
 def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp, ep):
     assert_same(run(tmp_path, MODEL, nproc, tp, pp, ep), single, KEYS)
-
-
-def test_routing_replay(tmp_path):
-    off, on = run(tmp_path, MODEL, 1, replay="off"), run(tmp_path, MODEL, 1, replay="on")
-    assert off["m1"]["moe/routing_agreement"] < 0.99 and on["m1"]["moe/routing_agreement"] == 1.0
-    assert on["m1"]["train_rollout_logprob_diff"] < off["m1"]["train_rollout_logprob_diff"]

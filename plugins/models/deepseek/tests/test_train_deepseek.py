@@ -30,6 +30,10 @@ def test_tensor_parallel_run_with_routing_replay(tmp_path):
     assert len(rows) == 3 and all(r["moe/routing_agreement"] == 1.0 for r in rows)
     assert all(r["moe/natural_agreement"] > 0.99 for r in rows)  # same weights, same precision: little drift
     assert max(r["train_rollout_logprob_diff"] for r in rows) < 1e-4
+    from rlx.models.tiny import resolve_model_path
+
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin://tiny-deepseek-v3"), dtype=torch.float32)
     assert model.config.model_type == "deepseek_v3"
-    assert model.model.layers[2].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    bias = [m.model.layers[2].mlp.gate.e_score_correction_bias for m in (model, start)]
+    assert not torch.equal(*bias)  # aux-loss-free balancing moved it, and the export carries it

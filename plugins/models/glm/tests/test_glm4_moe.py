@@ -110,8 +110,8 @@ def write_glm4_moe_lite(folder, **shape):
 
 
 class TestGlm4MoeLiteBridge(ModelBridgeContract):
-    """GLM-4.7-Flash: latent attention (rotary rows in halves, latent norms at eps 1e-6 beside rms_norm_eps 1e-5),
-    dense and sparse layers interleaved by mlp_layer_types, DeepSeek's router with one group."""
+    """GLM-4.7-Flash: latent attention (rotary rows in halves), dense and sparse layers interleaved by
+    mlp_layer_types, DeepSeek's router with one group."""
 
     bridge_name = "glm4-moe-lite"
     model_type = "glm4_moe_lite"

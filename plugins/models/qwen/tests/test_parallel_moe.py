@@ -18,8 +18,8 @@ def single(tmp_path_factory):
     return run(tmp_path_factory.mktemp("single"), MODEL, 1)
 
 
-@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 1, 2), (2, 1, 2, 1), (4, 2, 1, 2)],
-                         ids=["tp2", "ep2", "pp2", "tp2-ep2"])
+# TP=2 runs as part of TP2×EP2 (expert tensor parallelism = TP): the suite's time goes to layouts that add code paths
+@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 1, 1, 2), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["ep2", "pp2", "tp2-ep2"])
 def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp, ep):
     got = run(tmp_path, MODEL, nproc, tp, pp, ep)
     moe = sorted(k for k in single["m1"] if k.startswith("moe/"))
@@ -52,7 +52,7 @@ def test_routing_replay_makes_the_trainer_route_as_the_engine_did(replayed):
           f"{m_on['train_rollout_logprob_diff']:.2e}")
 
 
-@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["tp2", "pp2", "tp2-ep2"])
+@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 1, 2, 1), (4, 2, 1, 2)], ids=["pp2", "tp2-ep2"])
 def test_routing_replay_under_parallelism_matches_one_process(replayed, tmp_path, nproc, tp, pp, ep):
     """Replay cut to each tensor-parallel rank's part of the sequence, to each pipeline stage's layers, and with
     tokens dispatched over expert-parallel ranks, trains as one process does (a reference model is present)."""
