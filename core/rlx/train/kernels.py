@@ -1,0 +1,61 @@
+"""Choosing a kernel for an operation that model bridges run through the kernels hook (``register_kernels``).
+
+A kernel is registered as ``{op}-{choice}`` (for example ``gdn-flashqla``, ``gdn-fla``, ``gdn-torch``) with
+``op``, ``priority`` (higher is preferred by ``auto``; 0 by default), and ``supports(**query)``, which returns
+None when it can run the query (device, dtype, head sizes...) or the reason it cannot, without importing anything
+heavy. `select` returns the kernel a bridge should call:
+
+* a choice by name must be able to run the query, else a clear error saying why (never a silent fallback);
+* ``auto`` takes the most preferred kernel that can, after every one that cannot says why.
+
+Each selection is logged once per process (op, kernel, and why the better ones were passed over).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rlx.errors import RLXError
+
+_logged: set[tuple[str, str]] = set()
+
+
+def candidates(plugins: Any, op: str) -> list[Any]:
+    """The registered kernels for `op`, most preferred first."""
+    found = [plugins.component("kernels", n) for n in plugins.names("kernels")]
+    found = [c for c in found if getattr(c.obj, "op", None) == op]
+    objs = [c.obj() if isinstance(c.obj, type) else c.obj for c in found]
+    return sorted(objs, key=lambda k: -getattr(k, "priority", 0))
+
+
+def select(plugins: Any, op: str, choice: str = "auto", where: str = "model.kernels", **query: Any) -> Any:
+    """The kernel for `op` (`choice`: a kernel's name without the ``{op}-`` prefix, or ``auto``), able to run
+    `query`. `where` names the setting in errors."""
+    kernels = candidates(plugins, op)
+    if not kernels:
+        raise RLXError(f"{where}.{op}: no kernel for {op!r} is installed (kernel plugins register them; "
+                       f"`rl plugins` lists the installed kernels)")
+    names = [k.name.removeprefix(f"{op}-") for k in kernels]
+    passed: list[str] = []
+    if choice != "auto":
+        if choice not in names:
+            raise RLXError(f"{where}.{op}: unknown kernel {choice!r}; installed: {', '.join(names)} (or auto)")
+        kernel = kernels[names.index(choice)]
+        reason = kernel.supports(**query)
+        if reason is not None:
+            raise RLXError(f"{where}.{op}: {choice!r} cannot run here: {reason}")
+    else:
+        for kernel, name in zip(kernels, names, strict=True):
+            reason = kernel.supports(**query)
+            if reason is None:
+                break
+            passed.append(f"{name}: {reason}")
+        else:
+            raise RLXError(f"{where}.{op}: no installed kernel can run here: " + "; ".join(passed))
+    key = (op, kernel.name)
+    if key not in _logged:
+        _logged.add(key)
+        why = f" (passed over: {'; '.join(passed)})" if passed else ""
+        print(f"rlx: kernel for {op}: {kernel.name} ({choice}){why}", file=sys.stderr, flush=True)
+    return kernel
