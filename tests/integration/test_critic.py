@@ -52,3 +52,44 @@ def test_the_critic_predicts_a_reward_from_the_tokens_before_each_position(tiny_
     # position off would explain all of it (or none).
     late = sum(ev[-5:]) / 5
     assert 0.75 < late < 0.86, ev
+
+
+HEADS = textwrap.dedent("""
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from rlx.config import parse_config
+    from rlx.plugins import build_plugins
+    from rlx.train.trainer import Trainer
+    from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+    cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "train": {
+        "objective": {"advantage": "gae"}, "max_tokens_per_micro_batch": 64}}))
+    trainer = Trainer(cfg, build_plugins())
+    seen = {"actor": [], "critic": []}
+    for name, role in (("actor", trainer.actor), ("critic", trainer.critic)):
+        role.model.output_layer.register_forward_hook(
+            lambda m, args, out, n=name: seen[n].append((tuple(args[0].shape), tuple(out[0].shape))))
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(3, 500, (9,), generator=g).tolist(), torch.randint(3, 500, (n,), generator=g).tolist(),
+                      [1] * n, [-6.2] * n, reward=float(i % 2), status=SampleStatus.COMPLETED, sample_id=i,
+                      group_id=i // 2) for i, n in enumerate([3, 7, 1, 12, 5, 4])]
+    trainer.train_step(RolloutBatch(1, [Group(i, samples[2 * i:2 * i + 2]) for i in range(3)]))
+    print("RESULT", json.dumps(seen))
+""")
+
+
+def test_output_layers_run_only_where_a_token_is_predicted(tiny_model_path):
+    """The LM head and the value head compute only the positions predicting response tokens (32 of the 86
+    packed positions here), in every forward (values, reference-free log-probs, training): prompts and row
+    padding cost no vocabulary-wide matmul."""
+    r = subprocess.run([sys.executable, "-c", HEADS], capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, r.stderr[-3000:]
+    seen = json.loads(lines[0][len("RESULT "):])
+    for role, vocab in (("actor", 512), ("critic", 1)):
+        assert seen[role], role
+        for (tokens, batch, hidden), (out_tokens, out_batch, out_width) in seen[role]:
+            assert batch == out_batch == 1 and tokens == out_tokens and out_width == vocab, (role, seen[role])
+        # each forward pass covers the batch once: the tokens the output layer saw add up to the response tokens
+        assert sum(t for (t, _, _), _ in seen[role]) % 32 == 0, (role, seen[role])

@@ -212,6 +212,11 @@ class ModelRole:
                 self.model.output_layer = ValueHead(self.config.hidden_size, dtype)
         if torch.cuda.is_available():
             self.model.cuda()
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (columns, rows) the output layer computes
+        head = getattr(self.model, "output_layer", None) if self.stage.last else None
+        self._selects = head is not None  # a bridge's own build() may have no megatron output layer
+        if head is not None:
+            head.register_forward_pre_hook(self._response_positions_only, with_kwargs=True)
         self.router_stats: Any = None  # per-layer routing statistics of the training forwards (models with experts)
         self.routing: Any = None  # the engine's routing, set on the routers micro-batch by micro-batch
         if spec.num_experts and not value_head:
@@ -315,6 +320,16 @@ class ModelRole:
 
     # -- forward / backward ----------------------------------------------------------------------
 
+    def _response_positions_only(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        """The output layer (LM head or value head) runs on the hidden states of the positions whose outputs are
+        used (those predicting response tokens), not on every packed position: prompts and row padding cost no
+        vocabulary-wide matmul, softmax or copy. megatron's hidden states are ``[L, R, H]`` (sequence first); the
+        kept ones go in as ``[T, 1, H]``, in `PackedBatch.response_positions` order, and come out ``[1, T, V]``."""
+        if self._keep is None:
+            return None
+        cols, rows = self._keep
+        return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
+
     def schedule(self, batches: list[PackedBatch], loss_fn: Callable[[PackedBatch, torch.Tensor], Any],
                  forward_only: bool) -> list[Any]:
         """Run megatron's forward(-backward) schedule over packed micro-batches.
@@ -339,7 +354,16 @@ class ModelRole:
                     if unrouted is not None:  # replayed with placeholder experts: not counted either
                         pads |= unrouted
                 extra["padding_mask"] = pads.to(dev)
-            out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev), **extra)
+            if self._selects:
+                width = mb.input_ids.shape[1]
+                pos = mb.response_positions.to(dev)
+                self._keep = (pos % width, pos // width)
+            try:
+                out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
+                        **extra)
+            finally:
+                self._keep = None
+            mb.outputs_at_response = self._selects
 
             def reduce(logits, non_loss_data=False):
                 if non_loss_data:

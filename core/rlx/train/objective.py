@@ -123,7 +123,7 @@ def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool):
     dev = logits.device
     pos = mb.response_positions.to(dev)
     temps = mb.temperatures.to(dev)[:, None]
-    resp_logits = logits.reshape(-1, logits.shape[-1])[pos].float() / temps  # [T, V/tp]
+    resp_logits = mb.at_response(logits).float() / temps  # [T, V/tp]
     targets = mb.targets.to(dev)[pos]
     logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
                                                              targets[:, None])[:, 0]

@@ -30,6 +30,13 @@ class PackedBatch:
     samples: list[Sample]  # in packed order
     starts: list[tuple[int, int]] | None = None  # per sample (packed order): its row and first column
     pad_mask: torch.Tensor | None = None  # [R, L] True where no sample sits (megatron's MoE padding mask)
+    # set by the trainer: the model's outputs are [1, T, ...] at `response_positions` only, not [R, L, ...]
+    outputs_at_response: bool = False
+
+    def at_response(self, out: torch.Tensor) -> torch.Tensor:
+        """The model's per-position outputs (logits or values) at the response positions: ``[T, last dim]``."""
+        flat = out.reshape(-1, out.shape[-1])
+        return flat if self.outputs_at_response else flat[self.response_positions.to(out.device)]
 
     @property
     def num_tokens(self) -> int:

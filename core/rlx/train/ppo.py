@@ -40,7 +40,7 @@ def response_values(mb: PackedBatch, out: torch.Tensor) -> torch.Tensor:
     if out.shape[-1] != 1:
         raise RLXError(f"the critic's model returned {out.shape[-1]} numbers per position, not 1: its output layer "
                        f"is not the value head (does the model bridge's build() keep megatron's output_layer?)")
-    return out.reshape(-1)[mb.response_positions.to(out.device)].float()
+    return mb.at_response(out)[:, 0].float()
 
 
 def critic_micro_loss(mb: PackedBatch, out: torch.Tensor, *, tb: TrainBatch, clip: float | None,
