@@ -64,7 +64,7 @@ HEADS = textwrap.dedent("""
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
     cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "train": {
-        "objective": {"advantage": "gae"}, "max_tokens_per_micro_batch": 64}}))
+        "objective": {"advantage": "gae"}, "max_tokens_per_micro_batch": 64, "row_tokens": 24}}))
     trainer = Trainer(cfg, build_plugins())
     seen = {"actor": [], "critic": []}
     for name, role in (("actor", trainer.actor), ("critic", trainer.critic)):
@@ -74,22 +74,36 @@ HEADS = textwrap.dedent("""
     samples = [Sample(torch.randint(3, 500, (9,), generator=g).tolist(), torch.randint(3, 500, (n,), generator=g).tolist(),
                       [1] * n, [-6.2] * n, reward=float(i % 2), status=SampleStatus.COMPLETED, sample_id=i,
                       group_id=i // 2) for i, n in enumerate([3, 7, 1, 12, 5, 4])]
+    rows = max(len(mb.input_ids) for mb in trainer.step_fn.packed(samples))
+    both = {}
+    for selects in (True, False):  # the same log-probs and values whether the heads skip positions or not
+        trainer.actor._selects = trainer.critic._selects = selects
+        lp = trainer.step_fn.logprobs(trainer.actor, samples)
+        vals = trainer.critic_step.values(samples)
+        both[selects] = torch.cat([lp[i] for i in range(6)]), torch.cat([vals[i] for i in range(6)])
+    diff = max((a - b).abs().max().item() for a, b in zip(both[True], both[False]))
+    for role in seen.values():
+        role.clear()
+    trainer.actor._selects = trainer.critic._selects = True
     trainer.train_step(RolloutBatch(1, [Group(i, samples[2 * i:2 * i + 2]) for i in range(3)]))
-    print("RESULT", json.dumps(seen))
+    print("RESULT", json.dumps({"seen": seen, "rows": rows, "diff": diff}))
 """)
 
 
 def test_output_layers_run_only_where_a_token_is_predicted(tiny_model_path):
     """The LM head and the value head compute only the positions predicting response tokens (32 of the 86
-    packed positions here), in every forward (values, reference-free log-probs, training): prompts and row
-    padding cost no vocabulary-wide matmul."""
+    packed tokens here, packed into rows of 24), and give the same log-probs and values as computing every
+    position: prompts and row padding cost no vocabulary-wide matmul."""
     r = subprocess.run([sys.executable, "-c", HEADS], capture_output=True, text=True, timeout=600)
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, r.stderr[-3000:]
-    seen = json.loads(lines[0][len("RESULT "):])
+    got = json.loads(lines[0][len("RESULT "):])
+    assert got["rows"] > 1 and got["diff"] < 1e-6, got
     for role, vocab in (("actor", 512), ("critic", 1)):
-        assert seen[role], role
-        for (tokens, batch, hidden), (out_tokens, out_batch, out_width) in seen[role]:
-            assert batch == out_batch == 1 and tokens == out_tokens and out_width == vocab, (role, seen[role])
-        # each forward pass covers the batch once: the tokens the output layer saw add up to the response tokens
-        assert sum(t for (t, _, _), _ in seen[role]) % 32 == 0, (role, seen[role])
+        shapes = got["seen"][role]
+        assert shapes, role
+        for (tokens, batch, hidden), (out_tokens, out_batch, out_width) in shapes:
+            assert batch == out_batch == 1 and tokens == out_tokens and out_width == vocab, (role, shapes)
+    # one training step: the critic's values, then its update, then the actor's update (a forward each)
+    assert sum(t for (t, _, _), _ in got["seen"]["critic"]) == 2 * 32
+    assert sum(t for (t, _, _), _ in got["seen"]["actor"]) == 32

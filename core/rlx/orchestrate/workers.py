@@ -343,6 +343,17 @@ class RayPlacement:
                 self.head = start_head(rc.num_cpus, logs, init)
             elif not ray.is_initialized():
                 ray.init(address=rc.address, **init)
+        try:
+            self._place(cfg, ray, placement_group)
+        except BaseException:
+            if self.head is not None:  # the run's own cluster goes with the failed start
+                ray.shutdown()
+                self.head.stop(grace_s=30)
+                end_token_auth()
+            raise
+
+    def _place(self, cfg: Config, ray: Any, placement_group: Any) -> None:
+        rc = cfg.ray
         actors = cfg.train.parallel.world_size
         critics = cfg.train.critic.parallel.world_size if cfg.train.critic.parallel is not None else 0
         shared = cfg.train.critic.placement == "shared"
@@ -412,11 +423,14 @@ class RayPlacement:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(self.pg)
-        ray.shutdown()
-        if self.head is not None:
-            self.head.stop(grace_s=30)
-            end_token_auth()
+        try:
+            remove_placement_group(self.pg)
+            ray.shutdown()
+            if self.head is not None:
+                self.head.stop(grace_s=30)
+        finally:
+            if self.head is not None:
+                end_token_auth()
 
 
 @contextlib.contextmanager
@@ -463,24 +477,27 @@ def start_head(num_cpus: int | None, log_dir: Path, init: dict[str, Any]):
         cmd.append(f"--num-cpus={num_cpus}")
     head = ManagedProcess(cmd, log_dir / "ray-head.log")
     run_token_auth()
-    # Ray drains a node for 30 s on SIGTERM (for Serve replicas to move); this cluster is the run's own and
-    # its work is over when it is stopped: no drain, so a run ends (or fails) without a 30 s wait.
-    head.start(env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
-    address = f"{HOST}:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if not head.alive():
-            end_token_auth()
-            raise RLXError(f"ray start exited with code {head.returncode}; log {head.log_path}:\n{head.log_tail()}")
-        try:
-            ray.init(address=address, **init)
-            return head
-        except (ConnectionError, RuntimeError):
-            if time.monotonic() > deadline:
-                head.stop()
-                end_token_auth()
-                raise RLXError(f"the Ray head at {address} did not come up in 120s; log {head.log_path}") from None
-            time.sleep(0.5)
+    try:
+        # Ray drains a node for 30 s on SIGTERM (for Serve replicas to move); this cluster is the run's own and
+        # its work is over when it is stopped: no drain, so a run ends (or fails) without a 30 s wait.
+        head.start(env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+        address = f"{HOST}:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if not head.alive():
+                raise RLXError(f"ray start exited with code {head.returncode}; log {head.log_path}:\n"
+                               f"{head.log_tail()}")
+            try:
+                ray.init(address=address, **init)
+                return head
+            except (ConnectionError, RuntimeError):
+                if time.monotonic() > deadline:
+                    raise RLXError(f"the Ray head at {address} did not come up in 120s; log {head.log_path}") from None
+                time.sleep(0.5)
+    except BaseException:
+        head.stop()
+        end_token_auth()
+        raise
 
 
 _saved_auth: dict[str, str | None] | None = None  # the environment `run_token_auth` replaced, until `end_token_auth`

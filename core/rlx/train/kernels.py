@@ -29,9 +29,9 @@ def candidates(plugins: Any, op: str) -> list[Any]:
     return sorted(objs, key=lambda k: -getattr(k, "priority", 0))
 
 
-def select(plugins: Any, op: str, choice: str = "auto", where: str = "model.kernels", **query: Any) -> Any:
+def select(plugins: Any, op: str, choice: str = "auto", where: str = "kernels", **query: Any) -> Any:
     """The kernel for `op` (`choice`: a kernel's name without the ``{op}-`` prefix, or ``auto``), able to run
-    `query`. `where` names the setting in errors."""
+    `query`. `where` names the caller's setting in errors (a model bridge passes its config key)."""
     kernels = candidates(plugins, op)
     if not kernels:
         raise RLXError(f"{where}.{op}: no kernel for {op!r} is installed (kernel plugins register them; "

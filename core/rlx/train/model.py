@@ -213,6 +213,9 @@ class ModelRole:
         if torch.cuda.is_available():
             self.model.cuda()
         self._keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (columns, rows) the output layer computes
+        if self.config.sequence_parallel or getattr(self.config, "mtp_num_layers", None):
+            raise RLXError(f"{name}: sequence parallelism and multi-token prediction are not supported (the output "
+                           f"layer computes only response positions of [sequence, batch] hidden states)")
         head = getattr(self.model, "output_layer", None) if self.stage.last else None
         self._selects = head is not None  # a bridge's own build() may have no megatron output layer
         if head is not None:

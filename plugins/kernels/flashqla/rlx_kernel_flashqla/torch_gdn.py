@@ -18,7 +18,8 @@ One triangular solve per chunk replaces C sequential steps; chunks run in order.
 Shapes follow flash-linear-attention and FlashQLA: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]`` (HV a multiple of H:
 each query/key head serves HV/H consecutive value heads), g and beta ``[B, T, HV]``, states ``[N, HV, K, V]``.
 With ``cu_seqlens`` (B = 1) the T tokens are N sequences packed end to end (offsets ``cu_seqlens``); each starts
-from its own initial state (zero by default) and none sees another's tokens.
+from its own initial state (zero by default) and none sees another's tokens. Packed sequences run as a batch padded
+to the longest one: a row of one long and many short sequences costs the long one's length per sequence.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _chunked(q, k, v, g, beta, state, chunk_size: int):
         u = w[:, :, i] - z[:, :, i] @ state
         out.append(q_in[:, :, i] @ state + attn[:, :, i] @ u)
         state = state * chunk_decay[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ u
+    if not out:  # no tokens at all
+        return v.new_zeros(b, hv, 0, dv), state
     o = torch.stack(out, dim=2).reshape(b, hv, n * chunk_size, dv)[:, :, :t]
     return o, state
 
@@ -128,6 +131,11 @@ def _run(fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     dtype = v.dtype
     b, t = k.shape[:2]
     segments = _segments(cu_seqlens, b, t)
+    n = b if segments is None else len(segments)
+    want = (n, v.shape[2], k.shape[3], v.shape[3])
+    if initial_state is not None and tuple(initial_state.shape) != want:
+        raise ValueError(f"gated delta rule: initial_state has shape {tuple(initial_state.shape)}, not {want} "
+                         f"(one state per sequence)")
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     if segments is None:
         o, state = fn(q, k, v, g, beta, initial_state)

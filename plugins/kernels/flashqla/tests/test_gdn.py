@@ -52,6 +52,10 @@ def test_chunked_equals_the_recurrence(t, chunk, heads, l2norm):
 
 
 def test_equals_transformers_torch_reference():
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:  # transformers would call fla's kernels in its place
+        pytest.skip("flash-linear-attention is installed: transformers' torch reference is replaced by it")
     from transformers.models.qwen3_next.modeling_qwen3_next import (
         torch_chunk_gated_delta_rule,
         torch_recurrent_gated_delta_rule,
@@ -91,8 +95,21 @@ def test_packed_sequences_equal_each_alone_and_leak_without_cu_seqlens():
         return torch.cat(outs, 1), torch.cat(finals)
 
     close(packed, run(alone, xs), 1e-5)
-    leaked = chunk_gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)[0]
-    assert (leaked - packed[0]).abs().max() > 0.1  # one long sequence carries state across the boundaries
+    with torch.no_grad():  # from zero states both ways: one long sequence carries state across the boundaries
+        separate = chunk_gated_delta_rule(*xs, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)[0]
+        leaked = chunk_gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)[0]
+    first = slice(0, lengths[0])  # the first sequence sees nothing before it either way
+    assert torch.allclose(leaked[:, first], separate[:, first], atol=1e-6)
+    assert (leaked - separate).abs().max() > 0.1
+
+
+def test_no_tokens_and_a_wrong_state_shape():
+    xs = inputs(1, 0, 1, 1, 4, 4)
+    o, state = chunk_gated_delta_rule(*xs, output_final_state=True)
+    assert o.shape == (1, 0, 1, 4) and state.shape == (1, 1, 4, 4) and not state.any()
+    xs = inputs(1, 9, 1, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"initial_state has shape \(1, 2, 4, 4\), not \(2, 2, 4, 4\)"):
+        chunk_gated_delta_rule(*xs, initial_state=torch.zeros(1, 2, 4, 4), cu_seqlens=torch.tensor([0, 4, 9]))
 
 
 @pytest.mark.parametrize("cu,message", [([0, 3, 9], "batch size 1"), ([0, 5, 4, 9], "must rise"),
@@ -127,10 +144,10 @@ def test_a_named_kernel_that_cannot_run_is_an_error_saying_why():
 
     plugins = build_plugins()
     with pytest.raises(RLXError, match=r"model.kernels.gdn: 'flashqla' cannot run here: FlashQLA .* not installed"):
-        select(plugins, "gdn", "flashqla", device="cpu", dtype=torch.float32)
+        select(plugins, "gdn", "flashqla", where="model.kernels", device="cpu", dtype=torch.float32)
     with pytest.raises(RLXError, match=r"unknown kernel 'triton'; installed: flashqla, fla, torch"):
         select(plugins, "gdn", "triton", device="cpu")
-    with pytest.raises(RLXError, match="no kernel for 'conv' is installed"):
+    with pytest.raises(RLXError, match="kernels.conv: no kernel for 'conv' is installed"):
         select(plugins, "conv", device="cpu")
 
 
@@ -153,17 +170,23 @@ def test_flashqla_decides_from_device_and_dtype_before_importing(monkeypatch, ca
 
 
 @pytest.mark.gpu
-def test_flashqla_bf16_against_the_fp32_torch_reference():
+@pytest.mark.parametrize("name", ["flashqla", "fla"])
+def test_gpu_kernel_bf16_against_the_fp32_torch_reference(name):
+    """Each GPU kernel by name (skipped, saying why, where it cannot run), on packed sequences, bf16 against the
+    fp32 recurrence."""
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: FlashQLA runs on a GPU (scripts/gpu-check)")
+        pytest.skip("no CUDA device: the GPU kernels run on a machine with an NVIDIA GPU (scripts/gpu-check)")
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import select
+    from rlx.train.kernels import candidates
 
-    kernel = select(build_plugins(), "gdn", "auto", device="cuda", dtype=torch.bfloat16)
+    kernel = next(k for k in candidates(build_plugins(), "gdn") if k.name == f"gdn-{name}")
+    reason = kernel.supports(device="cuda", dtype=torch.bfloat16)
+    if reason is not None:
+        pytest.skip(f"gdn-{name} cannot run here: {reason}")
     xs = [x.detach().cuda() for x in inputs(1, 1000, 4, 8, 128, 128, unit_keys=True)]
     cu = torch.tensor([0, 300, 1000], device="cuda")
     want = recurrent_gated_delta_rule(*xs, cu_seqlens=cu)[0]
     got = kernel(*(x.to(torch.bfloat16) if x.dim() == 4 else x for x in xs), cu_seqlens=cu)[0]
     err = (got.float() - want).abs().max().item()
-    print(f"{kernel.name} bf16 vs torch fp32: max abs error {err:.3e}")
+    print(f"gdn-{name} bf16 vs torch fp32: max abs error {err:.3e}")
     assert err < 0.05
