@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from rlx.testing import KernelContract
 from rlx_kernel_flashqla.torch_gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
@@ -118,6 +119,35 @@ def test_bad_cu_seqlens_are_refused(cu, message):
     xs = inputs(2 if message == "batch size 1" else 1, 9, 1, 1, 4, 4)
     with pytest.raises(ValueError, match=message):
         chunk_gated_delta_rule(*xs, cu_seqlens=torch.tensor(cu))
+
+
+# -- the kernel contract ---------------------------------------------------------------------------------------
+
+
+class TestTorchKernelContract(KernelContract):
+    kernel_name = "gdn-torch"
+
+    def example(self):
+        xs = [x.detach() for x in inputs(1, 40, 2, 4, 8, 8, unit_keys=True)]
+        return xs, dict(cu_seqlens=torch.tensor([0, 15, 40]), output_final_state=True)
+
+    def reference(self, *args, **kwargs):
+        return recurrent_gated_delta_rule(*args, **kwargs)
+
+
+class TestFlashQLAKernelContract(TestTorchKernelContract):
+    kernel_name = "gdn-flashqla"
+    queries = [{"device": "cuda", "dtype": torch.bfloat16}, {"device": "cpu", "dtype": torch.float32}]
+    atol = 0.05
+
+    def example(self):  # where it runs: a CUDA device, bf16 q/k/v
+        args, kwargs = super().example()
+        args = [x.cuda().to(torch.bfloat16) if x.dim() == 4 else x.cuda() for x in args]
+        return args, {**kwargs, "cu_seqlens": kwargs["cu_seqlens"].cuda()}
+
+
+class TestFlaKernelContract(TestFlashQLAKernelContract):
+    kernel_name = "gdn-fla"
 
 
 # -- selection -----------------------------------------------------------------------------------------------

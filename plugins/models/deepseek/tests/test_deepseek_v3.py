@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlx.testing import ModelBridgeContract
+from rlx.testing.models import spread_weights
 
 
 class Tok:  # the config needs only these of a tokenizer
@@ -33,13 +34,7 @@ def write_deepseek_v3(folder, rope=None, **shape):
                                                  qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4,
                                                  routed_scaling_factor=2.5), **shape})
     m = DeepseekV3ForCausalLM(c)
-    with torch.no_grad():
-        for p in m.parameters():  # routing decided well above float noise
-            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
-            if p.dim() == 1:
-                p.add_(1.0)
-        for layer in m.model.layers[c.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    spread_weights(m)
     m.save_pretrained(folder)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlx.testing import ModelBridgeContract
+from rlx.testing.models import spread_weights
 
 
 def write_glm4_moe(folder, **shape):
@@ -27,13 +28,7 @@ def write_glm4_moe(folder, **shape):
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=8, n_routed_experts=4, routed_scaling_factor=2.5), **shape})
     m = Glm4MoeForCausalLM(c)
-    with torch.no_grad():
-        for p in m.parameters():  # routing decided well above float noise
-            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
-            if p.dim() == 1:
-                p.add_(1.0)
-        for layer in m.model.layers[c.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    spread_weights(m)
     m.save_pretrained(folder)
 
 
@@ -99,13 +94,7 @@ def write_glm4_moe_lite(folder, **shape):
                                     routed_scaling_factor=1.8, rms_norm_eps=1e-5, tie_word_embeddings=False,
                                     mlp_layer_types=["dense", "sparse", "dense", "sparse"]), **shape})
     m = Glm4MoeLiteForCausalLM(c)
-    with torch.no_grad():
-        for p in m.parameters():  # routing decided well above float noise
-            torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
-            if p.dim() == 1:
-                p.add_(1.0)
-        for i in (1, 3):
-            m.model.layers[i].mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    spread_weights(m)
     m.save_pretrained(folder)
 
 

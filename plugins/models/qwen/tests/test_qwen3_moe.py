@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlx.testing import ModelBridgeContract
+from rlx.testing.models import spread_weights
 
 
 def write_qwen3_moe(folder, **shape):
@@ -16,10 +17,7 @@ def write_qwen3_moe(folder, **shape):
                                  num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                  mlp_only_layers=[0], tie_word_embeddings=False), **shape})
     m = Qwen3MoeForCausalLM(c)
-    for p in m.parameters():  # spread the router's logits so that top-k is decided well above float noise
-        torch.nn.init.normal_(p, std=0.3 if p.dim() > 1 else 0.1)
-        if p.dim() == 1:
-            p.data.add_(1.0)
+    spread_weights(m)
     m.save_pretrained(folder)
 
 
