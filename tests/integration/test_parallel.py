@@ -123,6 +123,8 @@ WORKER = textwrap.dedent("""
     if torch.distributed.get_rank() == 0:
         weights = {k: v for p in parts for k, v in p.items()}
         json.dump({"m1": m1, "m2": m2, "weights": weights, "resumed": resumed}, open(out, "w"))
+    torch.distributed.barrier()  # as rlx.testing.parallel: leave the groups before exit, after the result
+    torch.distributed.destroy_process_group()
 """)
 
 

@@ -89,6 +89,10 @@ WORKER = textwrap.dedent("""
     torch.distributed.all_gather_object(parts, mine)
     if torch.distributed.get_rank() == 0:
         json.dump({"m1": m1, "m2": m2, "weights": {k: v for p in parts for k, v in p.items()}}, open(out, "w"))
+    # every rank waits for the result to be written, then leaves its groups before exiting: a gloo group still
+    # alive at interpreter exit can abort the process ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """)
 
 
