@@ -310,6 +310,8 @@ class TrainConfig(Section):
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
     update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
+    threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: in sync mode the node's cores
+    #                                         shared by its trainer ranks, in async ray.cpus_per_trainer; rlx.cores)
     row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync

@@ -170,6 +170,7 @@ async def restart_trainers(cfg: Config, placement: Any, trainer: TrainerGroup, w
           file=sys.stderr, flush=True)
     trainer.shutdown()
     trainer = await asyncio.to_thread(ray_trainer_group, cfg, placement.pg)
+    await asyncio.to_thread(set_trainer_threads, cfg, placement, trainer)
     weights.trainer, weights.urls = trainer, None
     await weights.setup()
     folder = checkpoint.newest(ckpt_root)
@@ -206,26 +207,35 @@ async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: in
                    version: int, settle: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Get a batch, train on it, push weights when it is time; the batch and the step's metrics.
     `settle`: awaited before the engines' weights or memory change (an evaluation still running on them)."""
+    from rlx.cores import CoreMeter
+
+    meter = CoreMeter(weights.trainer.cpu_seconds, lambda: weights.fleet.serving)
+    await meter.mark()
     t0 = time.monotonic()
     batch = await batches.next_batch(step, version)
     t1 = time.monotonic()
+    await meter.mark()  # phases are timed without the marks' calls
+    t1_ = time.monotonic()
     if settle is not None and cfg.rollout.offload_during_train:
         await settle()
     await batches.before_train()
     train_metrics = await weights.train(batch)
     await batches.after_train()
     t2 = time.monotonic()
+    await meter.mark()
+    t2_ = time.monotonic()
     version += 1  # the trainer's policy version; the engines get it every update_interval steps
     if step % cfg.train.update_interval == 0:
         if settle is not None:
             await settle()
         await batches.swap(lambda: weights.push(version))
     t3 = time.monotonic()
+    await meter.mark()
     record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics,
                               **weights.metrics()}
     record.setdefault("kl", None)  # null: no reference model (train.objective.kl_coef is 0)
-    record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
-                   "time/step_s": time.monotonic() - t0})
+    record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1_, "time/weight_sync_s": t3 - t2_,
+                   "time/step_s": time.monotonic() - t0, **meter.cores(["rollout", "train", "weight_sync"])})
     return batch, record
 
 
@@ -433,10 +443,34 @@ def start_trainers(cfg: Config, verbose: bool = False) -> tuple[Any, TrainerGrou
     from rlx.orchestrate.workers import LocalTrainerGroup, RayPlacement, ray_trainer_group
 
     if not cfg.ray.enabled:
-        return None, LocalTrainerGroup(cfg)
+        trainer = LocalTrainerGroup(cfg)
+        set_trainer_threads(cfg, None, trainer)
+        return None, trainer
     placement = RayPlacement(cfg, verbose)
     try:
-        return placement, ray_trainer_group(cfg, placement.pg)
+        trainer = ray_trainer_group(cfg, placement.pg)
+        set_trainer_threads(cfg, placement, trainer)
+        return placement, trainer
     except BaseException:
         placement.shutdown()
         raise
+
+
+def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
+    """Each trainer rank's torch threads (`rlx.cores`); logged once."""
+    from rlx.cores import local_plan
+
+    engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+    local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads)
+    plan = local if placement is None else placement.thread_plan(cfg)
+    trainer.set_threads(plan.trainer)
+    planned = iter(plan.engine or local.engine)
+    threads = []  # each embedded engine's: the plan, or its group's server_args.num_threads
+    for g in cfg.rollout.engines if engines else []:
+        for _ in range(g.num_engines):
+            t = next(planned)
+            if g.backend == "embedded":
+                threads.append(g.server_args.get("num_threads") or t)
+    engines_text = f", engines {threads}" if threads else ""
+    print(f"rlx: CPU threads ({cfg.train.mode} mode): trainer ranks {plan.trainer}{engines_text}", file=sys.stderr,
+          flush=True)

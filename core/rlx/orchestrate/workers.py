@@ -66,6 +66,17 @@ class TrainerWorker:
     def node(self) -> str:
         return self.host
 
+    def set_threads(self, n: int) -> None:
+        from rlx.cores import set_threads
+
+        set_threads(n)
+
+    def cpu_seconds(self) -> tuple[str, float]:
+        """(this process's identity, its CPU seconds): ranks in the driver's own process count once."""
+        from rlx.cores import process_cpu
+
+        return process_cpu()
+
     def train_step(self, batch: Any) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
@@ -114,6 +125,9 @@ class CriticWorker:
 
         self.trainer = CriticTrainer(self.cfg, build_plugins(), master_addr)
 
+    set_threads = TrainerWorker.set_threads
+    cpu_seconds = TrainerWorker.cpu_seconds
+
     def values(self, batch: Any) -> Any:
         return self.trainer.values(batch)
 
@@ -141,6 +155,18 @@ class TrainerGroup(ABC):
     def hosts(self) -> list[str]:
         """Each rank's address, in rank order."""
         return self._all("node")
+
+    def set_threads(self, threads: list[int]) -> None:
+        """Torch threads for each rank (`rlx.cores`), in rank order."""
+        self._each("set_threads", threads)
+
+    def cpu_seconds(self) -> list[tuple[str, float]]:
+        """Each rank's process (host and PID) and the CPU seconds it has used."""
+        return self._all("cpu_seconds")
+
+    @abstractmethod
+    def _each(self, method: str, args: list[Any]) -> None:
+        """Call `method` on rank r with ``args[r]``."""
 
     def train_step(self, batch: Any) -> dict[str, float]:
         """Train on the batch; the metrics (global: every rank returns the same)."""
@@ -181,6 +207,10 @@ class LocalTrainerGroup(TrainerGroup):
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
+
+    def _each(self, method: str, args: list[Any]) -> None:
+        (arg,) = args
+        getattr(self.worker, method)(arg)
 
 
 class RayTrainerGroup(TrainerGroup):
@@ -224,6 +254,11 @@ class RayTrainerGroup(TrainerGroup):
         except ray.exceptions.RayActorError as e:
             raise TrainerDied(self._dead_rank(refs, e), method, e, self.role) from None
 
+    def _each(self, method: str, args: list[Any]) -> None:
+        import ray
+
+        ray.get([getattr(w, method).remote(a) for w, a in zip(self.workers, args, strict=True)])
+
     @staticmethod
     def _dead_rank(refs: list[Any], error: Any) -> int | None:
         """Which rank's call failed because its actor died (the others may still wait in a collective)."""
@@ -256,6 +291,18 @@ class CriticTrainerGroup(TrainerGroup):
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return self.actor._all(method, *args)
+
+    def _each(self, method: str, args: list[Any]) -> None:
+        self.actor._each(method, args)
+
+    def set_threads(self, threads: list[int]) -> None:
+        """Actor ranks first, then the critic's."""
+        n = len(self.actor.workers)
+        self.actor.set_threads(threads[:n])
+        self.critic.set_threads(threads[n:])
+
+    def cpu_seconds(self) -> list[tuple[str, float]]:
+        return self.actor.cpu_seconds() + self.critic.cpu_seconds()
 
     def train_step(self, batch: Any) -> dict[str, float]:
         values = self.critic._all("values", batch)[0]
@@ -397,6 +444,25 @@ class RayPlacement:
             else list(range(self.trainer_bundles, self.trainer_bundles + engines))
         )
 
+    def thread_plan(self, cfg: Config) -> Any:
+        """Threads for each trainer process (actor ranks, then the critic's) and engine, from the nodes Ray put
+        their bundles on and each node's CPUs (`rlx.cores`)."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        from rlx.cores import plan_threads
+
+        node_of = placement_group_table(self.pg)["bundles_to_node_id"]
+        cores = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive")}
+        actors = cfg.train.parallel.world_size
+        critics = cfg.train.critic.parallel.world_size if cfg.train.critic.parallel is not None else 0
+        first_critic = 0 if cfg.train.critic.placement == "shared" else actors
+        trainers = [*range(actors), *range(first_critic, first_critic + critics)]
+        rc = cfg.ray
+        return plan_threads(cfg.train.mode, cores, [node_of[b] for b in trainers],
+                            [node_of[b] for b in self.engine_bundles], rc.cpus_per_trainer, rc.cpus_per_engine,
+                            cfg.train.threads)
+
     def engine_spawner(self, cfg: Config):
         """A function making engine processes inside Ray actors placed on the engine bundles."""
         import ray
@@ -405,16 +471,17 @@ class RayPlacement:
         rc = cfg.ray
         gpus = 0.0 if self.colocated else rc.gpus_per_engine
         actor = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)
-        bundles = iter(self.engine_bundles)
-        placed: dict[Path, int] = {}  # an engine restarted (same log) goes back to its own bundle
+        bundles = iter(zip(self.engine_bundles, self.thread_plan(cfg).engine, strict=True))
+        placed: dict[Path, tuple[int, int]] = {}  # an engine restarted (same log) goes back to its own bundle
 
         def spawn(command, log_path: Path):
             if log_path not in placed:
                 placed[log_path] = next(bundles)
+            bundle, threads = placed[log_path]
             host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=placed[log_path])).remote()
+                self.pg, placement_group_bundle_index=bundle)).remote()
             ip, port = ray.get(host.address.remote(), timeout=rc.placement_timeout_s)  # a restart waits for its bundle
-            ray.get(host.start.remote(command(ip, port), str(log_path)))
+            ray.get(host.start.remote(command(ip, port, threads), str(log_path)))
             return RayProcess(host, log_path), f"http://{ip}:{port}"
 
         return spawn

@@ -74,13 +74,16 @@ class EngineFleet:
     def weight_targets(self) -> list[Engine]:
         return [e for e in self.serving if e.update_weights]
 
-    def _command(self, g: EngineGroupConfig, host: str, port: int) -> list[str]:
+    def _command(self, g: EngineGroupConfig, host: str, port: int, threads: int | None = None) -> list[str]:
+        """The engine's command line; `threads`: its CPU threads where it was placed (`rlx.cores`; default: as
+        one of this run's engines on this machine)."""
         path = g.model_path or self.cfg.model.path
         if g.backend == "embedded":
             if g.worker_type != "regular":
                 raise RLXError(f"engine group {g.name!r}: the embedded engine has no {g.worker_type} mode; "
                                f"use backend: sglang for prefill/decode disaggregation")
             args = dict(g.server_args)
+            args.setdefault("num_threads", threads or self._local_threads())
             if g.tp_size != 1:
                 raise RLXError(f"engine group {g.name!r}: the embedded engine runs one device (tp_size: 1)")
             if self.cfg.model.dtype != "auto":
@@ -97,6 +100,12 @@ class EngineFleet:
             args.setdefault("enable_memory_saver", True)
         return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,
                               worker_type=g.worker_type, server_args=args, host=host)
+
+    def _local_threads(self) -> int:
+        from rlx.cores import local_plan
+
+        n = sum(g.num_engines for g in self.rc.engines)
+        return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine).engine[0]
 
     async def start(self) -> None:
         try:

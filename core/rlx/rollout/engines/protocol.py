@@ -65,6 +65,7 @@ class GenerateResult:
     temperature: float | None = None  # the request's sampling temperature (set by the caller)
     # SGLang's meta_info.routed_experts: base64 of int32 [prompt + output tokens - 1, layers, top_k], when asked
     routed_experts: str | None = None
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateResult:
@@ -88,6 +89,7 @@ class GenerateResult:
             rid=meta.get("id"),
             raw=d,
             routed_experts=meta.get("routed_experts"),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
         )
 
 
@@ -240,6 +242,18 @@ class EngineClient:
 
     async def server_info(self) -> dict[str, Any]:
         return await self._get_either("/server_info", "/get_server_info")
+
+    async def cpu_seconds(self) -> float | None:
+        """CPU seconds the engine process has used (``process_cpu_seconds_total`` in ``/metrics``); None where the
+        engine does not report it (SGLang without ``--enable-metrics``, or in multiprocess mode)."""
+        try:
+            text = await self.request("GET", "/metrics")
+        except EngineError:
+            return None
+        for line in str(text).splitlines():
+            if line.startswith("process_cpu_seconds_total "):
+                return float(line.split()[1])
+        return None
 
     async def _get_either(self, new: str, old: str) -> dict[str, Any]:
         try:

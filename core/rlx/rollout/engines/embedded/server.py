@@ -76,6 +76,7 @@ class EngineServer:
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
         r.add_get("/v1/models", self.models)
+        r.add_get("/metrics", self.metrics)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
@@ -190,7 +191,7 @@ class EngineServer:
             "num_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens,
         }
         if r.finish_reason is not None:
             spans = weight_version_spans(list(r.versions), self.s.weight_version)
@@ -342,6 +343,24 @@ class EngineServer:
             "id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
             "root": self.model_path, "max_model_len": self.s.max_context}]})
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text, as SGLang serves it with ``--enable-metrics`` (its names where it has them), plus the
+        process's CPU seconds (all threads), from which the trainer reports the cores each phase used."""
+        lines = []
+        for name, kind, value, doc in (
+            ("process_cpu_seconds_total", "counter", time.process_time(), "CPU seconds of this engine process"),
+            ("sglang:generation_tokens_total", "counter", self.s.generated_tokens, "Tokens generated"),
+            ("sglang:prompt_tokens_total", "counter", self.s.prompt_tokens, "Prompt tokens of admitted requests"),
+            ("sglang:cached_tokens_total", "counter", self.s.cached_tokens,
+             "Prompt tokens not prefilled: prefix cache hits and forked prompts"),
+            ("sglang:cache_hit_rate", "gauge", self.s.cached_tokens / max(self.s.prompt_tokens, 1),
+             "Cached prompt tokens over prompt tokens"),
+            ("sglang:num_running_reqs", "gauge", len(self.s.rows), "Requests decoding"),
+            ("sglang:num_queue_reqs", "gauge", len(self.s.waiting), "Requests waiting"),
+        ):
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def server_info(self, request: web.Request) -> web.Response:
         ctx = self.s.max_context
         return web.json_response({
@@ -402,6 +421,11 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        def flush():  # as SGLang: only an idle engine flushes
+            if not self.s.rows and not self.s.waiting:
+                self.s.clear_prefix_cache()
+
+        await self._call(flush)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
                                  "running or waiting requests, the operation will not be performed.)\n")
 
@@ -410,6 +434,7 @@ class EngineServer:
             # SGLang asserts an idle server here (and its scheduler dies otherwise); this engine refuses.
             if self.s.rows or self.s.waiting:
                 raise BadRequest("release_memory_occupation needs an idle server (pause generation first)")
+            self.s.clear_prefix_cache()  # as SGLang's KV cache, it goes with the memory
             if self.s.device.type == "cuda":
                 import torch
 
@@ -448,6 +473,7 @@ class EngineServer:
             if body.get("abort_all_requests"):
                 self.s._abort(None, "Aborted")
             n = load()
+            self.s.clear_prefix_cache()  # KV computed with other weights
             v = body.get("weight_version")
             if v is not None:
                 self.s.weight_version = str(v)

@@ -1,0 +1,128 @@
+"""How many CPU threads each trainer rank and engine uses, and how many cores each phase of a step used.
+
+Ray gives an actor as many threads as CPUs it reserved (it sets ``OMP_NUM_THREADS``; one by default), so a
+trainer rank on an 8-core machine would train on one core while the engine beside it idles. rlx sets the
+threads itself:
+
+- **sync mode**: rollout, training and weight sync take turns, so each phase runs alone on the machine. Each
+  trainer rank gets its node's cores divided by the trainer ranks there (actor and critic), each engine its
+  node's cores divided by the engines there.
+- **async mode**: rollout and training run at once, so each process keeps what it reserved:
+  ``ray.cpus_per_trainer`` and ``ray.cpus_per_engine`` (at least one thread), which split the machine.
+- ``train.threads`` (trainer ranks) and an engine group's ``server_args.num_threads`` override both.
+
+A node's cores are what Ray counts for it (``ray.num_cpus`` for a cluster started here), or this process's
+CPU affinity without Ray.
+
+Cores used per phase: the CPU seconds that the driver, the trainer ranks and the engines spent during the
+phase, divided by its wall time (``cores/rollout``, ``cores/train``, ``cores/weight_sync``). Reward worker
+processes are not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def local_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+@dataclass
+class ThreadPlan:
+    trainer: list[int]  # per trainer process, in the order their nodes were given
+    engine: list[int]  # per engine, likewise
+
+
+def plan_threads(mode: str, node_cores: dict[str, int], trainer_nodes: Sequence[str], engine_nodes: Sequence[str],
+                 cpus_per_trainer: float = 1, cpus_per_engine: float = 1, trainer_threads: int | None = None
+                 ) -> ThreadPlan:
+    """Threads for each trainer process and engine, given the node each runs on (see the module docstring)."""
+    trainers_on, engines_on = Counter(trainer_nodes), Counter(engine_nodes)
+    if mode == "async":
+        trainer = [max(1, int(cpus_per_trainer))] * len(trainer_nodes)
+        engine = [max(1, int(cpus_per_engine))] * len(engine_nodes)
+    else:
+        trainer = [max(1, node_cores[n] // trainers_on[n]) for n in trainer_nodes]
+        engine = [max(1, node_cores[n] // engines_on[n]) for n in engine_nodes]
+    if trainer_threads:
+        trainer = [trainer_threads] * len(trainer_nodes)
+    return ThreadPlan(trainer, engine)
+
+
+def local_plan(mode: str, engines: int, cpus_per_trainer: float = 1, cpus_per_engine: float = 1,
+               trainer_threads: int | None = None) -> ThreadPlan:
+    """The plan without Ray: one trainer rank (this process) and `engines` engines, all on this machine."""
+    return plan_threads(mode, {"here": local_cores()}, ["here"], ["here"] * engines, cpus_per_trainer=cpus_per_trainer,
+                        cpus_per_engine=cpus_per_engine, trainer_threads=trainer_threads)
+
+
+def process_cpu() -> tuple[str, float]:
+    """This process (host and PID) and the CPU seconds all its threads have used."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}", time.process_time()
+
+
+def set_threads(n: int) -> None:
+    """Run torch's intra-op work (and OpenMP's) on `n` threads in this process."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(n)  # for libraries that read it later
+    torch.set_num_threads(n)
+
+
+class CoreMeter:
+    """CPU seconds of the run's processes at phase boundaries, turned into cores used per phase.
+
+    `trainer_cpu()` returns each trainer rank's process and CPU seconds (`process_cpu`); `engines()` the engines
+    serving now (each with
+    ``url`` and ``client()``), counted when they report ``process_cpu_seconds_total``. A process counts in an
+    interval when it reported at both ends (an engine restarted in between, whose counter went back, does not).
+    """
+
+    def __init__(self, trainer_cpu: Any, engines: Any, clock: Any = time.monotonic, own_cpu: Any = None):
+        self.trainer_cpu = trainer_cpu
+        self.engines = engines
+        self.clock = clock  # wall time
+        self.own_cpu = own_cpu or process_cpu  # the driver process: (identity, CPU seconds)
+        self.marks: list[tuple[float, dict[str, float]]] = []  # (wall, CPU seconds by process) at each mark
+
+    async def _cpu(self) -> dict[str, float]:
+        import asyncio
+
+        async def engine(e):
+            try:
+                async with e.client(timeout_s=10) as c:
+                    return e.url, await c.cpu_seconds()
+            except Exception:  # noqa: BLE001 - a metric: an engine that does not answer now is left out
+                return e.url, None
+
+        engines = await asyncio.gather(*(engine(e) for e in self.engines()))
+        trainers = await asyncio.to_thread(self.trainer_cpu)
+        # keyed by process: a trainer rank in the driver's own process (no Ray) counts once
+        out = dict([self.own_cpu(), *(trainers or [])])
+        out.update({u: s for u, s in engines if s is not None})
+        return out
+
+    async def mark(self) -> None:
+        self.marks.append((self.clock(), await self._cpu()))
+
+    def cores(self, names: Sequence[str]) -> dict[str, float]:
+        """``cores/<name>`` for each interval between consecutive marks, then forget them."""
+        out = {}
+        for name, (w0, c0), (w1, c1) in zip(names, self.marks, self.marks[1:], strict=False):
+            used = sum(max(0.0, c1[k] - c0[k]) for k in c0.keys() & c1.keys())
+            if w1 > w0:
+                out[f"cores/{name}"] = used / (w1 - w0)
+        self.marks = []
+        return out

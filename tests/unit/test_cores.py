@@ -1,0 +1,91 @@
+"""Threads per process (sync: a phase has its node's cores; async: what each reserved) and cores used per phase."""
+
+import asyncio
+
+import pytest
+
+from rlx.cores import CoreMeter, plan_threads
+
+
+def test_sync_mode_gives_each_phase_its_nodes_cores():
+    cores = {"a": 8, "b": 16}
+    # node a: two trainer ranks and one engine; node b: one trainer rank and two engines
+    plan = plan_threads("sync", cores, ["a", "a", "b"], ["a", "b", "b"], cpus_per_trainer=1, cpus_per_engine=1)
+    assert plan.trainer == [4, 4, 16] and plan.engine == [8, 8, 8]
+    assert plan_threads("sync", {"a": 1}, ["a", "a"], ["a"] * 3).trainer == [1, 1]  # never zero
+
+
+def test_async_mode_splits_by_reserved_cpus_and_the_config_overrides():
+    plan = plan_threads("async", {"a": 8}, ["a", "a"], ["a"], cpus_per_trainer=3, cpus_per_engine=0.5)
+    assert plan.trainer == [3, 3] and plan.engine == [1]
+    assert plan_threads("sync", {"a": 8}, ["a"], ["a"], trainer_threads=2).trainer == [2]
+    assert plan_threads("async", {"a": 8}, ["a"], [], trainer_threads=5).trainer == [5]
+    from rlx.cores import local_plan
+
+    plan = local_plan("async", 2, cpus_per_trainer=3, cpus_per_engine=2)  # without Ray: the same settings count
+    assert plan.trainer == [3] and plan.engine == [2, 2]
+
+
+class _Client:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def cpu_seconds(self):
+        if isinstance(self.seconds, Exception):
+            raise self.seconds
+        return self.seconds
+
+
+class _Engine:
+    def __init__(self, url, seconds):
+        self.url, self.seconds = url, seconds
+
+    def client(self, timeout_s=None):
+        return _Client(self.seconds)
+
+
+def test_cores_per_phase_sum_every_process_over_the_phase():
+    """Each interval: CPU seconds of the driver, trainer ranks and engines that reported at both ends, over the
+    interval's wall time. A restarted engine (counter went back) and one that stops answering add nothing."""
+    wall = iter([0.0, 2.0, 6.0])
+    trainer = iter([[("h:1", 10.0), ("h:2", 20.0)], [("h:1", 10.5), ("h:2", 20.5)], [("h:1", 18.5), ("h:2", 28.5)]])
+    engines = iter([[_Engine("e1", 100.0), _Engine("e2", 50.0)],
+                    [_Engine("e1", 103.0), _Engine("e2", 51.0)],
+                    [_Engine("e1", 3.0), _Engine("e2", RuntimeError("down"))]])
+    driver = iter([("h:9", 1.0), ("h:9", 2.0), ("h:9", 2.0)])  # busy during the rollout only
+    meter = CoreMeter(lambda: next(trainer), lambda: next(engines), clock=lambda: next(wall),
+                      own_cpu=lambda: next(driver))
+
+    async def run():
+        for _ in range(3):
+            await meter.mark()
+
+    asyncio.run(run())
+    got = meter.cores(["rollout", "train"])
+    assert got["cores/rollout"] == pytest.approx((0.5 + 0.5 + 3.0 + 1.0 + 1.0) / 2.0)  # trainers, engines, driver
+    assert got["cores/train"] == pytest.approx((8.0 + 8.0) / 4.0)
+    assert meter.marks == []
+
+
+def test_a_trainer_rank_in_the_drivers_process_counts_once():
+    """Without Ray the trainer runs in the driver: the same process reported twice is one process."""
+    from rlx.cores import process_cpu
+
+    wall = iter([0.0, 1.0])
+    cpu = iter([5.0, 5.0, 6.5, 6.5])  # each mark reads it twice: as the driver and as the trainer rank
+    me = process_cpu()[0]
+    meter = CoreMeter(lambda: [(me, next(cpu))], lambda: [], clock=lambda: next(wall),
+                      own_cpu=lambda: (me, next(cpu)))
+
+    async def run():
+        for _ in range(2):
+            await meter.mark()
+
+    asyncio.run(run())
+    assert meter.cores(["train"]) == {"cores/train": pytest.approx(1.5)}
