@@ -99,7 +99,32 @@ class TestLlamaBridgeUntied(ModelBridgeContract):
 
 @pytest.mark.integration
 class TestTensorTransport(TransportContract):
+    """Through shared memory (the engine is on this host)."""
+
     transport_name = "tensor"
+
+
+@pytest.mark.integration
+class TestTensorTransportByValue(TransportContract):
+    transport_name = "tensor"
+    args = {"shared_memory": False}
+
+
+def test_tensor_transport_uses_shared_memory_only_for_engines_on_its_host(tmp_path):
+    """Engines on loopback or the sender's own address read the segment; others get bytes by value."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rlx.plugins import build_plugins
+    from rlx.transport import TransportContext
+
+    engines = [SimpleNamespace(url=u) for u in ("http://127.0.0.1:1", "http://10.0.0.5:2", "http://10.0.0.9:3")]
+    plugins = build_plugins(entry_points=False)
+    for args, local in (({}, {"http://127.0.0.1:1", "http://10.0.0.5:2"}), ({"shared_memory": False}, set())):
+        t = plugins.build("transports", {"name": "tensor", "args": args})
+        asyncio.run(t.setup(TransportContext(engines, tmp_path, host="10.0.0.5")))
+        assert t.local == local and (t.segment is not None) == bool(local)
+        asyncio.run(t.close())
 
 
 @pytest.mark.integration
@@ -137,3 +162,53 @@ class TestTensorBoard(LoggerContract):
                               for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
                     tables[e.step] = [{"prompt": p, "response": r, "reward": float(w)} for p, r, w in cells]
         return config, history, tables
+
+
+def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_then_on(tmp_path):
+    """An engine on this host whose /dev/shm is its own (a container) refuses the handles: the bucket goes again
+    by value, and so does every later one to that engine."""
+    import asyncio
+
+    import torch
+
+    from rlx.plugins import build_plugins
+    from rlx.rollout.engines.protocol import EngineError
+    from rlx.transport import TransportContext
+    from rlx.transport.wire import deserialize_named_tensors
+
+    got = []
+
+    class Client:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def begin_weight_update(self):
+            return False
+
+        async def update_weights_from_tensor(self, payloads):
+            if len(payloads[0]) < 5000:  # handles, not bytes
+                raise EngineError("Failed to update weights: shared-memory segment ... is not on this engine's host")
+            got.append(deserialize_named_tensors(payloads[0]))
+
+    class Engine:
+        url = "http://127.0.0.1:1"
+
+        def client(self, timeout_s=None):
+            return Client()
+
+    t = build_plugins(entry_points=False).build("transports", {"name": "tensor", "args": {"bucket_mb": 1}})
+    ctx = TransportContext([Engine()], tmp_path)
+    named = [(f"w{i}", torch.full((200_000,), float(i))) for i in range(3)]  # 0.8 MB each: a bucket each
+
+    async def push():
+        await t.setup(ctx)
+        assert t.local == {Engine.url}
+        await t.send(iter(named), 1, ctx)
+        await t.close()
+
+    asyncio.run(push())
+    assert t.local == set() and [[(n, v[0].item()) for n, v in b] for b in got] == [[("w0", 0.0)], [("w1", 1.0)],
+                                                                                     [("w2", 2.0)]]

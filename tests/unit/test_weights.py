@@ -17,10 +17,15 @@ def test_serialized_views_carry_only_their_own_elements():
 def test_fused_experts_are_served_under_their_checkpoint_names(tmp_path):
     """transformers 5 fuses a layer's experts in memory and saves them per expert: the engine takes and reports
     them per expert (as trainers push them), writing through to the fused tensors."""
+    from rlx.rollout.engines.embedded.weights import (
+        WeightError,
+        checksums,
+        load_from_disk,
+        load_named,
+        served_state,
+    )
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from rlx.rollout.engines.embedded.weights import WeightError, checksums, load_from_disk, load_named, served_state
 
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
@@ -47,3 +52,89 @@ def test_fused_experts_are_served_under_their_checkpoint_names(tmp_path):
         assert "unknown weight 'model.layers.0.mlp.experts.3.up_proj.weight'" in str(e)
     else:
         raise AssertionError("an expert the model lacks was accepted")
+
+
+def test_shared_memory_payloads_carry_handles_and_read_back_exactly(tmp_path, monkeypatch):
+    """Same-host pushes: the payload holds names and offsets only; the engine side reads the exact values (any
+    dtype, views and non-contiguous tensors included), and the segment is reused, then removed."""
+    import base64
+
+    from rlx.transport import shm
+    from rlx.transport.wire import deserialize_named_tensors, serialize_named_tensors
+
+    monkeypatch.setattr(shm, "shm_dir", lambda: tmp_path)
+    buffer = torch.randn(300_000)
+    named = [("a", buffer[5:1005].view(10, 100)), ("b", torch.randn(7, 3).t()),
+             ("c", torch.randn(33).to(torch.bfloat16)), ("d", torch.arange(5, dtype=torch.int64))]
+    seg = shm.Segment()
+    payload = serialize_named_tensors(named, seg)
+    assert len(base64.b64decode(payload)) < 2_000  # handles, not the 4 KB of 'a' (nor 1.2 MB of its storage)
+    got = deserialize_named_tensors(payload)
+    assert [n for n, _ in got] == ["a", "b", "c", "d"]
+    for (_, want), (_, t) in zip(named, got, strict=True):
+        assert t.dtype == want.dtype and torch.equal(t, want)
+    first = seg.path
+    serialize_named_tensors([("e", torch.ones(4))], seg)  # fits: the same file
+    assert seg.path == first and list(tmp_path.iterdir()) == [first]
+    serialize_named_tensors([("big", torch.zeros(1 << 19))], seg)  # 2 MB: a larger file replaces it
+    assert seg.path != first and list(tmp_path.iterdir()) == [seg.path]
+    seg.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shared_memory_handles_are_checked(tmp_path, monkeypatch):
+    """The engine opens only weight-sync segments in the shared-memory folder, in bounds, and says when the
+    segment is not on its host; it opens no links or other special files; segments no live trainer holds are
+    removed."""
+    import base64
+    import os
+    import pickle
+
+    import pytest
+
+    from rlx.transport import shm
+    from rlx.transport.wire import WireError, deserialize_named_tensors
+
+    monkeypatch.setattr(shm, "shm_dir", lambda: tmp_path)
+
+    def payload(*handle):
+        return base64.b64encode(pickle.dumps([("w", shm.SharedTensor(*handle))])).decode()
+
+    with pytest.raises(WireError, match="not a weight-sync segment"):
+        deserialize_named_tensors(payload("../../etc/passwd", 0, "float32", (1,)))
+    with pytest.raises(WireError, match="not on this engine's host"):
+        deserialize_named_tensors(payload(f"{shm.PREFIX}1-abcd", 0, "float32", (1,)))
+    seg = shm.Segment()
+    (_, h), = seg.pack([("w", torch.ones(4))])
+    with pytest.raises(WireError, match="outside"):
+        deserialize_named_tensors(payload(h.file, seg.size - 4, "float32", (2,)))
+    with pytest.raises(WireError, match="unknown dtype"):
+        deserialize_named_tensors(payload(h.file, 0, "Tensor", (1,)))
+    fifo, link = f"{shm.PREFIX}7-aa", f"{shm.PREFIX}7-bb"
+    os.mkfifo(tmp_path / fifo)
+    (tmp_path / link).symlink_to("/etc/hostname")
+    with pytest.raises(WireError, match="not a regular file"):  # and does not block on it
+        deserialize_named_tensors(payload(fifo, 0, "float32", (1,)))
+    with pytest.raises(WireError, match="links"):
+        deserialize_named_tensors(payload(link, 0, "float32", (1,)))
+    (tmp_path / fifo).unlink()
+    (tmp_path / link).unlink()
+    stale = tmp_path / f"{shm.PREFIX}{os.getpid() + 1}-0f"  # a file no live trainer holds a lock on
+    stale.write_bytes(b"x")
+    assert shm.remove_stale(tmp_path) == [stale] and seg.path.exists()  # ours is held
+    seg.close()
+
+
+def test_a_full_shared_memory_folder_is_a_clear_error(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+    from rlx.transport import shm
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(shm.SharedMemoryError, match="--shm-size.*bucket_mb.*shared_memory: false"):
+        shm.Segment(tmp_path).pack([("w", torch.ones(4))])
+    assert list(tmp_path.iterdir()) == []

@@ -33,29 +33,64 @@ async def _set_version(engines, version: int) -> None:
 
 
 class TensorTransport:
-    """Serialized tensors over the engines' HTTP API: by value on CPU, CUDA IPC handles on GPU."""
+    """Tensors through the engines' ``/update_weights_from_tensor``: CUDA IPC handles on GPU; on CPU, handles
+    into a shared-memory segment for engines on this host (`rlx.transport.shm`) and bytes by value (pickled,
+    base64 in JSON: slow) for engines elsewhere."""
 
     name = "tensor"
-    Config = _Args
 
-    def __init__(self, config: _Args):
+    class Config(_Args):
+        shared_memory: bool = True  # CPU tensors to engines on this host through /dev/shm (false: by value)
+
+    def __init__(self, config: Config):
         self.config = config
+        self.segment = None
+        self.local: set[str] = set()  # urls of the engines that read the segment
 
     async def setup(self, ctx) -> None:
-        pass
+        from urllib.parse import urlsplit
+
+        from rlx.transport.shm import Segment
+
+        here = {"127.0.0.1", "localhost", "::1", ctx.host}
+        self.local = {e.url for e in ctx.engines if urlsplit(e.url).hostname in here} if self.config.shared_memory \
+            else set()
+        if self.local and self.segment is None:
+            self.segment = Segment()
+        far = len(ctx.engines) - len(self.local)
+        print(f"rlx: weight transport tensor: CPU tensors through shared memory to {len(self.local)} engine(s) on "
+              f"this host, by value to {far}; CUDA tensors as IPC handles", flush=True)
 
     async def send(self, named, version: int, ctx) -> None:
+        from rlx.rollout.engines.protocol import EngineError
         from rlx.transport import buckets
         from rlx.transport.wire import serialize_named_tensors
 
         async with update_sessions(ctx.engines):
             for bucket in buckets(named, self.config.bucket_mb << 20):
-                payload = serialize_named_tensors(bucket)
+                payloads = {}
+                if self.local:
+                    payloads[True] = serialize_named_tensors(bucket, self.segment)
+                if len(self.local) < len(ctx.engines):
+                    payloads[False] = serialize_named_tensors(bucket)
 
-                async def one(e, payload=payload):
+                async def one(e, payloads=payloads, bucket=bucket):
+                    local = e.url in self.local
+                    tp = getattr(e, "tp_size", 1)  # every TP rank of the engine reads its own element
                     async with e.client() as c:
-                        # every TP rank of the engine reads its own element; each gets the full tensors
-                        await c.update_weights_from_tensor([payload] * getattr(e, "tp_size", 1))
+                        try:
+                            await c.update_weights_from_tensor([payloads[local]] * tp)
+                            return
+                        except EngineError as err:
+                            if not local:
+                                raise
+                            # an engine that cannot read the segment (its own /dev/shm in a container, or an
+                            # engine that only takes tensors by value): by value for it from now on
+                            print(f"rlx: engine {e.url} did not take weights through shared memory ({err}); "
+                                  f"sending it tensors by value", flush=True)
+                            self.local.discard(e.url)
+                        await c.update_weights_from_tensor([payloads.get(False) or serialize_named_tensors(bucket)]
+                                                           * tp)
 
                 await asyncio.gather(*(one(e) for e in ctx.engines))
 
@@ -63,7 +98,9 @@ class TensorTransport:
         await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
-        pass
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
 
 class DiskTransport:

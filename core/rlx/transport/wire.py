@@ -3,7 +3,8 @@
 A payload is a pickled list of ``(name, tensor)`` pairs, base64-encoded for JSON; a request carries one
 per TP rank of the engine. CPU tensors travel by value (plain pickle: both SGLang 0.5.5's and 0.5.23's
 restricted unpicklers accept it; torch's shared-memory reduction of CPU tensors does not work between
-unrelated processes). CUDA tensors travel as IPC handles, so a colocated engine maps the trainer's memory
+unrelated processes), or, to an engine on the same host, as handles into a shared-memory segment
+(`rlx.transport.shm`; only the embedded engine reads those, SGLang serves from GPUs). CUDA tensors travel as IPC handles, so a colocated engine maps the trainer's memory
 instead of copying it over HTTP; the device is named by its UUID, as SGLang's patched reductions write and
 read it, because trainer and engine may number the GPUs differently (CUDA_VISIBLE_DEVICES).
 """
@@ -12,19 +13,24 @@ from __future__ import annotations
 
 import base64
 import pickle
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rlx.transport.shm import Attachments, Segment
 
 
 class WireError(ValueError):
     """A payload that cannot be decoded into named tensors."""
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], segment: Segment | None = None) -> str:
     """The client side of ``/update_weights_from_tensor``: pickled pairs, base64 for JSON.
 
-    CPU tensors travel by value; CUDA tensors through torch's reductions become IPC handles, so a
-    colocated engine maps the trainer's memory instead of copying it over HTTP.
+    CPU tensors travel by value, or with `segment` as handles into it (copied there now: the segment must
+    not be packed again until the engines answered); CUDA tensors through torch's reductions become IPC
+    handles, so a colocated engine maps the trainer's memory instead of copying it over HTTP.
     """
     if any(t.is_cuda for _, t in named):
         import io
@@ -37,6 +43,8 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
         pickler.dispatch_table.update({torch.Tensor: _reduce_by_uuid, torch.nn.Parameter: _reduce_by_uuid})
         pickler.dump([(n, t.detach()) for n, t in named])
         return base64.b64encode(buf.getvalue()).decode()
+    if segment is not None:
+        return base64.b64encode(pickle.dumps(segment.pack(named))).decode()
     return base64.b64encode(pickle.dumps([(n, _own_storage(t.detach().cpu())) for n, t in named])).decode()
 
 
@@ -68,9 +76,15 @@ def _rebuild_cuda_tensor(*args):
 
 
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, attachments: Attachments):
+        super().__init__(file)
+        self.attachments = attachments
+
     def find_class(self, module, name):
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor
+        if (module, name) == ("rlx.transport.shm", "shared_tensor"):
+            return self.attachments.tensor
         return super().find_class(module, name)
 
 
@@ -83,10 +97,16 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    """The engine side. Shared-memory handles become views of the sender's segment, valid until the engine
+    answers the request (the sender then packs its next bucket there): copy them into the model first."""
     import io
 
+    from rlx.transport.shm import Attachments
+
     try:
-        named = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+        named = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True)), Attachments()).load()
+    except WireError:
+        raise
     except (ValueError, pickle.UnpicklingError, EOFError) as e:
         raise WireError(f"serialized_named_tensors: not a base64 pickle of (name, tensor) pairs: {e}") from None
     if not isinstance(named, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in named):
