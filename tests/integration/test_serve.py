@@ -36,9 +36,14 @@ def test_rl_serve_answers_both_sdks_then_stops_cleanly(tiny_model_path, tmp_path
             line = p.stdout.readline()
         base = re.search(r"base_url (\S+)", line).group(1)
         assert base == f"http://127.0.0.1:{port}/v1"
-        r = openai.OpenAI(base_url=base, api_key="k1").chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "1 + 1"}], max_tokens=5)
+        client = openai.OpenAI(base_url=base, api_key="k1")
+        turn = [{"role": "user", "content": "1 + 1"}]
+        r = client.chat.completions.create(model="tiny", messages=turn, max_tokens=5)
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+        # the second turn resends the first: the engine's prefix cache holds it, so only the new tokens prefill
+        turn += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "and 2 + 2?"}]
+        r2 = client.chat.completions.create(model="tiny", messages=turn, max_tokens=5)
+        assert r.usage.prompt_tokens <= r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
         m = anthropic.Anthropic(base_url=base[:-3], api_key="k1").messages.create(
             model="tiny", max_tokens=5, messages=[{"role": "user", "content": "1 + 1"}])
         assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1

@@ -23,6 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=16384,
+                   help="tokens of KV the prefix cache keeps for requests that start with earlier ones")
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record the experts each token is routed to, for requests with return_routed_experts")
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
-                          max_context=args.context_length, capture_experts=args.enable_return_routed_experts)
+                          max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
+                          prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens)
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()
