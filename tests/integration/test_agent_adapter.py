@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rlx.agent.server import AgentAdapter
 from rlx.config import SamplingConfig
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import GenerateResult
+from rlx.rollout.engines.protocol import EngineError, GenerateResult
 from rlx.testing.background import BackgroundLoop
 
 pytestmark = pytest.mark.integration
@@ -31,10 +31,15 @@ class ScriptedEngine:
     def __init__(self):
         self.script = deque()
         self.sent = []
+        self.params = []
 
     async def generate(self, req, retries=0):
-        ids, finish = self.script.popleft()
+        step = self.script.popleft()
         self.sent.append(list(req.input_ids))
+        self.params.append(dict(req.sampling_params))
+        if isinstance(step, Exception):
+            raise step
+        ids, finish = step
         return [GenerateResult(text="", output_ids=list(ids), output_logprobs=[-0.25] * len(ids), finish_reason=finish,
                                matched_stop=None, weight_version="3", token_weight_versions=[], prompt_tokens=0,
                                rid=req.rid, raw={})]
@@ -292,3 +297,102 @@ def test_header_sessions_and_stored_responses_are_bounded(server):
         assert len(adapter.history) == 2
     finally:
         adapter.max_hinted_sessions = adapter.max_history = 10_000
+
+
+def test_a_prompt_past_the_context_gets_each_apis_own_error_and_unset_limits_run_to_the_context(server):
+    """What makes a harness compact its conversation: OpenAI's context_length_exceeded, Anthropic's "prompt is too
+    long" (400s, before any generation). Without max_tokens an answer may fill the context, as the APIs allow;
+    a larger max_tokens is cut to fit."""
+    adapter, engine, tok = server
+    adapter.ctx.context_length = 64
+    try:
+        long = [{"role": "user", "content": "word " * 100}]
+        with pytest.raises(openai.BadRequestError) as e:
+            oa(server).chat.completions.create(model="tiny", messages=long)
+        assert e.value.code == "context_length_exceeded" and "maximum context length is 64 tokens" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            oa(server).responses.create(model="tiny", input="word " * 100)
+        assert e.value.code == "context_length_exceeded"
+        with pytest.raises(anthropic.BadRequestError) as e:
+            an(server).messages.create(model="tiny", max_tokens=10, messages=long)
+        assert "prompt is too long" in e.value.message and e.value.body["error"]["type"] == "invalid_request_error"
+        assert not engine.script and len(engine.sent) == len(engine.params)  # nothing reached the engine
+
+        say(engine, tok, "ok")
+        oa(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert engine.params[-1]["max_new_tokens"] == 64 - len(engine.sent[-1]) - 1
+        say(engine, tok, "ok")
+        with an(server).messages.stream(model="tiny", max_tokens=64000,  # as Claude Code asks (streamed)
+                                        messages=[{"role": "user", "content": "hi"}]) as stream:
+            assert stream.get_final_message().content[0].text == "ok"
+        assert engine.params[-1]["max_new_tokens"] == 64 - len(engine.sent[-1]) - 1
+
+        # a session whose next turn no longer fits: that chain ends there, truncated, and trains as such
+        session, key = adapter.open_session()
+        say(engine, tok, "ok")
+        turn = [{"role": "user", "content": "hi"}]
+        r = oa(server, key=key).chat.completions.create(model="tiny", messages=turn, max_tokens=4)
+        turn += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "word " * 100}]
+        with pytest.raises(openai.BadRequestError):
+            oa(server, key=key).chat.completions.create(model="tiny", messages=turn, max_tokens=4)
+        (sample,) = session.samples()
+        assert sample.status.name == "TRUNCATED" and sample.finish_reason == "length"
+        adapter.close_session(session)
+    finally:
+        adapter.ctx.context_length = None
+
+
+def test_claude_codes_first_request_and_a_system_turn_mid_conversation(server):
+    """``HEAD /`` answers; a system message inside ``messages`` (Anthropic's mid-conversation system beta) is
+    rendered where it stands."""
+    adapter, engine, tok = server
+    assert requests.head(adapter.base_url + "/", timeout=10).status_code == 200
+    say(engine, tok, "ok")
+    an(server).messages.create(model="tiny", max_tokens=10, system=[{"type": "text", "text": "You code.",
+                                                                     "cache_control": {"type": "ephemeral"}}],
+                               messages=[{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "hello"},
+                                         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                                         {"role": "user", "content": "go"}])
+    text = tok.decode(engine.sent[-1])
+    assert text.index("You code.") < text.index("hi") < text.index("hello") < text.index("Be brief.") < text.index("go")
+
+
+def test_codex_style_tools_namespaces_expanded_and_hosted_tools_left_out(server):
+    """Codex sends function tools grouped under a ``namespace`` and hosted tools (``web_search``): the model is
+    offered ``<namespace>.<name>`` functions and not the hosted tool (no 400), its call comes back with name and
+    namespace apart, and the call replayed as input renders as the model made it."""
+    adapter, engine, tok = server
+    client = oa(server)
+    tools = [{"type": "namespace", "name": "collab", "description": "agents",
+              "tools": [{"type": "function", "name": "spawn", "description": "spawn an agent",
+                         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]},
+             {"type": "web_search"},
+             {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {}}}]
+    call = '<tool_call>\n{"name": "collab.spawn", "arguments": {"task": "x"}}\n</tool_call>'
+    say(engine, tok, call)
+    r = client.responses.create(model="tiny", input="go", tools=tools, store=False, include=[],
+                                prompt_cache_key="k1")
+    prompt = tok.decode(engine.sent[-1])
+    assert '"collab.spawn"' in prompt and '"shell"' in prompt and "web_search" not in prompt
+    (fc,) = [o for o in r.output if o.type == "function_call"]
+    assert fc.name == "spawn" and fc.namespace == "collab" and json.loads(fc.arguments) == {"task": "x"}
+    say(engine, tok, "done")
+    client.responses.create(model="tiny", tools=tools, input=[
+        {"type": "message", "role": "user", "content": "go"},
+        {"type": "function_call", "call_id": fc.call_id, "name": "spawn", "namespace": "collab",
+         "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "spawned"}])
+    assert tok.decode(engine.sent[-1]).count('"collab.spawn"') == 2  # offered, and the replayed call
+
+
+def test_an_engine_that_refuses_the_request_is_the_callers_400_and_a_failed_engine_a_503(server):
+    adapter, engine, tok = server
+    engine.script.append(EngineError("POST /generate -> HTTP 400: The input (99 tokens) is longer than ...", 400))
+    with pytest.raises(openai.BadRequestError) as e:
+        oa(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert "the engine refused the request" in e.value.message and "longer than" in e.value.message
+    engine.script.append(EngineError("POST /generate: connection refused"))
+    with pytest.raises(anthropic.InternalServerError) as e:
+        an(server).messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503 and e.value.body["error"]["type"] == "api_error"

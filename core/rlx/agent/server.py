@@ -34,7 +34,7 @@ from rlx.agent.parsers import parser_for
 from rlx.agent.tito import Renderer, Session
 from rlx.http import bearer_key, serve_local
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import EngineError
+from rlx.rollout.engines.protocol import EngineError, GenerateResult
 
 
 class AgentAdapter:
@@ -86,6 +86,7 @@ class AgentAdapter:
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_route("HEAD", "/", self.health)  # Claude Code's first request: is anything there
         app.router.add_post("/rlx/sessions", self.new_session)
         app.router.add_get("/rlx/sessions/{sid}", self.get_session)
         return app
@@ -153,8 +154,18 @@ class AgentAdapter:
             session = session or self._session(request, req)
             chain, ids, turn = session.prepare(req.messages, req.tools)
             overrides: dict[str, Any] = {"stop": list(self.ctx.sampling.stop) + req.stop}
-            if req.max_tokens is not None:
+            context = self.ctx.context_length
+            room = None if context is None else context - len(ids) - 1  # what the engine takes (GenerateContext)
+            if room is not None and room < 1:  # the chain ends here, truncated (as a sample that grew to the limit)
+                session.record(chain, turn, GenerateResult(
+                    text="", output_ids=[], output_logprobs=[], finish_reason="length", matched_stop=None,
+                    weight_version="", token_weight_versions=[], prompt_tokens=len(ids), rid=None, raw={}),
+                    {"role": "assistant", "content": ""}, self.eos_id)
+                raise wire.too_long(api, len(ids), context)
+            if req.max_tokens is not None:  # more than fits is cut to fit (by GenerateContext.generate)
                 overrides["max_new_tokens"] = req.max_tokens
+            elif room is not None:  # unset: up to the context, as the APIs do
+                overrides["max_new_tokens"] = room
             if req.temperature is not None:
                 overrides["temperature"] = float(req.temperature)
             if req.top_p is not None:
@@ -167,7 +178,8 @@ class AgentAdapter:
             matched = res.matched_stop if isinstance(res.matched_stop, str) else None
             if res.finish_reason == "stop" and matched and matched in text:
                 text = text[:text.find(matched)]
-            reply = wire.Reply(self.parse(text), res.finish_reason, matched, len(ids), len(res.output_ids))
+            reply = wire.Reply(self.parse(text), res.finish_reason, matched, len(ids), len(res.output_ids),
+                               cached_tokens=res.cached_tokens)
             session.record(chain, turn, res, reply.message(), self.eos_id)
             if api == "responses":
                 self.history[f"resp_{reply.id}"] = req.messages + [reply.message()]
@@ -186,8 +198,12 @@ class AgentAdapter:
         except wire.WireError as e:
             return web.json_response(wire.error_body(api, e), status=e.status)
         except EngineError as e:
-            return web.json_response(wire.error_body(api, wire.WireError(503, f"engine error: {e}", "api_error")),
-                                     status=503)
+            if e.status in (400, 413):  # the engine refused the request itself (SGLang's checks, e.g. a prompt past
+                #                         its context): the caller's error, not worth a retry
+                error = wire.WireError(400, f"the engine refused the request: {e}")
+            else:
+                error = wire.WireError(503, f"engine error: {e}", "api_error")
+            return web.json_response(wire.error_body(api, error), status=error.status)
 
     async def _stream(self, request: web.Request, api: str, req: wire.Request, reply: wire.Reply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -20,9 +20,21 @@ from rlx.agent.parsers import Parsed
 
 
 class WireError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def too_long(api: str, tokens: int, context: int) -> WireError:
+    """A prompt that leaves no room in the context, in the words each API uses: what makes a harness compact its
+    conversation (and the compacted one becomes a new chain, a sample of its own)."""
+    if api == "messages":  # the largest prompt that leaves room for one token is context - 2 (GenerateContext)
+        return WireError(400, f"prompt is too long: {tokens} tokens > {context - 2} maximum")
+    return WireError(400, f"This model's maximum context length is {context} tokens. However, your messages "
+                          f"resulted in {tokens} tokens, which leaves no room for a completion. Please reduce the "
+                          f"length of the messages.",
+                     param="messages" if api == "chat" else "input", code="context_length_exceeded")
 
 
 @dataclass
@@ -40,6 +52,8 @@ class Request:
     include_usage: bool = False
     previous_response_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # Responses: flat tool name -> (namespace,
+    #                                                                      name), for tools offered inside namespaces
 
 
 @dataclass
@@ -49,6 +63,7 @@ class Reply:
     matched_stop: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the engine took from its prefix cache
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -216,7 +231,8 @@ def chat_response(req: Request, r: Reply) -> dict[str, Any]:
 
 def _chat_usage(r: Reply) -> dict[str, int]:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens}
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
 
 
 def chat_stream(req: Request, r: Reply) -> Iterator[bytes]:
@@ -274,8 +290,11 @@ def parse_responses(body: dict, history: dict[str, list[dict]]) -> Request:
                 messages.append({"role": "system" if role == "developer" else role,
                                  "content": _text_of(item.get("content"), where)})
             elif kind == "function_call":
+                name = _need(item, "name", str, f"{where}.")
+                if isinstance(item.get("namespace"), str):
+                    name = f"{item['namespace']}.{name}"
                 call = {"id": _need(item, "call_id", str, f"{where}."), "type": "function",
-                        "function": {"name": _need(item, "name", str, f"{where}."),
+                        "function": {"name": name,
                                      "arguments": item.get("arguments") or "{}"}}
                 if messages and messages[-1]["role"] == "assistant":
                     messages[-1].setdefault("tool_calls", []).append(call)
@@ -293,20 +312,49 @@ def parse_responses(body: dict, history: dict[str, list[dict]]) -> Request:
         raise WireError(400, "input: field required", param="input")
     if not any(m["role"] != "system" for m in messages):
         raise WireError(400, "input: no messages to respond to", param="input")
-    tools = None
-    if body.get("tools"):
-        tools = []
-        for i, t in enumerate(_need(body, "tools", list)):
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise WireError(400, f"tools[{i}]: only function tools with a name are supported", param="tools")
-            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                           if k in t}})
+    tools, namespaced = _responses_tools(body)
     return Request("responses", model, messages, tools, stop=[], stream=bool(_opt(body, "stream", bool, False)),
                    session_hint=_metadata_session(body, "session_id"), previous_response_id=prev,
-                   **_sampling(body, ("max_output_tokens",)))
+                   namespaced=namespaced, **_sampling(body, ("max_output_tokens",)))
 
 
-def _responses_items(r: Reply) -> list[dict[str, Any]]:
+def _responses_tools(body: dict) -> tuple[list[dict[str, Any]] | None, dict[str, tuple[str, str]]]:
+    """The function tools the model is offered, and the namespaced ones' flat names.
+
+    Function tools go as they are; a ``namespace`` tool (function tools grouped under a name, as Codex sends them)
+    offers each of its functions as ``<namespace>.<name>``, and the model's call comes back with ``name`` and
+    ``namespace`` apart. Tools that are not functions (``web_search``, ``file_search``, ``custom``, ...) are
+    hosted by the API or need a grammar: the model is not offered them, and the request is served without them.
+    """
+    if not body.get("tools"):
+        return None, {}
+    tools: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+
+    def function(t: dict, where: str, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(t.get("name"), str):
+            raise WireError(400, f"{where}.name: field required", param="tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        fn["name"] = prefix + t["name"]
+        return {"type": "function", "function": fn}
+
+    for i, t in enumerate(_need(body, "tools", list)):
+        if not isinstance(t, dict):
+            raise WireError(400, f"tools[{i}]: expected an object", param="tools")
+        if t.get("type") == "function":
+            tools.append(function(t, f"tools[{i}]"))
+        elif t.get("type") == "namespace":
+            ns = t.get("name")
+            if not isinstance(ns, str):
+                raise WireError(400, f"tools[{i}].name: field required", param="tools")
+            for j, sub in enumerate(t.get("tools") or []):
+                if isinstance(sub, dict) and sub.get("type", "function") == "function":
+                    tools.append(function(sub, f"tools[{i}].tools[{j}]", f"{ns}."))
+                    namespaced[tools[-1]["function"]["name"]] = (ns, sub["name"])
+    return tools or None, namespaced
+
+
+def _responses_items(req: Request, r: Reply) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if r.parsed.reasoning is not None:
         items.append({"type": "reasoning", "id": f"rs_{r.id}", "summary": [],
@@ -315,8 +363,11 @@ def _responses_items(r: Reply) -> list[dict[str, Any]]:
         items.append({"type": "message", "id": f"msg_{r.id}", "role": "assistant", "status": "completed",
                       "content": [{"type": "output_text", "text": r.parsed.text, "annotations": []}]})
     for c in r.parsed.tool_calls:
-        items.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
-                      "arguments": c.arguments, "status": "completed"})
+        call = {"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
+                "arguments": c.arguments, "status": "completed"}
+        if c.name in req.namespaced:
+            call["namespace"], call["name"] = req.namespaced[c.name]
+        items.append(call)
     return items
 
 
@@ -325,7 +376,7 @@ def responses_response(req: Request, r: Reply, status: str | None = None) -> dic
     status = status or ("incomplete" if incomplete else "completed")
     return {
         "id": f"resp_{r.id}", "object": "response", "created_at": r.created, "status": status,
-        "model": req.model, "output": _responses_items(r) if status != "in_progress" else [],
+        "model": req.model, "output": _responses_items(req, r) if status != "in_progress" else [],
         "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": None, "max_output_tokens": req.max_tokens, "parallel_tool_calls": True,
         "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
@@ -333,7 +384,7 @@ def responses_response(req: Request, r: Reply, status: str | None = None) -> dic
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
         "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens,
                   "total_tokens": r.prompt_tokens + r.completion_tokens,
-                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+                  "input_tokens_details": {"cached_tokens": r.cached_tokens}, "output_tokens_details": {"reasoning_tokens": 0}},
     }
 
 
@@ -345,7 +396,7 @@ def responses_stream(req: Request, r: Reply) -> Iterator[bytes]:
 
     yield ev("response.created", response=responses_response(req, r, "in_progress"))
     yield ev("response.in_progress", response=responses_response(req, r, "in_progress"))
-    for idx, item in enumerate(_responses_items(r)):
+    for idx, item in enumerate(_responses_items(req, r)):
         if item["type"] == "message":
             text = item["content"][0]["text"]
             yield ev("response.output_item.added", output_index=idx,
@@ -393,8 +444,11 @@ def parse_messages(body: dict, count_only: bool = False) -> Request:
         messages.append({"role": "system", "content": _anthropic_text(system, "system")})
     for i, m in enumerate(raw):
         where = f"messages.{i}"
+        if isinstance(m, dict) and m.get("role") == "system":  # a system turn mid-conversation (Claude Code sends one)
+            messages.append({"role": "system", "content": _anthropic_text(m.get("content", ""), f"{where}.content")})
+            continue
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise WireError(400, f"{where}.role: must be user or assistant")
+            raise WireError(400, f"{where}.role: must be user, assistant or system")
         content = m.get("content")
         if isinstance(content, str):
             messages.append({"role": m["role"], "content": content})
@@ -465,7 +519,13 @@ def messages_response(req: Request, r: Reply) -> dict[str, Any]:
     stop, seq = _anthropic_stop(r)
     return {"id": f"msg_{r.id}", "type": "message", "role": "assistant", "model": req.model,
             "content": _anthropic_blocks(r), "stop_reason": stop, "stop_sequence": seq,
-            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
+            "usage": _anthropic_usage(r, r.completion_tokens)}
+
+
+def _anthropic_usage(r: Reply, output_tokens: int) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from the cache apart from ``input_tokens``."""
+    return {"input_tokens": r.prompt_tokens - r.cached_tokens, "cache_read_input_tokens": r.cached_tokens,
+            "cache_creation_input_tokens": 0, "output_tokens": output_tokens}
 
 
 def messages_stream(req: Request, r: Reply) -> Iterator[bytes]:
@@ -474,7 +534,7 @@ def messages_stream(req: Request, r: Reply) -> Iterator[bytes]:
 
     start = messages_response(req, r)
     yield ev("message_start", message={**start, "content": [], "stop_reason": None, "stop_sequence": None,
-                                       "usage": {"input_tokens": r.prompt_tokens, "output_tokens": 0}})
+                                       "usage": _anthropic_usage(r, 0)})
     for i, b in enumerate(_anthropic_blocks(r)):
         if b["type"] == "text":
             yield ev("content_block_start", index=i, content_block={"type": "text", "text": ""})
@@ -507,6 +567,6 @@ def error_body(api: str, e: WireError) -> dict[str, Any]:
     if api == "messages":
         kind = e.kind if e.kind in _ANTHROPIC_KINDS.values() else _ANTHROPIC_KINDS.get(e.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": e.message}}
-    code = "invalid_api_key" if e.status == 401 else None
+    code = e.code or ("invalid_api_key" if e.status == 401 else None)
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     return {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}
