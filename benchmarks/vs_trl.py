@@ -1,13 +1,17 @@
-"""One GRPO workload through rlx and through TRL's GRPOTrainer on CPU, side by side.
+"""One GRPO workload through rlx (sync and async) and through TRL's GRPOTrainer on CPU, side by side.
 
-Same model (the built-in tiny Qwen3-shaped model), prompts (arithmetic), group size (8 completions per
-prompt), prompts per step (8), token budget (16 new tokens), reward (fraction of digit characters),
-learning rate, no KL term. Steady-state seconds per step and samples per second are the medians over the
-timed steps, after warm-up steps that are not counted (start-up is excluded on both sides).
+Same model, prompts (arithmetic), completions per prompt, prompts per step, new tokens, reward (fraction of
+digit characters), learning rate, no KL term. Seconds per step, phase times and cores used are medians over
+the timed steps, after warm-up steps that are not counted (start-up is excluded on both sides).
 
-    scripts/loopback .venv/bin/python benchmarks/vs_trl.py [--steps 12] [--warmup 3]
+Workloads (``--model``):
+- ``tiny``: the built-in tiny Qwen3-shaped model, 8 prompts x 8 completions x 16 tokens, lr 1e-3;
+- ``smollm2``: SmolLM2-135M-Instruct, 4 prompts x 4 completions x 32 tokens, lr 1e-6.
 
-Needs `pip install trl`.
+    scripts/loopback .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 12] [--warmup 3]
+
+Needs `pip install trl`. Cores used: the CPU seconds of every process of the run (driver, trainer ranks,
+engines; TRL: its one process) over the wall time of the phase.
 """
 
 from __future__ import annotations
@@ -18,9 +22,25 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-PROMPTS, GROUP, TOKENS, LR = 8, 8, 16, 1e-3
+
+@dataclass
+class Workload:
+    model: str
+    prompts: int
+    group: int
+    tokens: int
+    lr: float
+    steps: int
+    warmup: int
+
+
+WORKLOADS = {
+    "tiny": Workload("builtin://tiny-qwen3", 8, 8, 16, 1e-3, 12, 3),
+    "smollm2": Workload("builtin://smollm2-135m-instruct", 4, 4, 32, 1e-6, 4, 1),
+}
 
 
 def digits(text: str) -> float:
@@ -28,7 +48,7 @@ def digits(text: str) -> float:
     return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
 
 
-def run_rlx(data: Path, out: Path, steps: int) -> list[dict]:
+def run_rlx(w: Workload, data: Path, out: Path, mode: str) -> list[dict]:
     from rlx.config import parse_config
     from rlx.orchestrate.loop import train
     from rlx.orchestrate.metrics import read
@@ -36,76 +56,117 @@ def run_rlx(data: Path, out: Path, steps: int) -> list[dict]:
 
     cfg = parse_config(json.dumps({
         "run": {"output_dir": str(out), "seed": 1},
-        "model": {"path": "builtin://tiny-qwen3"},
+        "model": {"path": w.model},
         "data": {"path": str(data)},
-        "rollout": {"n_prompts": PROMPTS, "n_samples_per_prompt": GROUP, "rewards": ["digits"],
-                    "sampling": {"max_new_tokens": TOKENS, "temperature": 1.0},
-                    "engines": [{"server_args": {"num_threads": 1}}]},
-        "train": {"num_steps": steps, "optim": {"lr": LR}, "checkpoint": {"interval": 0}},
+        "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["digits"],
+                    "sampling": {"max_new_tokens": w.tokens, "temperature": 1.0}},
+        "train": {"mode": mode, "num_steps": w.steps, "optim": {"lr": w.lr}, "checkpoint": {"interval": 0}},
     }))
     asyncio.run(train(cfg, build_plugins()))
     return read(out)
 
 
-def run_trl(data: Path, out: Path, steps: int) -> list[dict]:
+def run_trl(w: Workload, data: Path, out: Path) -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlx.models.tiny import resolve_model_path
 
-    path = resolve_model_path("builtin://tiny-qwen3")
+    path = resolve_model_path(w.model)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
 
     def reward(completions, **_):
         return [digits(c[0]["content"] if isinstance(c, list) else c) for c in completions]
 
-    stamps: list[float] = []
+    steps: list[dict] = []
+    rollout = [0.0]
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
+            rollout[0] = 0.0
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
+            wall = time.perf_counter() - self.t0
+            steps.append({"time/step_s": wall, "time/rollout_s": rollout[0], "time/train_s": wall - rollout[0],
+                          "cores/step": (time.process_time() - self.c0) / wall})
 
-    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-                        max_completion_length=TOKENS, max_steps=steps, learning_rate=LR, beta=0.0,
-                        temperature=1.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                        bf16=False, seed=1, lr_scheduler_type="constant", warmup_steps=0)
+    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=w.prompts * w.group,
+                        num_generations=w.group, max_completion_length=w.tokens, max_steps=w.steps,
+                        learning_rate=w.lr, beta=0.0, temperature=1.0, logging_steps=1, report_to=[],
+                        save_strategy="no", use_cpu=True, bf16=False, seed=1, lr_scheduler_type="constant",
+                        warmup_steps=0)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
                           train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(path),
                           callbacks=[Clock()])
+    generate = trainer._generate_and_score_completions  # the rollout: generation and rewards
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            rollout[0] += time.perf_counter() - t
+
+    trainer._generate_and_score_completions = timed
     trainer.train()
-    return [{"time/step_s": stamps[i + 1] - stamps[i]} for i in range(0, len(stamps) - 1, 2)]
+    return steps
+
+
+def median(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def rlx_cores(r: dict) -> float | None:
+    """Cores used over a whole step: each phase's cores weighted by its time."""
+    parts = [(r.get(f"cores/{p}"), r.get(f"time/{p}_s")) for p in ("rollout", "train", "weight_sync")]
+    if any(c is None for c, _ in parts):
+        return None
+    return sum(c * t for c, t in parts) / sum(t for _, t in parts)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--model", choices=sorted(WORKLOADS), default="tiny")
+    ap.add_argument("--steps", type=int, help="steps per run (default: the workload's)")
+    ap.add_argument("--warmup", type=int, help="first steps not timed (default: the workload's)")
     args = ap.parse_args()
+    w = WORKLOADS[args.model]
+    w.steps = args.steps or w.steps
+    w.warmup = args.warmup if args.warmup is not None else w.warmup
 
     from rlx.data.tasks import arithmetic, write_jsonl
 
     tmp = Path(tempfile.mkdtemp(prefix="rlx-vs-trl-"))
     data = write_jsonl(arithmetic(512), tmp / "data.jsonl")
-    results, parts = {}, {}
-    for name, fn in (("rlx", run_rlx), ("TRL GRPOTrainer", run_trl)):
-        rows = fn(data, tmp / name.split()[0].lower(), args.steps)[args.warmup:]
-        s = statistics.median(r["time/step_s"] for r in rows)
-        results[name] = (s, PROMPTS * GROUP / s)
-        parts[name] = {k[5:-2]: statistics.median(r[k] for r in rows) for k in rows[0]
-                       if k.startswith("time/") and k != "time/step_s"}
-    print(f"GRPO on CPU: tiny Qwen3, {PROMPTS} prompts x {GROUP} completions x {TOKENS} tokens per step, "
-          f"median of {args.steps - args.warmup} steps after {args.warmup} warm-up")
-    print(f"{'framework':<18} | {'s/step':>7} | {'samples/s':>9} | where the time goes")
-    for name, (s, sps) in results.items():
-        where = ", ".join(f"{k} {v:.3f}s" for k, v in parts[name].items()) or "(one loop)"
-        print(f"{name:<18} | {s:>7.3f} | {sps:>9.1f} | {where}")
-    r, t = results["rlx"][0], results["TRL GRPOTrainer"][0]
-    print(f"rlx is {t / r:.2f}x TRL's speed per step")
+    runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),
+            "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
+            "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl")}
+    table = {}
+    for name, fn in runs.items():
+        rows = fn()[w.warmup:]
+        for r in rows:
+            r.setdefault("cores/step", rlx_cores(r))
+        table[name] = {k: median(rows, k) for k in ("time/step_s", "time/rollout_s", "time/train_s",
+                                                      "time/weight_sync_s", "cores/rollout", "cores/train",
+                                                      "cores/step")}
+    print(f"GRPO on CPU: {w.model}, {w.prompts} prompts x {w.group} completions x {w.tokens} tokens per step, "
+          f"lr {w.lr:g}; median of {w.steps - w.warmup} steps after {w.warmup} warm-up")
+
+    def cell(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    print(f"| {'framework':<16} | s/step | rollout | train | weight sync | cores: rollout / train / step | vs TRL |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    trl = table["TRL GRPOTrainer"]["time/step_s"]
+    for name, m in table.items():
+        cores = " / ".join(cell(m[k], ".2f") for k in ("cores/rollout", "cores/train", "cores/step"))
+        print(f"| {name:<16} | {m['time/step_s']:.3f} | {cell(m['time/rollout_s'], '.3f')} | "
+              f"{cell(m['time/train_s'], '.3f')} | {cell(m['time/weight_sync_s'], '.3f')} | {cores} | "
+              f"{m['time/step_s'] / trl:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from rlx.errors import RLXError
 
 SCHEME = "builtin://"
 BUILTIN_MODELS_GROUP = "rlx.builtin_models"
-VERSION = "2"  # bump when the recipe changes, so caches rebuild (2: tools in the chat template)
+VERSION = "3"  # bump when the recipe changes, so caches rebuild (2: tools in the chat template; 3: converted GGUF
+#               models' configs no longer claim a quantization, which trainers refuse)
 
 # ChatML, with tools (Qwen/Hermes style): a system block lists them, assistant turns carry
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, results come back in "tool" turns.
@@ -170,6 +171,8 @@ def convert_packaged_gguf(out: Path, name: str) -> Path:
         raise RLXError(f"{dist} is installed but has no {filename} in {folder}")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are dequantised; save them as plain fp32
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(folder, gguf_file=filename).save_pretrained(out)
     return out
