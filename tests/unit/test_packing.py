@@ -13,7 +13,8 @@ def test_pack_layout_targets_and_block_diagonal_mask():
     # a's response 3,4 is predicted at positions 1,2; b's 6,7,8 at 4,5,6
     assert p.response_positions.tolist() == [1, 2, 4, 5, 6] and p.seq_index.tolist() == [0, 0, 1, 1, 1]
     assert p.targets[p.response_positions].tolist() == [3, 4, 6, 7, 8]
-    allowed = ~p.attention_mask[0, 0]
+    assert p.attention_mask.blocks == [[4, 4]]
+    allowed = ~p.attention_mask.dense()[0, 0]
     assert allowed[5].tolist() == [False, False, False, False, True, True, False, False]
     assert allowed[3].tolist() == [True, True, True, True, False, False, False, False]
 
@@ -29,7 +30,8 @@ def test_pack_into_short_rows_pads_and_reorders():
     assert p.targets[p.response_positions].tolist() == [3, 4, 5, 6, 11, 8, 9]
     assert p.seq_index.tolist() == [0, 0, 0, 0, 1, 2, 2]
     assert p.position_ids.tolist()[1] == [0, 1, 2, 3, 4, 5]
-    row1 = ~p.attention_mask[1, 0]
+    assert p.attention_mask.blocks == [[6], [2, 3]] and p.pad_mask.tolist()[1] == [False] * 5 + [True]
+    row1 = ~p.attention_mask.dense()[1, 0]
     assert row1[1].tolist() == [True, True, False, False, False, False]  # c sees only itself
     assert row1[4].tolist() == [False, False, True, True, True, False]  # b sees only itself
     assert row1[5].tolist() == [False] * 5 + [True]  # the pad token sees only itself
@@ -40,3 +42,27 @@ def test_per_token_broadcasts_scalars_and_keeps_lists():
     assert per_token([a, b], {0: 0.5, 1: -1.0}).tolist() == [0.5, 0.5, -1.0]
     assert per_token([a, b], {0: [0.1, 0.2], 1: [0.3]}).tolist() == [torch.tensor(0.1).item(), torch.tensor(0.2).item(), torch.tensor(0.3).item()]
 
+
+
+def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_gradients():
+    """Ragged rows, one-token samples, a padded tail, grouped keys: each block alone (causal, no mask tensor)
+    gives what one masked attention over the row gives, forward and backward, pads included."""
+    import pytest
+    import torch.nn.functional as F
+
+    from rlx.train.masks import BlockCausal, block_causal_attention
+
+    mask = BlockCausal([[5, 1, 3], [2, 4], [9]], width=9)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 9, 8, generator=g, requires_grad=True) for _ in range(3))
+    got = block_causal_attention(q, k, v, mask, scale=0.3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask.dense(), scale=0.3)
+    assert torch.allclose(got, want, atol=1e-6)
+    w = torch.randn(got.shape, generator=g)
+    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for a, b in zip(grads, wants, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(block_causal_attention(q, k, v, BlockCausal([[9], [6], [9]], 9), 0.3), want)
+    with pytest.raises(ValueError, match="row 1"):
+        BlockCausal([[4], [5, 5]], width=9)

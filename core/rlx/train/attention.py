@@ -1,9 +1,17 @@
-"""A core attention over torch's scaled_dot_product_attention for megatron's local layer specs.
+"""A core attention over torch's scaled_dot_product_attention for megatron's local layer specs, and the
+block-causal mask of packed rows it takes without an [L, L] tensor.
 
-megatron-core's local ``DotProductAttention`` does not accept ``k_channels``/``v_channels`` (still so in
-0.19), which multi-latent attention passes (its keys and values have different head sizes), so a local
-MLA spec cannot be built with it. Model bridges for MLA families put `SDPACoreAttention` in the spec's
-``core_attention``. Masks follow megatron: True where attention is not allowed.
+Every model spec rlx builds uses `SDPACoreAttention` (`rlx.train.decoder.DecoderSpec.layer_spec`):
+
+* megatron-core's local ``DotProductAttention`` materialises every score of a row ([heads, L, L] floats, then
+  the softmax's copies): a 22k-token agent trajectory would need tens of GB. With a `BlockCausal` mask this
+  attention runs each packed sample as its own causal block (``is_causal``, no mask tensor: torch's
+  memory-efficient kernels), so memory grows with the tokens, and compute with the sum of each sample's
+  length squared, not the row's.
+* it does not accept ``k_channels``/``v_channels`` (still so in megatron-core 0.19), which multi-latent
+  attention passes (its keys and values have different head sizes).
+
+A plain tensor mask also works (megatron's convention: True where attention is not allowed).
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from rlx.train.masks import BlockCausal, block_causal_attention
 
 
 class SDPACoreAttention(MegatronModule):
@@ -39,6 +49,12 @@ class SDPACoreAttention(MegatronModule):
         if k.size(1) != q.size(1):  # grouped-query attention
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        dropout = self.dropout_p if self.training else 0.0
+        if isinstance(attention_mask, BlockCausal):
+            if attention_bias is not None:
+                raise ValueError("SDPACoreAttention: an attention bias with a block-causal mask is not supported")
+            out = block_causal_attention(q, k, v, attention_mask, self.softmax_scale, dropout)
+            return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
         mask, causal = None, False
         if attention_mask is not None:
             mask = ~attention_mask.bool()
@@ -47,7 +63,6 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             bias = attention_bias.to(q.dtype)
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             dropout_p=self.dropout_p if self.training else 0.0,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout,
                                              scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)

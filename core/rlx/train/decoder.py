@@ -77,11 +77,17 @@ class DecoderSpec(ModelSpec):
     def layer_spec(self, config: Any, stage: Stage) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+        from rlx.train.attention import SDPACoreAttention
+
         if self.moe is None:
-            return get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm",
+            spec = get_gpt_layer_local_spec(qk_layernorm=self.qk_norm, normalization="RMSNorm",
                                             multi_latent_attention=config.multi_latent_attention)
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                          pp_rank=stage.layer_offset // max(stage.num_layers, 1))
+        else:
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                              pp_rank=stage.layer_offset // max(stage.num_layers, 1))
+        for layer in spec.layer_specs if self.moe is not None else [spec]:  # packed rows without [L, L] masks
+            layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        return spec
 
     # -- HF -> megatron --------------------------------------------------------------------------
 

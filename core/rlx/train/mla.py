@@ -178,12 +178,9 @@ class MLADecoderSpec(DecoderSpec):
         return MLATransformerConfig(**kw, **common)
 
     def layer_spec(self, config: Any, stage: Stage) -> Any:
-        from rlx.train.attention import SDPACoreAttention
-
-        spec = super().layer_spec(config, stage)  # latent attention, as config.multi_latent_attention says
+        spec = super().layer_spec(config, stage)  # latent attention, as config.multi_latent_attention says; SDPA
         for layer in spec.layer_specs if self.moe is not None else [spec]:
             attention = layer.submodules.self_attention.submodules
-            attention.core_attention = SDPACoreAttention
             attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
         return spec
 

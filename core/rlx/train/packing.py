@@ -4,7 +4,8 @@ Micro-batches: first-fit decreasing into bins of at most ``max_tokens`` tokens (
 sample longer than the bound gets a bin of its own. The same bins cut a micro-batch into rows.
 
 A micro-batch is one sequence of concatenated samples. Attention is block-diagonal causal, so no
-token sees another sample. Positions run on across samples: RoPE depends only on the distance
+token sees another sample: the mask is the samples' lengths per row (`rlx.train.masks.BlockCausal`), never
+an [L, L] tensor. Positions run on across samples: RoPE depends only on the distance
 between query and key, and within a block those distances are the same as from 0 (the trainer's
 logits match an unpacked forward pass to float rounding; see the tests).
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlx.train.masks import BlockCausal
 from rlx.types import Sample
 
 
@@ -22,7 +24,7 @@ from rlx.types import Sample
 class PackedBatch:
     input_ids: torch.Tensor  # [R, L]: R rows of packed samples, padded to the longest row
     position_ids: torch.Tensor  # [R, L]
-    attention_mask: torch.Tensor  # [R, 1, L, L] bool, True where attention is NOT allowed (megatron)
+    attention_mask: BlockCausal  # each sample attends causally within itself (`.dense()`: megatron's tensor)
     targets: torch.Tensor  # [R * L] the next token at each position (0 where none)
     response_positions: torch.Tensor  # [T] flat positions (row * L + col) predicting a response token
     seq_index: torch.Tensor  # [T] which sample (0..n-1, in `samples` order) each response token is from
@@ -46,15 +48,14 @@ class PackedBatch:
 def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     """Samples (prompt + response each) packed into rows of at most `row_tokens` tokens.
 
-    One row holds everything when `row_tokens` is None. Shorter rows attend less: attention over a
-    row costs its length squared, so on dense (non-varlen) attention short rows are much cheaper than
-    one long row, for a little padding at the ends of rows.
+    One row holds everything when `row_tokens` is None; otherwise rows are filled first-fit, and a sample
+    longer than `row_tokens` gets a row of its own (every row is padded to the longest).
     """
     lengths = [s.total_len for s in samples]
     rows = [list(range(len(samples)))] if row_tokens is None else micro_batches(lengths, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
-    seg = torch.full((len(rows), width), -1, dtype=torch.long)
+    pad = torch.ones(len(rows), width, dtype=torch.bool)
     targets = torch.zeros(len(rows), width, dtype=torch.long)
     resp_pos: list[int] = []
     seq_index: list[int] = []
@@ -67,7 +68,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
             s = samples[i]
             full = s.prompt_ids + s.response_ids
             ids[r, col:col + len(full)] = torch.tensor(full)
-            seg[r, col:col + len(full)] = len(ordered)
+            pad[r, col:col + len(full)] = False
             targets[r, col:col + len(full) - 1] = torch.tensor(full[1:], dtype=torch.long)
             # logits at position p predict token p + 1: response token j is predicted at prompt_len + j - 1
             first = r * width + col + len(s.prompt_ids) - 1
@@ -77,21 +78,18 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
             ordered.append(s)
             starts.append((r, col))
             col += len(full)
-    pad = seg < 0
-    seg[pad] = -2 - torch.arange(int(pad.sum()))  # each pad token alone in its own block
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    allowed = (seg[:, :, None] == seg[:, None, :]) & causal
+    blocks = [[lengths[i] for i in row] for row in rows]
     return PackedBatch(
         input_ids=ids,
         position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
-        attention_mask=~allowed[:, None],
+        attention_mask=BlockCausal(blocks, width),
         targets=targets.flatten(),
         response_positions=torch.tensor(resp_pos, dtype=torch.long),
         seq_index=torch.tensor(seq_index, dtype=torch.long),
         temperatures=torch.tensor(temps, dtype=torch.float32),
         samples=ordered,
         starts=starts,
-        pad_mask=pad.clone(),
+        pad_mask=pad,
     )
 
 

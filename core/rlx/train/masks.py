@@ -1,0 +1,61 @@
+"""The attention mask of packed rows as block lengths (`BlockCausal`), and attention over it that runs each
+block alone (`block_causal_attention`): no [L, L] tensor, memory that grows with the tokens, and compute with
+each sample's length squared rather than the row's. `rlx.train.attention.SDPACoreAttention` takes it inside
+megatron; torch only here, so packing does not need megatron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BlockCausal:
+    """The attention mask of packed rows, by block lengths: row ``r`` holds consecutive samples of lengths
+    ``blocks[r]`` from column 0; a token attends causally within its own sample. Columns past a row's samples
+    (the padding up to `width`) each attend to themselves only. Passed where megatron takes ``attention_mask``."""
+
+    blocks: list[list[int]]
+    width: int
+
+    def __post_init__(self):
+        for r, row in enumerate(self.blocks):
+            if any(n <= 0 for n in row) or sum(row) > self.width:
+                raise ValueError(f"row {r}: blocks {row} do not fit a row of {self.width}")
+
+    def to(self, device: Any) -> BlockCausal:  # what the trainer does with a mask tensor
+        return self
+
+    def dense(self) -> torch.Tensor:
+        """The same mask as megatron's tensor: ``[rows, 1, width, width]`` bool, True where not allowed."""
+        seg = torch.full((len(self.blocks), self.width), -1, dtype=torch.long)
+        for r, row in enumerate(self.blocks):
+            col = 0
+            for i, n in enumerate(row):
+                seg[r, col:col + n] = i
+                col += n
+        pad = seg < 0
+        seg[pad] = -2 - torch.arange(int(pad.sum()))  # each pad token alone in its own block
+        causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
+        return ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockCausal, scale: float,
+                           dropout_p: float = 0.0) -> torch.Tensor:
+    """``[b, heads, s, d]`` attention of each block alone (causal); a padding column's output is its own value,
+    as a token that sees only itself."""
+    rows = []
+    for r, row in enumerate(mask.blocks):
+        parts, col = [], 0
+        for n in row:
+            sl = slice(col, col + n)
+            parts.append(F.scaled_dot_product_attention(q[r:r + 1, :, sl], k[r:r + 1, :, sl], v[r:r + 1, :, sl],
+                                                        is_causal=n > 1, dropout_p=dropout_p, scale=scale))
+            col += n
+        if col < q.size(2):
+            parts.append(v[r:r + 1, :, col:])
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
