@@ -140,6 +140,27 @@ def test_without_the_cache_nothing_is_reused_but_forks(engine_parts):
         s.shutdown()
 
 
+def test_a_memory_budget_holds_as_many_tokens_as_the_models_kv_fits(engine_parts):
+    """By default the budget is memory: sized at the first entry from the KV's own bytes (the tiny model: 2 layers
+    x keys and values x 2 heads x 16 dims x 4 bytes = 512 bytes a token), and then evicts by tokens as before."""
+    from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+
+    model, tok = engine_parts
+    c = model.config
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    assert per_token == 512
+    s = Scheduler(model, tok, prefix_cache_bytes=20 * per_token + 100)
+    s.start()
+    try:
+        params = dict(max_new_tokens=2, ignore_eos=True)
+        generate(s, [Request(list(range(3, 15)), SamplingParams(**params))])
+        assert s.prefix.max_tokens == 20 and 0 < s.prefix.tokens <= 20
+        generate(s, [Request(list(range(30, 45)), SamplingParams(**params))])  # 15 + 2 more: the first goes
+        assert s.prefix.tokens <= 20 and all(k[0] == 30 for k in s.prefix.entries)
+    finally:
+        s.shutdown()
+
+
 def test_the_trie_agrees_with_a_plain_search_through_many_inserts_and_evictions():
     """Random sequences over a small alphabet (so they share prefixes), a budget that keeps evicting: every match
     is the longest prefix any held sequence shares with the request, and its KV holds exactly those ids."""

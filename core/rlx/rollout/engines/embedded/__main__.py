@@ -23,8 +23,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: all cores)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=16384,
-                   help="tokens of KV the prefix cache keeps for requests that start with earlier ones")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="tokens of KV the prefix cache keeps for requests that start with earlier ones "
+                        "(0: as many as --prefix-cache-mb holds)")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024,
+                   help="memory for the prefix cache's KV when --prefix-cache-tokens is 0")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
     p.add_argument("--enable-return-routed-experts", action="store_true",
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
-                          prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens)
+                          prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
+                          prefix_cache_bytes=0 if args.disable_radix_cache else int(args.prefix_cache_mb * 2**20))
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

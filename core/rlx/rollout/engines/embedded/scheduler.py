@@ -20,6 +20,7 @@ Choices:
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _rid_counter = itertools.count()
 
@@ -96,10 +99,12 @@ class Scheduler:
     """Owns the model and the running batch; everything that touches them runs in its thread."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_running: int = 64, seed: int = 0,
-                 max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0):
+                 max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
+                 prefix_cache_bytes: int = 0):
         """`capture_experts`: record the experts each token is routed to (SGLang's
         ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`).
-        `prefix_cache_tokens`: budget of the prefix cache (`prefix.PrefixCache`; 0: none)."""
+        The prefix cache's budget (`prefix.PrefixCache`): `prefix_cache_tokens` tokens, or else as many tokens as
+        `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache."""
         from rlx.rollout.engines.embedded.prefix import PrefixCache
 
         self.model = model
@@ -129,7 +134,9 @@ class Scheduler:
         self.generated_tokens = 0
         self.prompt_tokens = 0  # prompt tokens of admitted requests
         self.cached_tokens = 0  # of those, not prefilled (prefix cache hits and forked prompts)
-        self.prefix = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        budget = prefix_cache_tokens if prefix_cache_tokens > 0 else (1 << 62 if prefix_cache_bytes > 0 else 0)
+        self.prefix = PrefixCache(budget) if budget > 0 else None
+        self._prefix_bytes = prefix_cache_bytes if prefix_cache_tokens <= 0 else 0  # to size it by, once
         self.kv_epoch = 0  # advances when the weights change: KV from before is not this model's
 
     # -- called from other threads -------------------------------------------------------------
@@ -316,8 +323,14 @@ class Scheduler:
         """Put row `row`'s last `length` KV columns (the KV of `ids`) into the prefix cache, as owned copies."""
         if self.prefix is None or not self._cacheable(cache):
             return
-        self.prefix.insert(list(ids), [(k[row:row + 1, :, -length:].clone(), v[row:row + 1, :, -length:].clone())
-                                       for k, v in self._layers(cache)])
+        kv = [(k[row:row + 1, :, -length:].clone(), v[row:row + 1, :, -length:].clone()) for k, v in self._layers(cache)]
+        if self._prefix_bytes and length:
+            per_token = sum(k.nbytes + v.nbytes for k, v in kv) / length
+            self.prefix.max_tokens = max(int(self._prefix_bytes // per_token), 1)
+            self._prefix_bytes = 0
+            log.info("prefix cache: %d tokens (%.0f KiB of KV each, in %.0f MiB)", self.prefix.max_tokens,
+                     per_token / 1024, self.prefix.max_tokens * per_token / 2**20)
+        self.prefix.insert(list(ids), kv)
 
     @staticmethod
     def _cacheable(cache: Any) -> bool:
