@@ -111,6 +111,9 @@ def serve_cmd(
     api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key clients must send "
                                                 "(default: a random one, printed).")] = None,
     parser: Annotated[str, typer.Option("--parser", help="Tool-call parser (auto: by model family).")] = "auto",
+    max_output_tokens: Annotated[int | None, typer.Option(
+        "--max-output-tokens", min=1, help="The most one call generates; a larger or unset max_tokens gets this many "
+        "(default: as asked, unset meaning up to the context).")] = None,
 ) -> None:
     """Serve the policy over OpenAI- and Anthropic-compatible APIs: engines, router and adapter."""
     import asyncio
@@ -123,7 +126,8 @@ def serve_cmd(
 
     async def main() -> None:
         async with RolloutSession(cfg, _plugins(), with_data=False) as session:
-            adapter = AgentAdapter(session.ctx, model_name=cfg.run.name, api_key=api_key, parser=parser)
+            adapter = AgentAdapter(session.ctx, model_name=cfg.run.name, api_key=api_key, parser=parser,
+                                   max_output_tokens=max_output_tokens)
 
             def ready(url: str) -> None:
                 out.print(f"serving {cfg.model.path} at {url}/v1 (OpenAI) and {url} (Anthropic)", soft_wrap=True)

@@ -342,6 +342,35 @@ def test_a_prompt_past_the_context_gets_each_apis_own_error_and_unset_limits_run
         adapter.ctx.context_length = None
 
 
+def test_a_maximum_output_bounds_every_call_as_training_sets_it(server):
+    """Training serves harnesses that ask for tens of thousands of tokens a call: the adapter's maximum output
+    (rollout.sampling.max_new_tokens) lowers a larger or unset max_tokens, and leaves a smaller one. A reply cut
+    by that maximum is a finished turn to the harness (Claude Code exits 1 on max_tokens), and truncated in the
+    sample; one cut by the caller's own max_tokens is reported as such."""
+    adapter, engine, tok = server
+    adapter.max_output_tokens = 7
+    try:
+        hi = [{"role": "user", "content": "hi"}]
+        for ask, want in ((64000, 7), (None, 7), (3, 3)):
+            say(engine, tok, "ok")
+            kw = {} if ask is None else {"max_tokens": ask}
+            oa(server).chat.completions.create(model="tiny", messages=hi, **kw)
+            assert engine.params[-1]["max_new_tokens"] == want, ask
+        session, key = adapter.open_session()
+        engine.script.append(([5] * 7, "length"))
+        with an(server, key=key).messages.stream(model="tiny", max_tokens=32000, messages=hi) as stream:  # as
+            assert stream.get_final_message().stop_reason == "end_turn"  # Claude Code asks (streamed)
+        assert engine.params[-1]["max_new_tokens"] == 7
+        (sample,) = session.samples()
+        assert sample.status.name == "TRUNCATED" and sample.finish_reason == "length"
+        adapter.close_session(session)
+        engine.script.append(([5] * 3, "length"))
+        r = oa(server).chat.completions.create(model="tiny", messages=hi, max_tokens=3)
+        assert r.choices[0].finish_reason == "length"
+    finally:
+        adapter.max_output_tokens = None
+
+
 def test_claude_codes_first_request_and_a_system_turn_mid_conversation(server):
     """``HEAD /`` answers; a system message inside ``messages`` (Anthropic's mid-conversation system beta) is
     rendered where it stands."""

@@ -40,9 +40,13 @@ from rlx.rollout.engines.protocol import EngineError, GenerateResult
 class AgentAdapter:
     def __init__(self, ctx: GenerateContext, *, model_name: str = "rlx", api_key: str | None = None,
                  parser: str = "auto", model_type: str | None = None, compare: bool = True,
-                 max_history: int = 10_000, max_hinted_sessions: int = 10_000):
+                 max_history: int = 10_000, max_hinted_sessions: int = 10_000, max_output_tokens: int | None = None):
         """`max_history` stored Responses conversations and `max_hinted_sessions` sessions named by a
-        header or metadata are kept, the oldest dropped first (a long-running `rl serve` does not grow)."""
+        header or metadata are kept, the oldest dropped first (a long-running `rl serve` does not grow).
+        `max_output_tokens`: the most one call generates, as a model's maximum output (training sets it to
+        ``rollout.sampling.max_new_tokens``); a caller's larger or unset ``max_tokens`` gets this many, and a
+        reply cut there is answered as a finished turn (the sample records the cut). None: the caller's
+        ``max_tokens``, and unset means up to the context, as the APIs do."""
         self.ctx = ctx
         self.model_name = model_name
         self.api_key = api_key or f"rlx-{secrets.token_hex(16)}"
@@ -56,6 +60,7 @@ class AgentAdapter:
         self.history: OrderedDict[str, list[dict]] = OrderedDict()
         self.max_history = max_history
         self.max_hinted_sessions = max_hinted_sessions
+        self.max_output_tokens = max_output_tokens
         self._hinted: OrderedDict[str, None] = OrderedDict()  # sessions made from headers/metadata, oldest first
         self.overheads: deque[float] = deque(maxlen=100_000)  # seconds per request, engine time excluded
         self.runner: web.AppRunner | None = None
@@ -162,10 +167,14 @@ class AgentAdapter:
                     weight_version="", token_weight_versions=[], prompt_tokens=len(ids), rid=None, raw={}),
                     {"role": "assistant", "content": ""}, self.eos_id)
                 raise wire.too_long(api, len(ids), context)
-            if req.max_tokens is not None:  # more than fits is cut to fit (by GenerateContext.generate)
-                overrides["max_new_tokens"] = req.max_tokens
-            elif room is not None:  # unset: up to the context, as the APIs do
-                overrides["max_new_tokens"] = room
+            # more than fits is cut to fit (by GenerateContext.generate); unset: up to the context, as the APIs do
+            want = req.max_tokens if req.max_tokens is not None else room
+            cap = self.max_output_tokens
+            capped = cap is not None and (want is None or want > cap)
+            if capped:
+                want = cap
+            if want is not None:
+                overrides["max_new_tokens"] = want
             if req.temperature is not None:
                 overrides["temperature"] = float(req.temperature)
             if req.top_p is not None:
@@ -178,7 +187,13 @@ class AgentAdapter:
             matched = res.matched_stop if isinstance(res.matched_stop, str) else None
             if res.finish_reason == "stop" and matched and matched in text:
                 text = text[:text.find(matched)]
-            reply = wire.Reply(self.parse(text), res.finish_reason, matched, len(ids), len(res.output_ids),
+            finish = res.finish_reason
+            if capped and finish == "length" and len(res.output_ids) >= cap:
+                # Cut by the policy's maximum output, not by what the caller asked: answered as a finished turn,
+                # so that the harness goes on (harnesses treat max_tokens as an error or ask to continue, which
+                # the budget forbids). The sample still records the cut (finish "length").
+                finish = "stop"
+            reply = wire.Reply(self.parse(text), finish, matched, len(ids), len(res.output_ids),
                                cached_tokens=res.cached_tokens)
             session.record(chain, turn, res, reply.message(), self.eos_id)
             if api == "responses":

@@ -8,7 +8,9 @@ the harness's requests to the sample's own session; ``task`` is a dict with the 
 scoring to ``rollout.rewards`` (on the text the model wrote).
 
 Every linear chain of the session becomes a sample: one for a plain multi-turn agent, several when
-the harness forks (subagents, compaction), sharing the sample's trajectory. An agent that raises
+the harness forks (subagents, compaction), sharing the sample's trajectory. ``rollout.sampling.max_new_tokens``
+is the policy's maximum output per call: a harness that asks for more, or sets no ``max_tokens``, gets that
+many (real harnesses ask for tens of thousands). An agent that raises
 fails its sample with the reason; one whose requests were aborted (a partial-rollout cut, an async
 checkpoint) comes back ABORTED with no tokens, to run again from the start.
 """
@@ -21,7 +23,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlx import hookimpl
 from rlx.errors import RLXError
@@ -31,16 +33,19 @@ from rlx.types import Sample, SampleStatus
 class AgentArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    function: str  # "package.module:name" or "path/to/file.py:name"
+    function: str  # "package.module:name", "path/to/file.py:name", or a registered agent's name
+    agent_args: dict[str, Any] = Field(default_factory=dict)  # a registered agent's own Config
     parser: str = "auto"  # tool-call parser (rlx.agent.parsers); auto: by model family
     timeout_s: float = Field(600, gt=0)  # one agent run, end to end
     compare: bool = True  # record where a naive re-render would have disagreed with the token buffer
 
 
-def load_function(spec: str) -> Any:
+def load_function(spec: str, args: dict[str, Any] | None = None) -> Any:
     """The agent function from "module:name", "file.py:name", or the name of a registered agent (a class
-    with ``name`` and ``async def run(self, base_url, api_key, task)``, from ``register_agents``)."""
+    with ``name`` and ``async def run(self, base_url, api_key, task)``, from ``register_agents``), built with
+    `args` (``rollout.generator.args.agent_args``, checked against the agent's ``Config``)."""
     if ":" not in spec:
+        from rlx.config import ComponentSpec
         from rlx.plugins import build_plugins
 
         plugins = build_plugins()
@@ -48,8 +53,15 @@ def load_function(spec: str) -> Any:
             known = ", ".join(plugins.names("agents")) or "none installed"
             raise RLXError(f"rollout.generator.args.function: {spec!r} is neither module:name, file.py:name nor "
                            f"a registered agent (registered: {known})")
-        fn = getattr(plugins.build("agents", spec), "run", None)
+        try:
+            fn = getattr(plugins.build("agents", ComponentSpec(name=spec, args=dict(args or {}))), "run", None)
+        except ValidationError as e:
+            where = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise RLXError(f"rollout.generator.args.agent_args (agent {spec!r}): {where}") from None
     else:
+        if args:
+            raise RLXError(f"rollout.generator.args.agent_args: {spec!r} is a function, which takes no agent_args "
+                           f"(only registered agents have a Config)")
         fn = _import(spec)
     if not asyncio.iscoroutinefunction(fn):
         raise RLXError(f"rollout.generator.args.function: {spec!r} must be an async function "
@@ -80,7 +92,7 @@ class AgentGenerator:
 
     def __init__(self, config: AgentArgs):
         self.config = config
-        self.fn = load_function(config.function)
+        self.fn = load_function(config.function, config.agent_args)
         self.adapter = None
         self._lock = asyncio.Lock()
 
@@ -89,7 +101,8 @@ class AgentGenerator:
             if self.adapter is None:
                 from rlx.agent.server import AgentAdapter
 
-                self.adapter = AgentAdapter(ctx, parser=self.config.parser, compare=self.config.compare)
+                self.adapter = AgentAdapter(ctx, parser=self.config.parser, compare=self.config.compare,
+                                            max_output_tokens=ctx.sampling.max_new_tokens)
                 await self.adapter.start()
         return self.adapter
 
