@@ -319,7 +319,8 @@ class Sandbox:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
             preexec_fn=self._limits)
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin else None), limit)
+            # stdin is always closed after `stdin` (if any): a program that reads it sees the end, not a wait
+            out, err = await asyncio.wait_for(proc.communicate((stdin or "").encode()), limit)
             timed_out = False
         except asyncio.TimeoutError:
             try:

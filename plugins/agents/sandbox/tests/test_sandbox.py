@@ -20,10 +20,12 @@ def test_commands_run_in_a_throwaway_directory():
             box.write("a/b.txt", "hello")
             r = await box.run(["cat", "a/b.txt"])
             made = await box.run([sys.executable, "-c", "open('out.txt', 'w').write('x')"])
-            return box.root, r, made, box.read("out.txt")
+            reads = await box.run(["cat"], timeout_s=5)  # stdin is closed: a reader sees its end at once
+            return box.root, r, made, box.read("out.txt"), reads
 
-    root, r, made, out = run(go())
+    root, r, made, out, reads = run(go())
     assert r.ok and r.stdout == "hello" and made.ok and out == "x"
+    assert reads.ok and reads.stdout == "" and not reads.timed_out
     assert not root.exists()
 
 
