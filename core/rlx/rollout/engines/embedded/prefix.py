@@ -28,23 +28,30 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [1, k
 class _Node:
     __slots__ = ("children", "entry")
 
-    def __init__(self, entry: tuple[int, ...] | None):
+    def __init__(self, entry: int | None):
         self.children: dict[int, _Node] = {}
-        self.entry = entry  # a cached sequence that passes through this node (the newest)
+        self.entry = entry  # the id of a cached sequence that passes through this node (the newest)
 
 
 class PrefixCache:
     """Sequences' KV by their ids, found through a token trie: a lookup walks the request's ids once (a dict
-    lookup per id), whatever the number of entries."""
+    lookup per id), whatever the number of entries. Nodes name entries by a small integer, never by the
+    sequence itself: hashing a 60k-token tuple at every node of a 60k-token path would take minutes."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()  # least recently used first
+        self._entries: OrderedDict[int, tuple[tuple[int, ...], KV]] = OrderedDict()  # least recently used first
+        self._next = 0
         self.root = _Node(None)
         self.tokens = 0
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._entries)
+
+    @property
+    def entries(self) -> list[tuple[int, ...]]:
+        """The cached sequences, least recently used first."""
+        return [seq for seq, _ in self._entries.values()]
 
     def _walk(self, ids: list[int] | tuple[int, ...]) -> list[_Node]:
         """The nodes along `ids` that exist, root first."""
@@ -58,15 +65,15 @@ class PrefixCache:
 
     def match(self, ids: list[int]) -> tuple[int, KV] | None:
         """The longest cached prefix of `ids` that leaves at least one id to run: (its length, its KV views)."""
-        if not self.entries or len(ids) < 2:
+        if not self._entries or len(ids) < 2:
             return None
         path = self._walk(ids[:-1])
         n = len(path) - 1
         if n == 0:
             return None
-        key = path[-1].entry
-        self.entries.move_to_end(key)
-        return n, [(k[:, :, :n], v[:, :, :n]) for k, v in self.entries[key]]
+        eid = path[-1].entry
+        self._entries.move_to_end(eid)
+        return n, [(k[:, :, :n], v[:, :, :n]) for k, v in self._entries[eid][1]]
 
     def insert(self, ids: list[int], kv: KV) -> None:
         """Keep `kv` (owned copies, [1, heads, len(ids), dim] per layer) for `ids`. A held sequence that `ids`
@@ -76,36 +83,47 @@ class PrefixCache:
         key = tuple(ids)
         path = self._walk(key)
         if len(path) - 1 == len(key):  # already held, as itself or inside a longer sequence
-            self.entries.move_to_end(path[-1].entry)
+            self._entries.move_to_end(path[-1].entry)
             return
+        eid, self._next = self._next, self._next + 1
         node = path[-1]
         for t in key[len(path) - 1:]:
-            node.children[t] = _Node(key)
+            node.children[t] = _Node(eid)
             node = node.children[t]
         passing = set()
         for n in path[1:]:
             passing.add(n.entry)
-            n.entry = key
+            n.entry = eid
         for old in passing:  # held sequences that `key` extends are now redundant
-            if old in self.entries and len(old) <= len(key) and key[:len(old)] == old:
+            seq = self._entries[old][0] if old in self._entries else None
+            if seq is not None and len(seq) <= len(key) and key[:len(seq)] == seq:
                 self._forget(old)
-        self.entries[key] = kv
+        self._entries[eid] = (key, kv)
         self.tokens += len(key)
         while self.tokens > self.max_tokens:
-            self.evict(next(iter(self.entries)))
+            self._evict(next(iter(self._entries)))
 
-    def _forget(self, key: tuple[int, ...]) -> None:
+    def _forget(self, eid: int) -> None:
         """Drop an entry whose ids a newer entry holds (its nodes stay, pointing at the newer one)."""
-        del self.entries[key]
-        self.tokens -= len(key)
+        seq, _ = self._entries.pop(eid)
+        self.tokens -= len(seq)
 
-    def evict(self, key: tuple[int, ...]) -> None:
+    def evict(self, ids: tuple[int, ...] | list[int]) -> None:
+        """Drop the entry holding exactly `ids`."""
+        path = self._walk(ids)
+        eid = path[-1].entry if len(path) - 1 == len(ids) else None
+        if eid is None or self._entries[eid][0] != tuple(ids):
+            raise KeyError(f"no cached sequence of {len(ids)} ids like that")
+        self._evict(eid)
+
+    def _evict(self, eid: int) -> None:
         """Drop an entry and the trie nodes only it used; nodes it shares point at another entry."""
-        self._forget(key)
+        key = self._entries[eid][0]
+        self._forget(eid)
         path = self._walk(key)
         for depth in range(len(path) - 1, 0, -1):
             node = path[depth]
-            if node.entry != key:
+            if node.entry != eid:
                 continue
             if node.children:
                 node.entry = next(iter(node.children.values())).entry
@@ -113,6 +131,6 @@ class PrefixCache:
                 del path[depth - 1].children[key[depth - 1]]
 
     def clear(self) -> None:
-        self.entries.clear()
+        self._entries.clear()
         self.root = _Node(None)
         self.tokens = 0
