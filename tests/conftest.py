@@ -17,11 +17,5 @@ def pytest_report_header(config):
     return f"rlx tests; RLX_NETNS={os.environ.get('RLX_NETNS', '0')} (1: inside a loopback-only namespace)"
 
 
-@pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory):
-    """The built-in tiny model, built once per test session in a private cache."""
-    cache = tmp_path_factory.mktemp("rlx-cache")
-    os.environ["RLX_CACHE"] = str(cache)  # engine subprocesses inherit it
-    from rlx.models.tiny import resolve_model_path
-
-    return resolve_model_path("builtin://tiny-qwen3")
+# tiny_model_path (the built-in tiny model in a private cache) comes from rlx's pytest plugin
+# (rlx.testing.pytest_plugin), which plugins' tests use too.

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """The built-in tiny model (``builtin://tiny-qwen3``), built once per test session in a private cache
+    (``RLX_CACHE`` points there, so engines started by the test build other built-ins there too)."""
+    cache = tmp_path_factory.mktemp("rlx-cache")
+    os.environ["RLX_CACHE"] = str(cache)  # engine subprocesses inherit it
+    from rlx.models.tiny import resolve_model_path
+
+    return resolve_model_path("builtin://tiny-qwen3")
 
 
 @pytest.fixture

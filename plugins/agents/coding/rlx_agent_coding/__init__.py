@@ -1,0 +1,181 @@
+"""Real coding-agent harnesses as rlx agents: Claude Code and Codex, unmodified, each run in a sandbox against
+rlx's adapter, rewarded by the task's own tests.
+
+``rollout.generator: {name: agent, args: {function: claude_code}}`` (or ``codex``) runs, for every sample:
+
+1. a sandbox (``rlx-agent-sandbox``): the task's files in a folder of their own (read-write, ``/task``), the
+   system's programs, this Python and the harness's install folder read-only, nothing else; the network reaches
+   only the adapter;
+2. the harness's CLI there, non-interactively (``claude -p`` / ``codex exec``) with its own prompts and tools,
+   pointed at the adapter (``ANTHROPIC_BASE_URL`` / a ``model_providers`` entry on the Responses API) with the
+   sample's key, so every model call it makes lands in the sample's session, token in, token out;
+3. the task's test command in the same folder afterwards: the reward is 1.0 if it passes, else 0.0.
+
+A task is a dataset row whose metadata holds ``files`` (path -> content: a small repository with a failing
+test) and ``test`` (a shell command run in its folder, e.g. ``python test_calc.py``); the row's prompt is what
+the harness is asked. The CLIs are installed once with ``rl-coding-harness install`` (npm, into
+``~/.cache/rlx/harness`` or ``$RLX_HARNESS_DIR``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import hookimpl
+from rlx.errors import RLXError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ClaudeCode", "Codex", "HarnessConfig", "harness_dir", "install", "main"]
+
+PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+
+
+def harness_dir() -> Path:
+    """Where the harness CLIs are installed (``$RLX_HARNESS_DIR``, default ``~/.cache/rlx/harness``)."""
+    return Path(os.environ.get("RLX_HARNESS_DIR", Path.home() / ".cache" / "rlx" / "harness")).expanduser()
+
+
+def cli_path(folder: Path, cli: str) -> Path | None:
+    """The installed CLI `cli` ("claude" or "codex") under `folder`, or None."""
+    p = folder / "node_modules" / ".bin" / cli
+    return p if p.exists() else None
+
+
+def install(folder: Path | None = None, clis: tuple[str, ...] = ("claude", "codex")) -> Path:
+    """npm-install the harness CLIs into `folder` (their own folder: nothing global); returns it."""
+    folder = folder or harness_dir()
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RLXError("installing the harnesses needs npm (Node.js 18 or newer): e.g. apt install nodejs npm")
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run([npm, "install", "--prefix", str(folder), "--no-audit", "--no-fund",
+                    *(PACKAGES[c] for c in clis)], check=True)
+    return folder
+
+
+class HarnessConfig(BaseModel):
+    """``rollout.generator.args.agent_args`` of the ``claude_code`` and ``codex`` agents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    harness_dir: str | None = None  # where `rl-coding-harness install` put the CLIs (None: harness_dir())
+    max_turns: int = Field(4, ge=1)  # model calls the harness may make for one task (Claude Code's --max-turns)
+    time_limit_s: float = Field(300, gt=0)  # the harness's whole run
+    test_time_limit_s: float = Field(60, gt=0)  # the task's tests
+    memory_mb: int = Field(4096, ge=256)  # address space of each process (Node reserves a lot of it)
+    isolate_files: bool = True  # False only where no mount namespace can be made (the harness then sees every file)
+
+
+class Harness:
+    """What both harnesses share: the sandbox, the task's files and tests, the reward."""
+
+    name = ""
+    cli = ""
+    Config = HarnessConfig
+
+    def __init__(self, config: HarnessConfig | None = None):
+        self.config = config or HarnessConfig()
+        self.folder = Path(self.config.harness_dir).expanduser() if self.config.harness_dir else harness_dir()
+        self.exe = cli_path(self.folder, self.cli)
+        if self.exe is None:
+            raise RLXError(f"agent {self.name!r}: the {self.cli} CLI is not installed in {self.folder}: run "
+                           f"`rl-coding-harness install` (npm install {PACKAGES[self.cli]} there)")
+
+    def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    async def run(self, base_url: str, api_key: str, task: dict[str, Any]) -> float:
+        """The agent: run the harness on the task, then its tests; the reward is 1.0 if they pass, else 0.0."""
+        ran, tests = await self.attempt(base_url, api_key, task)
+        if not ran.ok:
+            log.info("%s on task %s: %s; stderr: %s", self.name, task.get("sample_id"),
+                     "timed out" if ran.timed_out else f"exit {ran.returncode}", ran.stderr[-400:])
+        return 1.0 if tests.ok else 0.0
+
+    async def attempt(self, base_url: str, api_key: str, task: dict[str, Any]) -> tuple[Any, Any]:
+        """The harness's run and the tests' run on `task` (`rlx_agent_sandbox.Result` each)."""
+        from rlx_agent_sandbox import Sandbox
+
+        meta = task.get("metadata") or {}
+        files, test = meta.get("files"), meta.get("test")
+        if not isinstance(files, dict) or not files or not isinstance(test, str) or not test.strip():
+            raise RLXError(f"agent {self.name!r}: task {task.get('sample_id')} needs metadata.files (path -> "
+                           f"content) and metadata.test (a shell command), got keys {sorted(meta)}")
+        url = urlsplit(base_url)
+        c = self.config
+        async with Sandbox(time_limit_s=c.time_limit_s, memory_mb=c.memory_mb, isolate_files=c.isolate_files,
+                           toolchain=(str(self.folder),), reach=((url.hostname, url.port),),
+                           max_processes=512) as box:
+            for name, content in files.items():
+                box.write(name, content)
+            argv, env = self.command(task["prompt"], base_url, api_key)
+            ran = await box.run(argv, env={"HOME": "/tmp/home" if c.isolate_files else box.workdir, **env})
+            tests = await box.run(["sh", "-c", test], timeout_s=c.test_time_limit_s)
+        return ran, tests
+
+
+class ClaudeCode(Harness):
+    """Claude Code (``@anthropic-ai/claude-code``) through the Anthropic Messages adapter."""
+
+    name = "claude_code"
+    cli = "claude"
+
+    def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
+        argv = [str(self.exe), "-p", prompt, "--max-turns", str(self.config.max_turns), "--output-format", "json",
+                "--dangerously-skip-permissions"]  # the sandbox is the permission boundary
+        env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key, "IS_SANDBOX": "1",
+               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+        return argv, env
+
+
+class Codex(Harness):
+    """Codex CLI (``@openai/codex``) through the OpenAI Responses adapter, as a custom model provider."""
+
+    name = "codex"
+    cli = "codex"
+
+    def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
+        provider = (f'{{name="rlx", base_url="{base_url.rstrip("/")}/v1", env_key="RLX_API_KEY", '
+                    f'wire_api="responses"}}')
+        argv = [str(self.exe), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                "-c", "model=policy", "-c", "model_provider=rlx", "-c", f"model_providers.rlx={provider}", prompt]
+        return argv, {"RLX_API_KEY": api_key}
+
+
+@hookimpl
+def register_agents(register):
+    register(ClaudeCode)
+    register(Codex)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``rl-coding-harness install [--dir DIR] [claude] [codex]``: install the CLIs; ``rl-coding-harness where``:
+    print where they are."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("install", "where"):
+        print(main.__doc__)
+        return 2
+    folder = harness_dir()
+    if "--dir" in args:
+        i = args.index("--dir")
+        folder = Path(args[i + 1]).expanduser()
+        del args[i:i + 2]
+    if args[0] == "where":
+        for cli in PACKAGES:
+            print(f"{cli}: {cli_path(folder, cli) or 'not installed'}")
+        return 0
+    clis = tuple(a for a in args[1:] if a in PACKAGES) or tuple(PACKAGES)
+    install(folder, clis)
+    print(f"installed {', '.join(clis)} in {folder} ({' '.join(shlex.quote(str(cli_path(folder, c))) for c in clis)})")
+    return 0

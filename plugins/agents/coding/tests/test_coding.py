@@ -1,0 +1,190 @@
+"""The coding-agent harnesses: the sandbox, the adapter, the task's tests as reward.
+
+Fast tests put a stand-in CLI where `rl-coding-harness install` puts the real one: a Python program that speaks
+to the adapter through the official SDK (Anthropic Messages for ``claude``, OpenAI Responses for ``codex``) from
+inside the sandbox, and applies the fix the model "wrote". The integration tests run the real CLIs (installed by
+``scripts/setup`` where npm is available) against ``rl serve`` on the real engine.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+import pytest
+from rlx_agent_coding import ClaudeCode, Codex, HarnessConfig, cli_path, harness_dir
+
+from rlx.agent.server import AgentAdapter
+from rlx.config import SamplingConfig
+from rlx.errors import RLXError
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.engines.protocol import GenerateResult
+from rlx.testing.background import BackgroundLoop
+
+ROOT = Path(__file__).resolve().parents[4]
+TASK = {"prompt": "The test in test_calc.py fails. Fix calc.py.", "sample_id": 0,
+        "metadata": {"files": {"calc.py": "def add(a, b):\n    return a - b\n",
+                               "test_calc.py": "from calc import add\nassert add(2, 3) == 5\n"},
+                     "test": "python3 test_calc.py"}}
+FIX = "FIX calc.py\ndef add(a, b):\n    return a + b\n"
+
+STAND_IN = """#!{python}
+import json, os, re, sys
+args = sys.argv[1:]
+if "{cli}" == "claude":
+    import anthropic
+    assert args[0] == "-p" and "--max-turns" in args and os.environ["IS_SANDBOX"] == "1", args
+    client = anthropic.Anthropic(base_url=os.environ["ANTHROPIC_BASE_URL"], api_key=os.environ["ANTHROPIC_API_KEY"],
+                                 max_retries=0)
+    text = client.messages.create(model="claude", max_tokens=64,
+                                  messages=[{{"role": "user", "content": args[1]}}]).content[0].text
+else:
+    import openai
+    assert args[0] == "exec" and "model_provider=rlx" in args, args
+    provider = next(a for a in args if a.startswith("model_providers.rlx="))
+    base_url = re.search(r'base_url="([^"]+)"', provider).group(1)
+    client = openai.OpenAI(base_url=base_url, api_key=os.environ["RLX_API_KEY"], max_retries=0)
+    text = client.responses.create(model="policy", input=args[-1], max_output_tokens=64).output_text
+if text.startswith("FIX "):  # the "edit" the model asked for
+    name, content = text[4:].split("\\n", 1)
+    open(name, "w").write(content)
+print(json.dumps({{"result": text, "home": os.environ["HOME"], "cwd": os.getcwd()}}))
+"""
+
+
+class ScriptedEngine:
+    def __init__(self, tok):
+        self.tok, self.replies, self.sent = tok, deque(), []
+
+    async def generate(self, req, retries=0):
+        self.sent.append(list(req.input_ids))
+        ids = self.tok.encode(self.replies.popleft(), add_special_tokens=False) + [self.tok.eos_token_id]
+        return [GenerateResult(text="", output_ids=ids, output_logprobs=[-0.5] * len(ids), finish_reason="stop",
+                               matched_stop=None, weight_version="0", token_weight_versions=[], prompt_tokens=0,
+                               rid=req.rid, raw={})]
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    for cli in ("claude", "codex"):
+        exe = tmp_path / "harness" / "node_modules" / ".bin" / cli
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_text(STAND_IN.format(python=sys.executable, cli=cli))
+        exe.chmod(0o755)
+    return tmp_path / "harness"
+
+
+@pytest.fixture
+def adapter(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    engine = ScriptedEngine(tok)
+    a = AgentAdapter(GenerateContext(engine, tok, SamplingConfig(max_new_tokens=64)), api_key="k")
+    with BackgroundLoop(a.start, a.stop):
+        yield a, engine
+
+
+@pytest.mark.parametrize("harness", [ClaudeCode, Codex], ids=["claude_code", "codex"])
+def test_the_harness_edits_the_task_in_its_sandbox_and_the_tests_give_the_reward(stand_in, adapter, harness):
+    """The model's reply reaches the harness through the sandbox's one open address, the harness's edit reaches
+    the tests, and the call is the session's sample, token for token; a reply that fixes nothing scores 0."""
+    a, engine = adapter
+    agent = harness(HarnessConfig(harness_dir=str(stand_in), time_limit_s=60))
+    for reply, reward in ((FIX, 1.0), ("I cannot.", 0.0)):
+        engine.replies.append(reply)
+        session, key = a.open_session()
+        ran, tests = asyncio.run(agent.attempt(a.base_url, key, TASK))
+        assert ran.ok, ran.stderr[-2000:]
+        out = json.loads(ran.stdout)
+        assert out["result"] == reply and out["cwd"] == "/task" and out["home"] == "/tmp/home"
+        assert tests.ok == (reward == 1.0), tests.stderr
+        (sample,) = session.samples()
+        assert a.ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True) == reply
+        assert TASK["prompt"] in a.ctx.tokenizer.decode(sample.prompt_ids)
+        a.close_session(session)
+        engine.replies.append(reply)
+        assert asyncio.run(agent.run(a.base_url, a.open_session()[1], TASK)) == reward
+
+
+def test_a_missing_cli_and_a_task_without_files_or_tests_are_named_errors(stand_in, tmp_path):
+    with pytest.raises(RLXError, match=r"claude CLI is not installed in .*rl-coding-harness install"):
+        ClaudeCode(HarnessConfig(harness_dir=str(tmp_path / "nowhere")))
+    agent = Codex(HarnessConfig(harness_dir=str(stand_in)))
+    with pytest.raises(RLXError, match=r"needs metadata.files .* got keys \['files'\]"):
+        asyncio.run(agent.run("http://127.0.0.1:1", "k", {"prompt": "x", "metadata": {"files": {"a.py": ""}}}))
+
+
+def test_the_example_tasks_fail_as_given(tmp_path):
+    """Every task in examples/data/coding_tasks.jsonl is a failing test (so a reward of 1 means a fix)."""
+    rows = [json.loads(line) for line in (ROOT / "examples/data/coding_tasks.jsonl").read_text().splitlines()]
+    assert len(rows) >= 4
+    for i, row in enumerate(rows):
+        folder = tmp_path / str(i)
+        for name, content in row["metadata"]["files"].items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(content)
+        r = subprocess.run(["sh", "-c", row["metadata"]["test"]], cwd=folder, capture_output=True, text=True)
+        assert r.returncode != 0 and "AssertionError" in r.stderr, (i, r.stderr)
+
+
+# -- the real CLIs ---------------------------------------------------------------------------------
+
+
+def installed(cli):
+    path = cli_path(harness_dir(), cli)
+    if path is None:
+        pytest.skip(f"the {cli} CLI is not installed in {harness_dir()} (scripts/setup installs it where npm is "
+                    f"available: rl-coding-harness install)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path, tmp_path_factory):
+    """`rl serve` on builtin://tiny-qwen3-code (the harnesses' prompts are ~10-22k tokens)."""
+    from rlx.rollout.engines.launch import free_port
+    from rlx.testing.processes import processes_tagged, wait_gone
+
+    folder = tmp_path_factory.mktemp("serve")
+    cfg = folder / "serve.yaml"
+    cfg.write_text(f"run: {{name: policy, output_dir: {folder / 'out'}}}\nmodel: {{path: builtin://tiny-qwen3-code}}\n"
+                   "rollout:\n  engines: [{name: main}]\n")
+    tag, port = uuid.uuid4().hex, free_port()
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "serve", str(cfg), "--port", str(port),
+                          "--api-key", "k1", "--max-output-tokens", "16"], env={**os.environ, "RLX_TEST_TAG": tag},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line, deadline = "", time.monotonic() + 300
+        while "base_url" not in line:
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-3000:]
+            line = p.stdout.readline()
+        yield re.search(r"base_url (\S+)/v1", line).group(1)
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+        assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("harness,cli", [(ClaudeCode, "claude"), (Codex, "codex")], ids=["claude_code", "codex"])
+def test_the_real_cli_finishes_a_task_against_rl_serve(served, harness, cli):
+    """The unmodified CLI, in the sandbox, sends its own prompt and tools to `rl serve` and exits 0 with the
+    policy's answer; the task's tests then run (the random tiny model fixes nothing: they fail)."""
+    installed(cli)
+    agent = harness(HarnessConfig(max_turns=2, time_limit_s=240))
+    ran, tests = asyncio.run(agent.attempt(served, "k1", TASK))
+    assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
+    if cli == "claude":
+        out = json.loads(ran.stdout)
+        assert out["is_error"] is False and out["num_turns"] >= 1 and out["usage"]["output_tokens"] >= 1, out
+        assert out["usage"]["input_tokens"] + out["usage"]["cache_read_input_tokens"] > 5000  # its real prompt
+    else:
+        assert "tokens used" in ran.stderr, ran.stderr[-2000:]
+    assert not tests.ok and "AssertionError" in tests.stderr
