@@ -342,6 +342,23 @@ def test_a_prompt_past_the_context_gets_each_apis_own_error_and_unset_limits_run
         adapter.ctx.context_length = None
 
 
+def test_sessions_are_managed_with_the_adapters_key_only(server):
+    """POST /rlx/sessions gives a session and its key; that key talks to the model, but cannot make sessions or
+    read any (a harness holds it, and so does the code the policy writes)."""
+    adapter, engine, tok = server
+    r = requests.post(adapter.base_url + "/rlx/sessions", headers={"Authorization": "Bearer test-key"})
+    assert r.status_code == 200
+    sid, key = r.json()["session_id"], r.json()["api_key"]
+    say(engine, tok, "ok")
+    oa(server, key=key).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    for method, path in (("post", "/rlx/sessions"), ("get", f"/rlx/sessions/{sid}")):
+        r = getattr(requests, method)(adapter.base_url + path, headers={"x-api-key": key})
+        assert r.status_code == 403 and "cannot manage sessions" in r.text, (path, r.text)
+    r = requests.get(adapter.base_url + f"/rlx/sessions/{sid}", headers={"Authorization": "Bearer test-key"})
+    assert r.status_code == 200 and len(r.json()["turns"]) == 1 and len(r.json()["samples"]) == 1
+    adapter.close_session(adapter.sessions[sid])
+
+
 def test_a_maximum_output_bounds_every_call_as_training_sets_it(server):
     """Training serves harnesses that ask for tens of thousands of tokens a call: the adapter's maximum output
     (rollout.sampling.max_new_tokens) lowers a larger or unset max_tokens, and leaves a smaller one. A reply cut

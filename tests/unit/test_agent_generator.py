@@ -35,8 +35,9 @@ def test_functions_load_from_files_and_registered_agents(tmp_path, monkeypatch):
     assert load_function("echo_agent").__qualname__.endswith("Registered.run")
 
 
-def test_the_policys_maximum_output_per_call_is_the_rollouts_max_new_tokens(tmp_path, tiny_model_path):
-    """What a harness asks per call (Claude Code: 32,000 tokens) is bounded by rollout.sampling.max_new_tokens."""
+def test_each_sample_calls_with_its_own_context_and_maximum_output(tmp_path, tiny_model_path):
+    """What a harness asks per call (Claude Code: 32,000 tokens) is bounded by the max_new_tokens of the context
+    the sample was generated in (training, or each evaluation dataset's own), and that context generates."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -44,18 +45,40 @@ def test_the_policys_maximum_output_per_call_is_the_rollouts_max_new_tokens(tmp_
     from rlx.builtins.agents import AgentArgs, AgentGenerator
     from rlx.config import SamplingConfig
     from rlx.rollout.context import GenerateContext
+    from rlx.types import Sample
+
+    seen = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        async def generate(self, req, retries=0):
+            from rlx.rollout.engines.protocol import GenerateResult
+
+            seen.append((self.name, req.sampling_params["max_new_tokens"], req.sampling_params["temperature"]))
+            return [GenerateResult(text="", output_ids=[5, 6], output_logprobs=[-1.0] * 2, finish_reason="length",
+                                   matched_stop=None, weight_version="0", token_weight_versions=[], prompt_tokens=0,
+                                   rid=req.rid, raw={})]
 
     f = tmp_path / "a.py"
-    f.write_text("async def agent(base_url, api_key, task):\n    return 1.0\n")
+    f.write_text("import anthropic\n\nasync def agent(base_url, api_key, task):\n"
+                 "    c = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0)\n"
+                 "    await c.messages.create(model='m', max_tokens=9000, messages=[{'role': 'user', 'content': 'hi'}])\n"
+                 "    return 1.0\n")
     gen = AgentGenerator(AgentArgs(function=f"{f}:agent"))
-    ctx = GenerateContext(None, AutoTokenizer.from_pretrained(tiny_model_path), SamplingConfig(max_new_tokens=48))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    train = GenerateContext(Engine("train"), tok, SamplingConfig(max_new_tokens=48, temperature=1.0))
+    evals = GenerateContext(Engine("eval"), tok, SamplingConfig(max_new_tokens=12, temperature=0.0))
 
-    async def adapter():
-        a = await gen._adapter(ctx)
-        await a.stop()
-        return a
+    async def run():
+        for ctx in (train, evals, train):
+            out = await gen.generate(ctx, Sample([1], [], sample_id=0))
+            assert out[0].reward == 1.0, out[0].error
+        await gen.adapter.stop()
 
-    assert asyncio.run(adapter()).max_output_tokens == 48
+    asyncio.run(run())
+    assert seen == [("train", 48, 1.0), ("eval", 12, 0.0), ("train", 48, 1.0)]
 
 
 def test_a_registered_agent_gets_its_agent_args_checked_against_its_config(monkeypatch, tmp_path):

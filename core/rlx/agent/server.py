@@ -68,10 +68,14 @@ class AgentAdapter:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None = None) -> tuple[Session, str]:
-        """A new session and the API key that routes requests to it."""
+    def open_session(self, session_id: str | None = None, ctx: GenerateContext | None = None,
+                     max_output_tokens: int | None = None) -> tuple[Session, str]:
+        """A new session and the API key that routes requests to it. `ctx` and `max_output_tokens`: the
+        generation context and maximum output of this session's calls (default: the adapter's), e.g. an
+        evaluation dataset's sampling."""
         sid = session_id or uuid.uuid4().hex
         session = self.sessions[sid] = Session(sid, self.renderer, self.compare)
+        session.ctx, session.max_output_tokens = ctx, max_output_tokens
         key = f"rlx-s-{secrets.token_hex(16)}"
         self.keys[key] = sid
         return session, key
@@ -157,9 +161,10 @@ class AgentAdapter:
             else:
                 req = wire.parse_messages(body)
             session = session or self._session(request, req)
+            ctx = session.ctx or self.ctx
             chain, ids, turn = session.prepare(req.messages, req.tools)
-            overrides: dict[str, Any] = {"stop": list(self.ctx.sampling.stop) + req.stop}
-            context = self.ctx.context_length
+            overrides: dict[str, Any] = {"stop": list(ctx.sampling.stop) + req.stop}
+            context = ctx.context_length
             room = None if context is None else context - len(ids) - 1  # what the engine takes (GenerateContext)
             if room is not None and room < 1:  # the chain ends here, truncated (as a sample that grew to the limit)
                 session.record(chain, turn, GenerateResult(
@@ -169,7 +174,7 @@ class AgentAdapter:
                 raise wire.too_long(api, len(ids), context)
             # more than fits is cut to fit (by GenerateContext.generate); unset: up to the context, as the APIs do
             want = req.max_tokens if req.max_tokens is not None else room
-            cap = self.max_output_tokens
+            cap = session.max_output_tokens or self.max_output_tokens
             capped = cap is not None and (want is None or want > cap)
             if capped:
                 want = cap
@@ -181,9 +186,9 @@ class AgentAdapter:
                 overrides["top_p"] = float(req.top_p)
             t_engine = time.perf_counter()
             rid = f"{session.id}-{uuid.uuid4().hex[:8]}"
-            res = await self.ctx.generate(ids, self.ctx.sampling_params(**overrides), rid)
+            res = await ctx.generate(ids, ctx.sampling_params(**overrides), rid)
             engine_s = time.perf_counter() - t_engine
-            text = self.ctx.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            text = ctx.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             matched = res.matched_stop if isinstance(res.matched_stop, str) else None
             if res.finish_reason == "stop" and matched and matched in text:
                 text = text[:text.find(matched)]
@@ -247,9 +252,16 @@ class AgentAdapter:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlx",
              "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}]})
 
+    def _admin(self, request: web.Request) -> None:
+        """Session management takes the adapter's own key: a session's key (which a harness, and the code it
+        runs, holds) only talks to the model."""
+        if self._auth(request) is not None:
+            raise wire.WireError(403, "a session's key cannot manage sessions: use the adapter's API key",
+                                 "permission_error")
+
     async def new_session(self, request: web.Request) -> web.Response:
         try:
-            self._auth(request)
+            self._admin(request)
         except wire.WireError as e:
             return web.json_response(wire.error_body("chat", e), status=e.status)
         session, key = self.open_session()
@@ -257,7 +269,7 @@ class AgentAdapter:
 
     async def get_session(self, request: web.Request) -> web.Response:
         try:
-            self._auth(request)
+            self._admin(request)
         except wire.WireError as e:
             return web.json_response(wire.error_body("chat", e), status=e.status)
         s = self.sessions.get(request.match_info["sid"])

@@ -122,6 +122,8 @@ class Session:
         self.compare = compare
         self.chains: list[Chain] = []
         self.turns: list[Turn] = []
+        self.ctx: Any = None  # the generation context of its calls (None: the adapter's)
+        self.max_output_tokens: int | None = None  # the most one call generates (None: the adapter's)
 
     def prepare(self, messages: list[dict], tools: list | None) -> tuple[int, list[int], Turn]:
         """Choose or start the chain for this request; returns (chain index, input ids, the turn)."""

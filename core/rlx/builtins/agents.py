@@ -101,14 +101,15 @@ class AgentGenerator:
             if self.adapter is None:
                 from rlx.agent.server import AgentAdapter
 
-                self.adapter = AgentAdapter(ctx, parser=self.config.parser, compare=self.config.compare,
-                                            max_output_tokens=ctx.sampling.max_new_tokens)
+                self.adapter = AgentAdapter(ctx, parser=self.config.parser, compare=self.config.compare)
                 await self.adapter.start()
         return self.adapter
 
     async def generate(self, ctx, sample: Sample) -> list[Sample]:
         adapter = await self._adapter(ctx)
-        session, key = adapter.open_session(f"sample-{sample.sample_id}-{id(sample):x}")
+        # this call's context (training, or an evaluation dataset's sampling) and its maximum output per call
+        session, key = adapter.open_session(f"sample-{sample.sample_id}-{id(sample):x}", ctx=ctx,
+                                            max_output_tokens=ctx.sampling.max_new_tokens)
         task = {"prompt": sample.prompt_text, "label": sample.label, "metadata": dict(sample.metadata),
                 "sample_id": sample.sample_id}
         try:
