@@ -6,6 +6,7 @@ and libraries and this Python read-only, nothing else; ``isolate_files``)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -89,6 +90,19 @@ def toolchain_paths(extra: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+async def _pipe(r, w):
+    """Copy one direction of a connection until its end. The host side of `reach` runs it, and so does the
+    forwarder inside the namespace (its source is part of the forwarder's)."""
+    try:
+        while data := await r.read(1 << 16):
+            w.write(data)
+            await w.drain()
+    except OSError:
+        pass
+    finally:
+        w.close()
+
+
 # Runs inside the sandbox's network namespace (before any chroot, with this Python): brings loopback up and
 # listens on each allowed address there, passing every connection through a Unix socket to the host side
 # (`Sandbox._bridge`), which connects to the same address on the host. Dies with the sandbox's command.
@@ -100,17 +114,7 @@ flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 
 fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))  # SIOCSIFFLAGS: IFF_UP
 s.close()
 spec, ready = json.loads(sys.argv[1]), sys.argv[2]
-
-async def pipe(r, w):
-    try:
-        while data := await r.read(1 << 16):
-            w.write(data)
-            await w.drain()
-    except OSError:
-        pass
-    finally:
-        w.close()
-
+""" + inspect.getsource(_pipe) + r"""
 async def main():
     for host, port, path in spec:
         async def handle(r, w, path=path):
@@ -119,7 +123,7 @@ async def main():
             except OSError:
                 w.close()
                 return
-            await asyncio.gather(pipe(r, uw), pipe(ur, w))
+            await asyncio.gather(_pipe(r, uw), _pipe(ur, w))
         await asyncio.start_server(handle, host, port)
     open(ready, "w").close()
     await asyncio.Event().wait()
@@ -222,16 +226,6 @@ class Sandbox:
         if self._net_dir is None:
             self._net_dir = Path(tempfile.mkdtemp(prefix="rlx-sandbox-net-"))
 
-            async def pipe(r, w):
-                try:
-                    while data := await r.read(1 << 16):
-                        w.write(data)
-                        await w.drain()
-                except OSError:
-                    pass
-                finally:
-                    w.close()
-
             for i, (host, port) in enumerate(self.reach):
                 async def handle(r, w, host=host, port=port):
                     try:
@@ -239,7 +233,7 @@ class Sandbox:
                     except OSError:
                         w.close()
                         return
-                    await asyncio.gather(pipe(r, tw), pipe(tr, w))
+                    await asyncio.gather(_pipe(r, tw), _pipe(tr, w))
 
                 self._bridges.append(await asyncio.start_unix_server(handle, str(self._net_dir / f"{i}.sock")))
         return [(h, p, str(self._net_dir / f"{i}.sock")) for i, (h, p) in enumerate(self.reach)]
@@ -323,15 +317,23 @@ class Sandbox:
             out, err = await asyncio.wait_for(proc.communicate((stdin or "").encode()), limit)
             timed_out = False
         except asyncio.TimeoutError:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
             out, err = await proc.communicate()
             timed_out = True
+        except BaseException:  # cancelled (the caller's own time limit, a stopped rollout): nothing outlives it
+            _kill_group(proc.pid)
+            await asyncio.shield(proc.wait())
+            raise
         cap = self.max_output_bytes
         return Result(None if timed_out else proc.returncode, out[:cap].decode(errors="replace"),
                       err[:cap].decode(errors="replace"), timed_out, time.monotonic() - t0)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 # -- the test-based reward -------------------------------------------------------------------------

@@ -38,6 +38,24 @@ def test_the_time_limit_kills_the_whole_process_group():
     assert r.timed_out and r.returncode is None and r.seconds < 5
 
 
+def test_a_cancelled_run_leaves_no_process_behind():
+    """The caller's own time limit (the agent generator's) cancels a run: the command and its children go."""
+    import os
+    import subprocess
+    import uuid
+
+    marker = f"{30 + uuid.uuid4().int % 1000 / 1000:.3f}"  # a sleep no other process runs
+
+    async def go():
+        async with Sandbox(time_limit_s=60) as box:
+            await asyncio.wait_for(box.run(["sh", "-c", f"sleep {marker} & sleep {marker}"]), 1.0)
+
+    with pytest.raises(asyncio.TimeoutError):
+        run(go())
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout.split()
+    assert [p for p in left if int(p) != os.getpid()] == []
+
+
 def test_the_memory_limit_stops_a_big_allocation():
     async def go():
         async with Sandbox(memory_mb=256) as box:
