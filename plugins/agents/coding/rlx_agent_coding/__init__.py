@@ -9,16 +9,22 @@ rlx's adapter, rewarded by the task's own tests.
 2. the harness's CLI there, non-interactively (``claude -p`` / ``codex exec``) with its own prompts and tools,
    pointed at the adapter (``ANTHROPIC_BASE_URL`` / a ``model_providers`` entry on the Responses API) with the
    sample's key, so every model call it makes lands in the sample's session, token in, token out;
-3. the task's test command in the same folder afterwards: the reward is 1.0 if it passes, else 0.0.
+3. the task's test command in the same folder afterwards, with the task's test files written back as they were
+   (a harness that edits the test instead of the code gains nothing): the reward is 1.0 if it passes, else 0.0.
+   The code under test runs in the test's own process, so a policy that learns to end that process early with
+   status 0 would pass: graders that must resist that run the tests in a harness of their own.
 
 A task is a dataset row whose metadata holds ``files`` (path -> content: a small repository with a failing
-test) and ``test`` (a shell command run in its folder, e.g. ``python test_calc.py``); the row's prompt is what
-the harness is asked. The CLIs are installed once with ``rl-coding-harness install`` (npm, into
+test), ``test`` (a shell command run in its folder, e.g. ``python test_calc.py``) and optionally
+``test_files`` (which of ``files`` are the tests; default: ``test_*.py``, ``*_test.py`` and anything under a
+``tests/`` folder); the row's prompt is what the harness is asked. The CLIs are installed once with ``rl-coding-harness install`` (npm, into
 ``~/.cache/rlx/harness`` or ``$RLX_HARNESS_DIR``).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import logging
 import os
 import shlex
@@ -36,7 +42,7 @@ from rlx.errors import RLXError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClaudeCode", "Codex", "HarnessConfig", "harness_dir", "install", "main"]
+__all__ = ["ClaudeCode", "ClaudeCodeConfig", "Codex", "HarnessConfig", "harness_dir", "install", "main"]
 
 PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
 
@@ -64,17 +70,30 @@ def install(folder: Path | None = None, clis: tuple[str, ...] = ("claude", "code
     return folder
 
 
+def test_files(meta: dict[str, Any]) -> list[str]:
+    """The task's test files: ``metadata.test_files``, or the files named like tests."""
+    if "test_files" in meta:
+        return list(meta["test_files"])
+    return [name for name in meta["files"] if fnmatch.fnmatch(os.path.basename(name), "test_*.py")
+            or fnmatch.fnmatch(os.path.basename(name), "*_test.py") or "tests" in Path(name).parts[:-1]]
+
+
 class HarnessConfig(BaseModel):
-    """``rollout.generator.args.agent_args`` of the ``claude_code`` and ``codex`` agents."""
+    """``rollout.generator.args.agent_args`` of the ``codex`` agent (and the base of ``claude_code``'s)."""
 
     model_config = ConfigDict(extra="forbid")
 
     harness_dir: str | None = None  # where `rl-coding-harness install` put the CLIs (None: harness_dir())
-    max_turns: int = Field(4, ge=1)  # model calls the harness may make for one task (Claude Code's --max-turns)
-    time_limit_s: float = Field(300, gt=0)  # the harness's whole run
+    time_limit_s: float = Field(300, gt=0)  # the harness's whole run (Codex has no turn limit of its own)
     test_time_limit_s: float = Field(60, gt=0)  # the task's tests
     memory_mb: int = Field(4096, ge=256)  # address space of each process (Node reserves a lot of it)
     isolate_files: bool = True  # False only where no mount namespace can be made (the harness then sees every file)
+
+
+class ClaudeCodeConfig(HarnessConfig):
+    """``rollout.generator.args.agent_args`` of the ``claude_code`` agent."""
+
+    max_turns: int = Field(4, ge=1)  # model calls Claude Code may make for one task (its --max-turns)
 
 
 class Harness:
@@ -99,8 +118,8 @@ class Harness:
         """The agent: run the harness on the task, then its tests; the reward is 1.0 if they pass, else 0.0."""
         ran, tests = await self.attempt(base_url, api_key, task)
         if not ran.ok:
-            log.info("%s on task %s: %s; stderr: %s", self.name, task.get("sample_id"),
-                     "timed out" if ran.timed_out else f"exit {ran.returncode}", ran.stderr[-400:])
+            log.warning("%s on task %s: %s; stderr: %s", self.name, task.get("sample_id"),
+                        "timed out" if ran.timed_out else f"exit {ran.returncode}", ran.stderr[-400:])
         return 1.0 if tests.ok else 0.0
 
     async def attempt(self, base_url: str, api_key: str, task: dict[str, Any]) -> tuple[Any, Any]:
@@ -112,6 +131,10 @@ class Harness:
         if not isinstance(files, dict) or not files or not isinstance(test, str) or not test.strip():
             raise RLXError(f"agent {self.name!r}: task {task.get('sample_id')} needs metadata.files (path -> "
                            f"content) and metadata.test (a shell command), got keys {sorted(meta)}")
+        protected = test_files(meta)
+        if unknown := [name for name in protected if name not in files]:
+            raise RLXError(f"agent {self.name!r}: task {task.get('sample_id')}: metadata.test_files names "
+                           f"{unknown}, which are not in metadata.files")
         url = urlsplit(base_url)
         c = self.config
         async with Sandbox(time_limit_s=c.time_limit_s, memory_mb=c.memory_mb, isolate_files=c.isolate_files,
@@ -121,6 +144,9 @@ class Harness:
                 box.write(name, content)
             argv, env = self.command(task["prompt"], base_url, api_key)
             ran = await box.run(argv, env={"HOME": "/tmp/home" if c.isolate_files else box.workdir, **env})
+            for name in protected:  # the tests as the task wrote them, whatever the harness did to them
+                box.path(name).unlink(missing_ok=True)  # a link the harness put there is replaced, not followed
+                box.write(name, files[name])
             tests = await box.run(["sh", "-c", test], timeout_s=c.test_time_limit_s)
         return ran, tests
 
@@ -130,10 +156,15 @@ class ClaudeCode(Harness):
 
     name = "claude_code"
     cli = "claude"
+    Config = ClaudeCodeConfig
+
+    def __init__(self, config: ClaudeCodeConfig | None = None):
+        super().__init__(config or ClaudeCodeConfig())
 
     def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
-        argv = [str(self.exe), "-p", prompt, "--max-turns", str(self.config.max_turns), "--output-format", "json",
-                "--dangerously-skip-permissions"]  # the sandbox is the permission boundary
+        argv = [str(self.exe), "-p", "--max-turns", str(self.config.max_turns), "--output-format", "json",
+                "--dangerously-skip-permissions",  # the sandbox is the permission boundary
+                "--", prompt]  # a prompt that starts with "-" is still the prompt
         env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key, "IS_SANDBOX": "1",
                "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
         return argv, env
@@ -146,10 +177,11 @@ class Codex(Harness):
     cli = "codex"
 
     def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
-        provider = (f'{{name="rlx", base_url="{base_url.rstrip("/")}/v1", env_key="RLX_API_KEY", '
-                    f'wire_api="responses"}}')
+        url = json.dumps(base_url.rstrip("/") + "/v1")  # a TOML basic string
+        provider = f'{{name="rlx", base_url={url}, env_key="RLX_API_KEY", wire_api="responses"}}'
         argv = [str(self.exe), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                "-c", "model=policy", "-c", "model_provider=rlx", "-c", f"model_providers.rlx={provider}", prompt]
+                "-c", "model=policy", "-c", "model_provider=rlx", "-c", f"model_providers.rlx={provider}",
+                "--", prompt]
         return argv, {"RLX_API_KEY": api_key}
 
 
@@ -169,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = harness_dir()
     if "--dir" in args:
         i = args.index("--dir")
+        if i + 1 >= len(args):
+            print("--dir needs a folder")
+            return 2
         folder = Path(args[i + 1]).expanduser()
         del args[i:i + 2]
     if args[0] == "where":

@@ -19,7 +19,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
-from rlx_agent_coding import ClaudeCode, Codex, HarnessConfig, cli_path, harness_dir
+from rlx_agent_coding import ClaudeCode, Codex, cli_path, harness_dir
 
 from rlx.agent.server import AgentAdapter
 from rlx.config import SamplingConfig
@@ -34,20 +34,21 @@ TASK = {"prompt": "The test in test_calc.py fails. Fix calc.py.", "sample_id": 0
                                "test_calc.py": "from calc import add\nassert add(2, 3) == 5\n"},
                      "test": "python3 test_calc.py"}}
 FIX = "FIX calc.py\ndef add(a, b):\n    return a + b\n"
+CHEAT = "FIX test_calc.py\nprint('ok')\n"  # "passes" by rewriting the test
 
 STAND_IN = """#!{python}
 import json, os, re, sys
 args = sys.argv[1:]
 if "{cli}" == "claude":
     import anthropic
-    assert args[0] == "-p" and "--max-turns" in args and os.environ["IS_SANDBOX"] == "1", args
+    assert args[0] == "-p" and "--max-turns" in args and args[-2] == "--" and os.environ["IS_SANDBOX"] == "1", args
     client = anthropic.Anthropic(base_url=os.environ["ANTHROPIC_BASE_URL"], api_key=os.environ["ANTHROPIC_API_KEY"],
                                  max_retries=0)
     text = client.messages.create(model="claude", max_tokens=64,
-                                  messages=[{{"role": "user", "content": args[1]}}]).content[0].text
+                                  messages=[{{"role": "user", "content": args[-1]}}]).content[0].text
 else:
     import openai
-    assert args[0] == "exec" and "model_provider=rlx" in args, args
+    assert args[0] == "exec" and "model_provider=rlx" in args and args[-2] == "--", args
     provider = next(a for a in args if a.startswith("model_providers.rlx="))
     base_url = re.search(r'base_url="([^"]+)"', provider).group(1)
     client = openai.OpenAI(base_url=base_url, api_key=os.environ["RLX_API_KEY"], max_retries=0)
@@ -95,10 +96,11 @@ def adapter(tiny_model_path):
 @pytest.mark.parametrize("harness", [ClaudeCode, Codex], ids=["claude_code", "codex"])
 def test_the_harness_edits_the_task_in_its_sandbox_and_the_tests_give_the_reward(stand_in, adapter, harness):
     """The model's reply reaches the harness through the sandbox's one open address, the harness's edit reaches
-    the tests, and the call is the session's sample, token for token; a reply that fixes nothing scores 0."""
+    the tests, and the call is the session's sample, token for token; a reply that fixes nothing scores 0, and
+    so does one that rewrites the test (the task's tests are written back before they run)."""
     a, engine = adapter
-    agent = harness(HarnessConfig(harness_dir=str(stand_in), time_limit_s=60))
-    for reply, reward in ((FIX, 1.0), ("I cannot.", 0.0)):
+    agent = harness(harness.Config(harness_dir=str(stand_in), time_limit_s=60))
+    for reply, reward in ((FIX, 1.0), ("I cannot.", 0.0), (CHEAT, 0.0)):
         engine.replies.append(reply)
         session, key = a.open_session()
         ran, tests = asyncio.run(agent.attempt(a.base_url, key, TASK))
@@ -110,16 +112,29 @@ def test_the_harness_edits_the_task_in_its_sandbox_and_the_tests_give_the_reward
         assert a.ctx.tokenizer.decode(sample.response_ids, skip_special_tokens=True) == reply
         assert TASK["prompt"] in a.ctx.tokenizer.decode(sample.prompt_ids)
         a.close_session(session)
-        engine.replies.append(reply)
-        assert asyncio.run(agent.run(a.base_url, a.open_session()[1], TASK)) == reward
+    engine.replies.append(FIX)  # the agent itself: the reward
+    assert asyncio.run(agent.run(a.base_url, a.open_session()[1], TASK)) == 1.0
 
 
 def test_a_missing_cli_and_a_task_without_files_or_tests_are_named_errors(stand_in, tmp_path):
     with pytest.raises(RLXError, match=r"claude CLI is not installed in .*rl-coding-harness install"):
-        ClaudeCode(HarnessConfig(harness_dir=str(tmp_path / "nowhere")))
-    agent = Codex(HarnessConfig(harness_dir=str(stand_in)))
+        ClaudeCode(ClaudeCode.Config(harness_dir=str(tmp_path / "nowhere")))
+    agent = Codex(Codex.Config(harness_dir=str(stand_in)))
     with pytest.raises(RLXError, match=r"needs metadata.files .* got keys \['files'\]"):
         asyncio.run(agent.run("http://127.0.0.1:1", "k", {"prompt": "x", "metadata": {"files": {"a.py": ""}}}))
+    with pytest.raises(RLXError, match=r"test_files names \['t.py'\], which are not in metadata.files"):
+        asyncio.run(agent.run("http://127.0.0.1:1", "k", {"prompt": "x", "metadata": {
+            "files": {"a.py": ""}, "test": "true", "test_files": ["t.py"]}}))
+    with pytest.raises(Exception, match="max_turns"):  # Codex has no turn limit: the option is not accepted
+        Codex.Config(max_turns=2)
+
+
+def test_test_files_are_named_or_found_by_name():
+    from rlx_agent_coding import test_files
+
+    files = {"calc.py": "", "test_calc.py": "", "pkg/x_test.py": "", "tests/helpers.py": "", "testing.py": ""}
+    assert test_files({"files": files}) == ["test_calc.py", "pkg/x_test.py", "tests/helpers.py"]
+    assert test_files({"files": files, "test_files": ["testing.py"]}) == ["testing.py"]
 
 
 def test_the_example_tasks_fail_as_given(tmp_path):
@@ -178,7 +193,7 @@ def test_the_real_cli_finishes_a_task_against_rl_serve(served, harness, cli):
     """The unmodified CLI, in the sandbox, sends its own prompt and tools to `rl serve` and exits 0 with the
     policy's answer; the task's tests then run (the random tiny model fixes nothing: they fail)."""
     installed(cli)
-    agent = harness(HarnessConfig(max_turns=2, time_limit_s=240))
+    agent = harness(harness.Config(time_limit_s=240))
     ran, tests = asyncio.run(agent.attempt(served, "k1", TASK))
     assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
     if cli == "claude":
