@@ -19,7 +19,11 @@ def code_model(tiny_model_path):  # tiny_model_path points RLX_CACHE at this ses
 
 
 def test_its_folder_names_the_python_whose_library_trained_the_tokenizer(code_model):
-    assert Path(code_model).name.endswith(f"-py{sys.version_info[0]}{sys.version_info[1]}")
+    from rlx.models.tiny import stdlib_fingerprint
+
+    fingerprint = stdlib_fingerprint()
+    assert Path(code_model).name.endswith(f"-py{sys.version_info[0]}{sys.version_info[1]}-{fingerprint}")
+    assert len(fingerprint) == 8 and fingerprint == stdlib_fingerprint()
     config = json.loads((Path(code_model) / "config.json").read_text())
     assert config["max_position_embeddings"] == 131072 and config["vocab_size"] == 16384
 

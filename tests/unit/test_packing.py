@@ -45,8 +45,9 @@ def test_per_token_broadcasts_scalars_and_keeps_lists():
 
 
 def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_gradients():
-    """Ragged rows, one-token samples, a padded tail, grouped keys: each block alone (causal, no mask tensor)
-    gives what one masked attention over the row gives, forward and backward, pads included."""
+    """Ragged rows, one-token samples, a padded tail: each block alone (causal, no mask tensor) gives what one
+    masked attention over the row gives, forward and backward, pads included (grouped keys and the model
+    around it: the logits and parallel-parity tests)."""
     import pytest
     import torch.nn.functional as F
 
@@ -66,3 +67,7 @@ def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_grad
     assert not torch.allclose(block_causal_attention(q, k, v, BlockCausal([[9], [6], [9]], 9), 0.3), want)
     with pytest.raises(ValueError, match="row 1"):
         BlockCausal([[4], [5, 5]], width=9)
+    with pytest.raises(ValueError, match="no tokens"):
+        BlockCausal([[4, 0]], width=9)
+    with pytest.raises(ValueError, match="3 rows x 8 positions for a mask of 3 rows x 9"):
+        block_causal_attention(q[:, :, :8], k, v, mask, scale=0.3)

@@ -156,7 +156,7 @@ def test_a_memory_budget_holds_as_many_tokens_as_the_models_kv_fits(engine_parts
         generate(s, [Request(list(range(3, 15)), SamplingParams(**params))])
         assert s.prefix.max_tokens == 20 and 0 < s.prefix.tokens <= 20
         generate(s, [Request(list(range(30, 45)), SamplingParams(**params))])  # 15 + 2 more: the first goes
-        assert s.prefix.tokens <= 20 and all(k[0] == 30 for k in s.prefix.entries)
+        assert 0 < s.prefix.tokens <= 20 and s.prefix.entries and all(k[0] == 30 for k in s.prefix.entries)
     finally:
         s.shutdown()
 

@@ -12,7 +12,7 @@ CPU can train in minutes, not one that knows anything.
   of characters of English instructions and JSON tool schemas: a 16,384-token vocabulary trained on this
   Python's standard library sources (code, docstrings and comments; about 4 characters per token on code
   and JSON) and 131,072 tokens of context. The corpus is the running Python's, so the folder name carries
-  the Python version; every host of a run must use the same one (one image).
+  the Python version and a fingerprint of its library; every host of a run must use the same one (one image).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def resolve_model_path(path: str) -> str:
         raise RLXError(f"unknown built-in model {path!r}; built-ins: {known} (model plugins add their "
                        f"families' tiny models)")
     recipe = VERSION if name not in plugged else f"{VERSION}-{plugged[name].dist.version if plugged[name].dist else 0}"
-    if name in STDLIB_TOKENIZER:
-        recipe += f"-py{sys.version_info[0]}{sys.version_info[1]}"
+    if name in STDLIB_TOKENIZER:  # another library (a patch release, a distribution's) trains another vocabulary
+        recipe += f"-py{sys.version_info[0]}{sys.version_info[1]}-{stdlib_fingerprint()}"
     target = cache_root() / f"{name}-v{recipe}"
     if (target / "config.json").exists():
         return str(target)
@@ -141,6 +141,18 @@ def stdlib_corpus() -> list[Path]:
         raise RLXError(f"the Python standard library at {root} has too few sources ({len(files)} .py files) to train "
                        f"the code tokenizer on; this Python may ship its library compiled only")
     return files
+
+
+def stdlib_fingerprint() -> str:
+    """8 hex digits naming the standard library sources (their paths and sizes) the code tokenizer trains on."""
+    import hashlib
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    h = hashlib.sha256()
+    for p in stdlib_corpus():
+        h.update(f"{p.relative_to(root)}:{p.stat().st_size}\n".encode())
+    return h.hexdigest()[:8]
 
 
 def build_tokenizer(vocab_size: int = 512, texts=None):

@@ -33,6 +33,13 @@ class SDPACoreAttention(MegatronModule):
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, **kwargs: Any):
         super().__init__(config=config)
+        unsupported = {"window_size": getattr(config, "window_size", None) is not None,
+                       "softmax_type": getattr(config, "softmax_type", "vanilla") != "vanilla",
+                       "apply_query_key_layer_scaling": bool(getattr(config, "apply_query_key_layer_scaling", False)),
+                       "context_parallel_size": getattr(config, "context_parallel_size", 1) > 1}
+        if any(unsupported.values()):
+            raise ValueError(f"SDPACoreAttention (rlx's core attention) does not implement the model config's "
+                             f"{', '.join(k for k, on in unsupported.items() if on)}")
         self.attn_mask_type = attn_mask_type
         k = k_channels if k_channels is not None else config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)

@@ -23,7 +23,9 @@ class BlockCausal:
 
     def __post_init__(self):
         for r, row in enumerate(self.blocks):
-            if any(n <= 0 for n in row) or sum(row) > self.width:
+            if any(n <= 0 for n in row):
+                raise ValueError(f"row {r}: blocks {row}: a sample of no tokens")
+            if sum(row) > self.width:
                 raise ValueError(f"row {r}: blocks {row} do not fit a row of {self.width}")
 
     def to(self, device: Any) -> BlockCausal:  # what the trainer does with a mask tensor
@@ -47,6 +49,9 @@ def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            dropout_p: float = 0.0) -> torch.Tensor:
     """``[b, heads, s, d]`` attention of each block alone (causal); a padding column's output is its own value,
     as a token that sees only itself."""
+    if q.size(0) != len(mask.blocks) or q.size(2) != mask.width:
+        raise ValueError(f"block-causal attention: queries of {q.size(0)} rows x {q.size(2)} positions for a mask "
+                         f"of {len(mask.blocks)} rows x {mask.width} (a split sequence is not supported)")
     rows = []
     for r, row in enumerate(mask.blocks):
         parts, col = [], 0

@@ -321,7 +321,7 @@ class Scheduler:
 
     def _remember(self, ids: list[int], cache: Any, row: int, length: int) -> None:
         """Put row `row`'s last `length` KV columns (the KV of `ids`) into the prefix cache, as owned copies."""
-        if self.prefix is None or not self._cacheable(cache):
+        if self.prefix is None or not self._cacheable(cache) or length > self.prefix.max_tokens:
             return
         kv = [(k[row:row + 1, :, -length:].clone(), v[row:row + 1, :, -length:].clone()) for k, v in self._layers(cache)]
         if self._prefix_bytes and length:
