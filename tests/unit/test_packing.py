@@ -56,15 +56,17 @@ def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_grad
     mask = BlockCausal([[5, 1, 3], [2, 4], [9]], width=9)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, 9, 8, generator=g, requires_grad=True) for _ in range(3))
-    got = block_causal_attention(q, k, v, mask, scale=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask.dense(), scale=0.3)
-    assert torch.allclose(got, want, atol=1e-6)
-    w = torch.randn(got.shape, generator=g)
-    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    w = torch.randn(want.shape, generator=g)
     wants = torch.autograd.grad((want * w).sum(), (q, k, v))
-    for a, b in zip(grads, wants, strict=True):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert not torch.allclose(block_causal_attention(q, k, v, BlockCausal([[9], [6], [9]], 9), 0.3), want)
+    for dense_width in (0, 9):  # each block alone (long rows), and one call under the mask (short rows)
+        got = block_causal_attention(q, k, v, mask, scale=0.3, dense_width=dense_width)
+        assert torch.allclose(got, want, atol=1e-6), dense_width
+        grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+        for a, b in zip(grads, wants, strict=True):
+            assert torch.allclose(a, b, atol=1e-5), dense_width
+        other = BlockCausal([[9], [6], [9]], 9)
+        assert not torch.allclose(block_causal_attention(q, k, v, other, 0.3, dense_width=dense_width), want)
     with pytest.raises(ValueError, match="row 1"):
         BlockCausal([[4], [5, 5]], width=9)
     with pytest.raises(ValueError, match="no tokens"):

@@ -1,7 +1,9 @@
-"""The attention mask of packed rows as block lengths (`BlockCausal`), and attention over it that runs each
-block alone (`block_causal_attention`): no [L, L] tensor, memory that grows with the tokens, and compute with
-each sample's length squared rather than the row's. `rlx.train.attention.SDPACoreAttention` takes it inside
-megatron; torch only here, so packing does not need megatron."""
+"""The attention mask of packed rows as block lengths (`BlockCausal`), and attention over it
+(`block_causal_attention`): rows longer than `DENSE_WIDTH` run each block alone (no [L, L] tensor, memory that
+grows with the tokens, compute with each sample's length squared rather than the row's); shorter rows run in one
+call under a dense mask built once per micro-batch (many short samples would otherwise cost a call each, per
+layer). `rlx.train.attention.SDPACoreAttention` takes it inside megatron; torch only here, so packing does not
+need megatron."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+DENSE_WIDTH = 2048  # rows up to this long attend in one call under a dense mask (2048^2 booleans: 4 MiB a row)
 
 
 @dataclass
@@ -22,6 +26,7 @@ class BlockCausal:
     width: int
 
     def __post_init__(self):
+        self._allowed: dict[Any, torch.Tensor] = {}  # device -> the dense "allowed" mask, built once
         for r, row in enumerate(self.blocks):
             if any(n <= 0 for n in row):
                 raise ValueError(f"row {r}: blocks {row}: a sample of no tokens")
@@ -44,14 +49,23 @@ class BlockCausal:
         causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
         return ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
 
+    def allowed(self, device: Any) -> torch.Tensor:
+        """``~dense()`` on `device`, built once (every layer of a forward and its backward share it)."""
+        if device not in self._allowed:
+            self._allowed[device] = (~self.dense()).to(device)
+        return self._allowed[device]
+
 
 def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockCausal, scale: float,
-                           dropout_p: float = 0.0) -> torch.Tensor:
+                           dropout_p: float = 0.0, dense_width: int = DENSE_WIDTH) -> torch.Tensor:
     """``[b, heads, s, d]`` attention of each block alone (causal); a padding column's output is its own value,
-    as a token that sees only itself."""
+    as a token that sees only itself. Rows of at most `dense_width` columns: one call under the dense mask."""
     if q.size(0) != len(mask.blocks) or q.size(2) != mask.width:
         raise ValueError(f"block-causal attention: queries of {q.size(0)} rows x {q.size(2)} positions for a mask "
                          f"of {len(mask.blocks)} rows x {mask.width} (a split sequence is not supported)")
+    if mask.width <= dense_width:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed(q.device), dropout_p=dropout_p,
+                                              scale=scale)
     rows = []
     for r, row in enumerate(mask.blocks):
         parts, col = [], 0
