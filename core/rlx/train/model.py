@@ -216,6 +216,12 @@ class ModelRole:
         if self.config.sequence_parallel or getattr(self.config, "mtp_num_layers", None):
             raise RLXError(f"{name}: sequence parallelism and multi-token prediction are not supported (the output "
                            f"layer computes only response positions of [sequence, batch] hidden states)")
+        from rlx.train.attention import SDPACoreAttention
+
+        # rlx's core attention takes packed rows' masks as block lengths; a bridge that builds its own spec with
+        # another core attention (megatron's DotProductAttention, say) gets the dense [rows, 1, L, L] tensor
+        cores = [m.core_attention for m in self.model.modules() if hasattr(m, "core_attention")]
+        self._block_masks = all(isinstance(c, SDPACoreAttention) for c in cores)
         head = getattr(self.model, "output_layer", None) if self.stage.last else None
         self._selects = head is not None  # a bridge's own build() may have no megatron output layer
         if head is not None:
@@ -362,8 +368,8 @@ class ModelRole:
                 pos = mb.response_positions.to(dev)
                 self._keep = (pos % width, pos // width)
             try:
-                out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mb.attention_mask.to(dev),
-                        **extra)
+                mask = mb.attention_mask if self._block_masks else mb.attention_mask.dense()
+                out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mask.to(dev), **extra)
             finally:
                 self._keep = None
             mb.outputs_at_response = self._selects
