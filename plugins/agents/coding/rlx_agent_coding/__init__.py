@@ -31,6 +31,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -96,8 +97,9 @@ class ClaudeCodeConfig(HarnessConfig):
     max_turns: int = Field(4, ge=1)  # model calls Claude Code may make for one task (its --max-turns)
 
 
-class Harness:
-    """What both harnesses share: the sandbox, the task's files and tests, the reward."""
+class Harness(ABC):
+    """What both harnesses share: the sandbox, the task's files and tests, the reward. A harness says how its
+    CLI is started (`command`)."""
 
     name = ""
     cli = ""
@@ -111,8 +113,9 @@ class Harness:
             raise RLXError(f"agent {self.name!r}: the {self.cli} CLI is not installed in {self.folder}: run "
                            f"`rl-coding-harness install` (npm install {PACKAGES[self.cli]} there)")
 
+    @abstractmethod
     def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
-        raise NotImplementedError
+        """The CLI's argv and the environment it needs, to answer `prompt` through the adapter at `base_url`."""
 
     async def run(self, base_url: str, api_key: str, task: dict[str, Any]) -> float:
         """The agent: run the harness on the task, then its tests; the reward is 1.0 if they pass, else 0.0."""
