@@ -58,12 +58,16 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
 async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: StopRequest, *, resume: bool,
                  save_hf: Path | None, progress: Callable[[int, dict[str, Any]], None] | None,
                  verbose: bool) -> Path:
-    placement, trainer = await asyncio.to_thread(start_trainers, cfg, verbose)
+    placement = await asyncio.to_thread(place, cfg, verbose)
+    # the trainer ranks start (imports, model build) while the engines do: each takes seconds, mostly on one core
+    starting = asyncio.get_running_loop().run_in_executor(None, make_trainers, cfg, placement)  # starts now
+    trainer: TrainerGroup | None = None
     loggers: list[Any] = []
     try:
         loggers += [plugins.build("loggers", spec) for spec in cfg.run.loggers]
         spawn = placement.engine_spawner(cfg) if placement else None
         async with RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate") as session:
+            trainer = await starting
             write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
             weights = Weights(trainer, session.fleet, out)
             await weights.setup()
@@ -151,10 +155,21 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
     finally:
         for logger in loggers:
             logger.close()
-        trainer.shutdown()
+        if trainer is None:  # the engines failed to start, or the trainers did: a thread cannot be cancelled
+            trainer = await _started(starting)
+        if trainer is not None:
+            trainer.shutdown()
         if placement is not None:
             placement.shutdown()
     return out
+
+
+async def _started(starting: asyncio.Future) -> TrainerGroup | None:
+    """The trainer group `starting` makes once it has finished (to shut it down), or None if making it failed."""
+    try:
+        return await asyncio.shield(starting)
+    except BaseException:  # noqa: BLE001 - its error, if any, is already on its way up (or a second one is not)
+        return None
 
 
 async def restart_trainers(cfg: Config, placement: Any, trainer: TrainerGroup, weights: Weights,
@@ -440,20 +455,33 @@ def write_placement(out: Path, trainer_hosts: list[str], engine_urls: list[str])
 
 def start_trainers(cfg: Config, verbose: bool = False) -> tuple[Any, TrainerGroup]:
     """(placement or None, trainer group): Ray actors when ``ray.enabled``, else one local rank."""
-    from rlx.orchestrate.workers import LocalTrainerGroup, RayPlacement, ray_trainer_group
-
-    if not cfg.ray.enabled:
-        trainer = LocalTrainerGroup(cfg)
-        set_trainer_threads(cfg, None, trainer)
-        return None, trainer
-    placement = RayPlacement(cfg, verbose)
+    placement = place(cfg, verbose)
     try:
-        trainer = ray_trainer_group(cfg, placement.pg)
-        set_trainer_threads(cfg, placement, trainer)
-        return placement, trainer
+        return placement, make_trainers(cfg, placement)
     except BaseException:
-        placement.shutdown()
+        if placement is not None:
+            placement.shutdown()
         raise
+
+
+def place(cfg: Config, verbose: bool = False) -> Any:
+    """The run's Ray placement (its cluster and placement group), or None with ``ray.enabled: false``."""
+    from rlx.orchestrate.workers import RayPlacement
+
+    return RayPlacement(cfg, verbose) if cfg.ray.enabled else None
+
+
+def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
+    """The trainer group with its threads set: Ray actors in `placement`, or one local rank when it is None."""
+    from rlx.orchestrate.workers import LocalTrainerGroup, ray_trainer_group
+
+    trainer = LocalTrainerGroup(cfg) if placement is None else ray_trainer_group(cfg, placement.pg)
+    try:
+        set_trainer_threads(cfg, placement, trainer)
+    except BaseException:
+        trainer.shutdown()
+        raise
+    return trainer
 
 
 def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:

@@ -494,7 +494,9 @@ class RayPlacement:
             remove_placement_group(self.pg)
             ray.shutdown()
             if self.head is not None:
-                self.head.stop(grace_s=30)
+                # the run's own cluster, with its trainers and engines gone and this driver disconnected: nothing
+                # in it needs an orderly stop (its object store is in memory, not in /dev/shm files)
+                self.head.kill()
         finally:
             if self.head is not None:
                 end_token_auth()

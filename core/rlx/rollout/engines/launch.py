@@ -119,6 +119,18 @@ class ManagedProcess:
             self.proc.wait(5)
 
 
+    def kill(self) -> None:
+        """SIGKILL the process group at once and reap the process: for a server whose work is over and whose
+        own orderly stop only takes time (a run's Ray head stops its daemons one after another, ~3 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(5)
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux)."""
     try:
