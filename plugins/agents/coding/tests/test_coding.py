@@ -61,12 +61,17 @@ print(json.dumps({{"result": text, "home": os.environ["HOME"], "cwd": os.getcwd(
 
 
 class ScriptedEngine:
+    """A policy whose replies are given in order (an empty queue is an error the harness sees as a failed call)."""
+
     def __init__(self, tok):
         self.tok, self.replies, self.sent = tok, deque(), []
 
+    def reply_ids(self, text):
+        return self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
+
     async def generate(self, req, retries=0):
         self.sent.append(list(req.input_ids))
-        ids = self.tok.encode(self.replies.popleft(), add_special_tokens=False) + [self.tok.eos_token_id]
+        ids = self.reply_ids(self.replies.popleft())
         return [GenerateResult(text="", output_ids=ids, output_logprobs=[-0.5] * len(ids), finish_reason="stop",
                                matched_stop=None, weight_version="0", token_weight_versions=[], prompt_tokens=0,
                                rid=req.rid, raw={})]
@@ -84,9 +89,21 @@ def stand_in(tmp_path):
 
 @pytest.fixture
 def adapter(tiny_model_path):
+    yield from scripted_adapter(tiny_model_path)
+
+
+@pytest.fixture
+def code_adapter():
+    """The adapter with the tokenizer and context of builtin://tiny-qwen3-code, which hold a harness's prompt."""
+    from rlx.models.tiny import resolve_model_path
+
+    yield from scripted_adapter(resolve_model_path("builtin://tiny-qwen3-code"))
+
+
+def scripted_adapter(model_path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    tok = AutoTokenizer.from_pretrained(model_path)
     engine = ScriptedEngine(tok)
     a = AgentAdapter(GenerateContext(engine, tok, SamplingConfig(max_new_tokens=64)), api_key="k")
     with BackgroundLoop(a.start, a.stop):
@@ -185,6 +202,46 @@ def served(tiny_model_path, tmp_path_factory):
         p.send_signal(signal.SIGINT)
         p.wait(60)
         assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"
+
+
+# each CLI's own shell tool, called as the tiny model's chat template (hermes) writes a call
+SHELL_CALLS = {"claude": {"name": "Bash", "arguments": {"command": "sed -i 's/a - b/a + b/' calc.py",
+                                                        "description": "Fix add"}},
+               "codex": {"name": "exec_command", "arguments": {"cmd": "sed -i 's/a - b/a + b/' calc.py"}}}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("harness,cli", [(ClaudeCode, "claude"), (Codex, "codex")], ids=["claude_code", "codex"])
+def test_the_real_cli_runs_the_policys_tool_call_and_sends_back_its_result(code_adapter, harness, cli):
+    """A multi-turn tool task with the unmodified CLI: a scripted policy calls the CLI's own shell tool with the
+    fix, the CLI runs it in the sandbox and sends the result back, the policy says it is done and the CLI exits
+    0; the task's tests pass. The trajectory is one sample: the call and the final answer trained (mask 1), the
+    tool's result between them not (mask 0), token for token what the policy sampled."""
+    installed(cli)
+    a, engine = code_adapter
+    call = "<tool_call>\n" + json.dumps(SHELL_CALLS[cli]) + "\n</tool_call>"
+    engine.replies.extend([call, "Done."])
+    session, key = a.open_session()
+    ran, tests = asyncio.run(harness(harness.Config(time_limit_s=120)).attempt(a.base_url, key, TASK))
+    assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
+    assert not engine.replies and len(engine.sent) == 2  # the call, then the answer after the tool's result
+    if cli == "claude":
+        out = json.loads(ran.stdout)
+        assert out["num_turns"] == 2 and out["result"] == "Done." and out["stop_reason"] == "end_turn", out
+    else:
+        assert "succeeded" in ran.stderr and ran.stdout.strip() == "Done.", (ran.stdout, ran.stderr[-2000:])
+    assert tests.ok, tests.stderr  # the CLI's tool made the fix, in the task's folder
+    (sample,) = session.samples()
+    assert sample.prompt_ids == engine.sent[0]
+    tool_turn = engine.sent[1][len(engine.sent[0]):]  # what the second request added after the first prompt
+    call_ids, done_ids = engine.reply_ids(call), engine.reply_ids("Done.")
+    assert tool_turn[:len(call_ids)] == call_ids  # the call as sampled, not re-encoded from the parsed tool_use
+    result_ids = tool_turn[len(call_ids):]
+    assert sample.response_ids == call_ids + result_ids + done_ids
+    assert sample.loss_mask == [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(done_ids)
+    assert a.ctx.tokenizer.decode(result_ids).startswith("\n<|im_start|>tool\n")
+    assert sum(session.mismatch_counts().values()) == 0
+    a.close_session(session)
 
 
 @pytest.mark.integration
