@@ -89,6 +89,10 @@ class HarnessConfig(BaseModel):
     test_time_limit_s: float = Field(60, gt=0)  # the task's tests
     memory_mb: int = Field(4096, ge=256)  # address space of each process (Node reserves a lot of it)
     isolate_files: bool = True  # False only where no mount namespace can be made (the harness then sees every file)
+    # more environment for the CLI, e.g. Claude Code's CLAUDE_CODE_AUTO_COMPACT_WINDOW; not what rlx sets itself
+    env: dict[str, str] = Field(default_factory=dict)
+    # more CLI arguments, put before the prompt: e.g. Codex's ["-c", "model_auto_compact_token_limit=60000"]
+    args: list[str] = Field(default_factory=list)
 
 
 class ClaudeCodeConfig(HarnessConfig):
@@ -146,7 +150,11 @@ class Harness(ABC):
             for name, content in files.items():
                 box.write(name, content)
             argv, env = self.command(task["prompt"], base_url, api_key)
-            ran = await box.run(argv, env={"HOME": "/tmp/home" if c.isolate_files else box.workdir, **env})
+            env = {"HOME": "/tmp/home" if c.isolate_files else box.workdir, **env}
+            if clash := sorted(set(c.env) & set(env)):
+                raise RLXError(f"agent {self.name!r}: agent_args.env sets {clash}, which rlx sets for the {self.cli} "
+                               f"CLI itself")
+            ran = await box.run(argv, env={**c.env, **env})
             for name in protected:  # the tests as the task wrote them, whatever the harness did to them
                 box.path(name).unlink(missing_ok=True)  # a link the harness put there is replaced, not followed
                 box.write(name, files[name])
@@ -167,7 +175,7 @@ class ClaudeCode(Harness):
     def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
         argv = [str(self.exe), "-p", "--max-turns", str(self.config.max_turns), "--output-format", "json",
                 "--dangerously-skip-permissions",  # the sandbox is the permission boundary
-                "--", prompt]  # a prompt that starts with "-" is still the prompt
+                *self.config.args, "--", prompt]  # a prompt that starts with "-" is still the prompt
         env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key, "IS_SANDBOX": "1",
                "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
         return argv, env
@@ -184,7 +192,7 @@ class Codex(Harness):
         provider = f'{{name="rlx", base_url={url}, env_key="RLX_API_KEY", wire_api="responses"}}'
         argv = [str(self.exe), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
                 "-c", "model=policy", "-c", "model_provider=rlx", "-c", f"model_providers.rlx={provider}",
-                "--", prompt]
+                *self.config.args, "--", prompt]
         return argv, {"RLX_API_KEY": api_key}
 
 

@@ -144,6 +144,9 @@ def test_a_missing_cli_and_a_task_without_files_or_tests_are_named_errors(stand_
             "files": {"a.py": ""}, "test": "true", "test_files": ["t.py"]}}))
     with pytest.raises(Exception, match="max_turns"):  # Codex has no turn limit: the option is not accepted
         Codex.Config(max_turns=2)
+    clash = Codex(Codex.Config(harness_dir=str(stand_in), env={"RLX_API_KEY": "mine", "HOME": "/x", "OK": "1"}))
+    with pytest.raises(RLXError, match=r"agent_args.env sets \['HOME', 'RLX_API_KEY'\], which rlx sets for the codex"):
+        asyncio.run(clash.run("http://127.0.0.1:1", "k", TASK))
 
 
 def test_test_files_are_named_or_found_by_name():
@@ -205,9 +208,35 @@ def served(tiny_model_path, tmp_path_factory):
 
 
 # each CLI's own shell tool, called as the tiny model's chat template (hermes) writes a call
-SHELL_CALLS = {"claude": {"name": "Bash", "arguments": {"command": "sed -i 's/a - b/a + b/' calc.py",
-                                                        "description": "Fix add"}},
-               "codex": {"name": "exec_command", "arguments": {"cmd": "sed -i 's/a - b/a + b/' calc.py"}}}
+def shell_call(cli, command):
+    """A call of the CLI's own shell tool, as the tiny model's chat template (hermes) writes one."""
+    call = ({"name": "Bash", "arguments": {"command": command, "description": "Run it"}} if cli == "claude"
+            else {"name": "exec_command", "arguments": {"cmd": command}})
+    return tool_call(call)
+
+
+def tool_call(call):
+    return "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
+
+
+FIX_COMMAND = "sed -i 's/a - b/a + b/' calc.py"
+
+
+def scripted_run(code_adapter, harness, cli, replies, **config):
+    """The real CLI on TASK against the adapter, the policy answering `replies` in order (all of them, and no
+    more, must be asked for); (the CLI's run, the tests' run, the session's samples, the prompts sent)."""
+    installed(cli)
+    a, engine = code_adapter
+    engine.replies.extend(replies)
+    session, key = a.open_session()
+    ran, tests = asyncio.run(harness(harness.Config(time_limit_s=120, **config)).attempt(a.base_url, key, TASK))
+    assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
+    assert not engine.replies and len(engine.sent) == len(replies), (len(engine.sent), engine.replies)
+    assert tests.ok, tests.stderr  # the CLI's tool made the fix, in the task's folder
+    assert sum(session.mismatch_counts().values()) == 0
+    samples = session.samples()
+    a.close_session(session)
+    return ran, samples, engine.sent
 
 
 @pytest.mark.integration
@@ -217,31 +246,64 @@ def test_the_real_cli_runs_the_policys_tool_call_and_sends_back_its_result(code_
     fix, the CLI runs it in the sandbox and sends the result back, the policy says it is done and the CLI exits
     0; the task's tests pass. The trajectory is one sample: the call and the final answer trained (mask 1), the
     tool's result between them not (mask 0), token for token what the policy sampled."""
-    installed(cli)
-    a, engine = code_adapter
-    call = "<tool_call>\n" + json.dumps(SHELL_CALLS[cli]) + "\n</tool_call>"
-    engine.replies.extend([call, "Done."])
-    session, key = a.open_session()
-    ran, tests = asyncio.run(harness(harness.Config(time_limit_s=120)).attempt(a.base_url, key, TASK))
-    assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
-    assert not engine.replies and len(engine.sent) == 2  # the call, then the answer after the tool's result
+    call = shell_call(cli, FIX_COMMAND)
+    ran, samples, sent = scripted_run(code_adapter, harness, cli, [call, "Done."])
     if cli == "claude":
         out = json.loads(ran.stdout)
         assert out["num_turns"] == 2 and out["result"] == "Done." and out["stop_reason"] == "end_turn", out
     else:
         assert "succeeded" in ran.stderr and ran.stdout.strip() == "Done.", (ran.stdout, ran.stderr[-2000:])
-    assert tests.ok, tests.stderr  # the CLI's tool made the fix, in the task's folder
-    (sample,) = session.samples()
-    assert sample.prompt_ids == engine.sent[0]
-    tool_turn = engine.sent[1][len(engine.sent[0]):]  # what the second request added after the first prompt
+    (sample,) = samples
+    assert sample.prompt_ids == sent[0]
+    tool_turn = sent[1][len(sent[0]):]  # what the second request added after the first prompt
+    engine = code_adapter[1]
     call_ids, done_ids = engine.reply_ids(call), engine.reply_ids("Done.")
     assert tool_turn[:len(call_ids)] == call_ids  # the call as sampled, not re-encoded from the parsed tool_use
     result_ids = tool_turn[len(call_ids):]
     assert sample.response_ids == call_ids + result_ids + done_ids
     assert sample.loss_mask == [1] * len(call_ids) + [0] * len(result_ids) + [1] * len(done_ids)
-    assert a.ctx.tokenizer.decode(result_ids).startswith("\n<|im_start|>tool\n")
-    assert sum(session.mismatch_counts().values()) == 0
-    a.close_session(session)
+    assert code_adapter[0].ctx.tokenizer.decode(result_ids).startswith("\n<|im_start|>tool\n")
+
+
+@pytest.mark.integration
+def test_a_claude_code_subagent_is_a_branch_of_the_session(code_adapter):
+    """The policy hands the fix to a subagent (Claude Code's Agent tool); the subagent's own conversation, with
+    its own system prompt, is a second sample of the session, and its answer is the main one's tool result."""
+    agent = tool_call({"name": "Agent", "arguments": {"description": "Fix calc", "subagent_type": "claude",
+                                                      "prompt": "Fix calc.py so that add returns a + b."}})
+    _, samples, sent = scripted_run(code_adapter, ClaudeCode, "claude",
+                                    [agent, shell_call("claude", FIX_COMMAND), "Fixed it.", "Done."])
+    tok = code_adapter[0].ctx.tokenizer
+    main, sub = samples
+    assert main.prompt_ids == sent[0] and sub.prompt_ids == sent[1]
+    assert "cc_is_subagent=true" in tok.decode(sub.prompt_ids[:100]) and "cc_is_subagent" not in tok.decode(sent[0][:100])
+    assert tok.decode(sub.response_ids).endswith("Fixed it.<|im_end|>") and sum(sub.loss_mask) < len(sub.loss_mask)
+    assert "Fixed it." in tok.decode(main.response_ids) and tok.decode(main.response_ids).endswith("Done.<|im_end|>")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("harness,cli,config", [
+    (ClaudeCode, "claude", {"env": {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000",  # its smallest
+                                    "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "25"}}),  # compact past 25,000 tokens
+    (Codex, "codex", {"args": ["-c", "model_auto_compact_token_limit=12000"]}),
+], ids=["claude_code", "codex"])
+def test_a_compaction_by_the_real_cli_is_a_branch_of_the_session(code_adapter, harness, cli, config):
+    """A long tool result pushes the conversation past the CLI's compaction limit: the CLI asks the policy for a
+    summary and goes on from it. The summary request and the conversation after it are samples of their own;
+    the first sample keeps the turns before the compaction."""
+    n = 3000 if cli == "claude" else 1500  # `seq 1 n`: ~8,800 and ~4,400 tokens of output
+    replies = [shell_call(cli, f"seq 1 {n}"), shell_call(cli, FIX_COMMAND), "Summary one.", "Done."]
+    ran, samples, sent = scripted_run(code_adapter, harness, cli, replies, **config)
+    tok = code_adapter[0].ctx.tokenizer
+    before, summary, after = samples
+    assert [s.prompt_ids for s in samples] == [sent[0], sent[2], sent[3]]
+    long_result = f"\n{n - 1}\n"
+    assert long_result in tok.decode(before.response_ids)  # not trained on (mask 0)
+    assert tok.decode(summary.response_ids) == "Summary one.<|im_end|>" and all(summary.loss_mask)
+    assert "Summary one." in tok.decode(after.prompt_ids) and long_result not in tok.decode(after.prompt_ids)
+    assert tok.decode(after.response_ids) == "Done.<|im_end|>"
+    if cli == "codex":
+        assert "context compacted" in ran.stderr
 
 
 @pytest.mark.integration
