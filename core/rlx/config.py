@@ -65,6 +65,9 @@ class ModelConfig(Section):
     path: str  # HF checkpoint directory (config.json, tokenizer, safetensors)
     tokenizer: str | None = None  # tokenizer directory, when not the model's own
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # the kernel for each op a model runs through the kernels hook (op -> kernel name, e.g. {gdn: flashqla}, or
+    # auto: the most preferred one that can run); unnamed ops are auto
+    kernels: dict[str, str] = Field(default_factory=dict)
 
 
 class DataConfig(Section):
@@ -612,7 +615,23 @@ def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...
                 for err in e.errors():
                     loc = base + ("args",) + tuple(err["loc"])
                     problems.append((loc, _describe(err, loc)))
-    return problems + _check_critic(cfg, plugins)
+    return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
+
+
+def _check_kernels(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
+    """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
+    from rlx.train.kernels import candidates
+
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    for op, choice in cfg.model.kernels.items():
+        names = [k.name.removeprefix(f"{op}-") for k in candidates(plugins, op)]
+        if not names:
+            problems.append((("model", "kernels", op), f"no installed kernel runs {op!r} (`rl plugins` lists the "
+                                                        f"kernels)"))
+        elif choice != "auto" and choice not in names:
+            problems.append((("model", "kernels", op), f"unknown {op} kernel {choice!r}; installed: "
+                                                        f"{', '.join(names)} (or auto)"))
+    return problems
 
 
 def _check_critic(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:

@@ -42,6 +42,7 @@ class DecoderSpec(ModelSpec):
     moe: moe.MoEShape | None = None  # experts, when the model has any
     hf_router: str = "mlp.gate"  # the router's HF module under a layer
     hf_shared: str = "mlp.shared_experts"  # the shared experts' HF module under a layer
+    hf_shared_gate: str = "mlp.shared_expert_gate"  # their gate's HF module (`MoEShape.shared_gate`)
 
     def __post_init__(self) -> None:
         if self.moe is not None:
@@ -129,6 +130,8 @@ class DecoderSpec(ModelSpec):
         if self.moe.shared_ffn:
             yield from moe.gated_mlp_to_megatron(ckpt, h + self.hf_shared + ".", m + "mlp.shared_experts.",
                                                  stage.tp_rank, stage.tp)
+        if self.moe.shared_gate:
+            yield m + "mlp.shared_experts.gate_weight", ckpt.get(h + self.hf_shared_gate + ".weight")
 
     # -- megatron -> HF --------------------------------------------------------------------------
 
@@ -172,6 +175,8 @@ class DecoderSpec(ModelSpec):
         yield from moe.experts_to_hf(stage, gather, h + "mlp.experts.", m + "mlp.experts.", self.moe.experts)
         if self.moe.shared_ffn:
             yield from moe.gated_mlp_to_hf(gather, h + self.hf_shared + ".", m + "mlp.shared_experts.")
+        if self.moe.shared_gate:
+            yield h + self.hf_shared_gate + ".weight", gather(m + "mlp.shared_experts.gate_weight")[0]
 
 
 def mean_ffn(layers: int, ffn: int, shape: moe.MoEShape | None = None) -> float:

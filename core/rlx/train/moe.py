@@ -30,6 +30,7 @@ class MoEShape:
     ffn: int  # width of one routed expert
     layers: frozenset[int]  # global indices of the MoE layers (the others are dense)
     shared_ffn: int = 0  # width of the shared experts (0: none)
+    shared_gate: bool = False  # the shared experts' output times sigmoid(a learned [1, hidden] projection)
     score: Literal["softmax", "sigmoid"] = "softmax"
     pre_softmax: bool = False  # softmax over all experts before top-k (no renormalisation of the k)
     expert_bias: bool = False  # aux-loss-free balancing: a per-expert bias added for selection only
@@ -55,6 +56,7 @@ class MoEShape:
             kw["moe_router_bias_update_rate"] = self.bias_update_rate
         if self.shared_ffn:
             kw["moe_shared_expert_intermediate_size"] = self.shared_ffn
+            kw["moe_shared_expert_gate"] = self.shared_gate
         return kw
 
 

@@ -159,6 +159,10 @@ class ModelSpec(ABC):
     rope_theta: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's dimensions that rotary embedding rotates (rotate-half)
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    # the run's kernel choices (``model.kernels``: op -> kernel name or "auto") and its plugins, which
+    # `kernel` selects from; set by `model_spec`
+    kernel_choices: dict[str, str] = field(default_factory=dict, repr=False)
+    plugins: Any = field(default=None, repr=False)
 
     # -- megatron side ---------------------------------------------------------------------------
 
@@ -195,6 +199,17 @@ class ModelSpec(ABC):
     def engine_args(self) -> dict[str, Any]:
         """SGLang server arguments this model family needs (``{}`` for most)."""
         return {}
+
+    def kernel(self, op: str, **query: Any) -> Any:
+        """The kernel for `op` that ``model.kernels`` chooses (``auto`` if it names none) and that can run `query`
+        (device, dtype...): `rlx.train.kernels.select` over the run's plugins (the installed ones when the spec
+        was made without them)."""
+        from rlx.plugins import build_plugins
+        from rlx.train.kernels import select
+
+        if self.plugins is None:
+            self.plugins = build_plugins()
+        return select(self.plugins, op, self.kernel_choices.get(op, "auto"), where="model.kernels", **query)
 
 
 # -- helpers bridges share -------------------------------------------------------------------------
@@ -235,8 +250,9 @@ def rope_theta(hf_config: Any, default: float = 10000.0) -> float:
     return float(theta or getattr(hf_config, "rope_theta", None) or default)
 
 
-def model_spec(model_path: str | Path, plugins: Any) -> ModelSpec:
-    """The spec of the HF checkpoint at `model_path`, from the bridge that claims its ``model_type``."""
+def model_spec(model_path: str | Path, plugins: Any, kernels: dict[str, str] | None = None) -> ModelSpec:
+    """The spec of the HF checkpoint at `model_path`, from the bridge that claims its ``model_type``, choosing
+    kernels as `kernels` (``model.kernels``) says."""
     from transformers import AutoConfig
 
     bridge = plugins.bridge_for(read_model_type(model_path))
@@ -244,6 +260,7 @@ def model_spec(model_path: str | Path, plugins: Any) -> ModelSpec:
     if not isinstance(spec, ModelSpec):
         raise RLXError(f"model bridge {bridge.name!r} returned {type(spec).__name__} from spec(); "
                        f"the contract is an rlx.train.spec.ModelSpec")
+    spec.kernel_choices, spec.plugins = dict(kernels or {}), plugins
     return spec
 
 

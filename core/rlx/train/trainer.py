@@ -38,7 +38,7 @@ class Trainer:
         self.cfg, self.tc = cfg, tc
         self.par: ParallelState = init_distributed(tc.parallel, cfg.run.seed, master_addr)
         self.model_path = resolve_model_path(cfg.model.path)
-        self.spec = model_spec(self.model_path, plugins)
+        self.spec = model_spec(self.model_path, plugins, cfg.model.kernels)
         dtype = torch_dtype(cfg.model.dtype)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)

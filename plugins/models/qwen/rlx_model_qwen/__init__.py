@@ -52,4 +52,8 @@ class Qwen3MoeBridge:
 
 @hookimpl
 def register_models(register):
+    from rlx_model_qwen.next import Qwen3NextBridge, Qwen35Bridge
+
     register(Qwen3MoeBridge)
+    register(Qwen3NextBridge)
+    register(Qwen35Bridge)
