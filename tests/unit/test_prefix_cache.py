@@ -183,3 +183,45 @@ def test_the_trie_agrees_with_a_plain_search_through_many_inserts_and_evictions(
                 assert got is not None and got[0] == want, (seq, got and got[0], want)
                 assert got[1][0][0].flatten().tolist() == seq[:want]
         assert c.tokens == sum(len(k) for k in c.entries) <= 60
+
+
+def test_a_model_error_during_prefill_fails_the_requests_being_prefilled(engine_parts):
+    """They were taken off the queue but not yet running: they must finish with the error (an HTTP 500 abort, as
+    SGLang reports one), not wait forever; the engine then serves the next request."""
+    from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+
+    model, tok = engine_parts
+    s = Scheduler(model, tok, prefix_cache_tokens=0)
+    real, calls = s.model, []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise IndexError("list index out of range")
+        return real(*args, **kwargs)
+
+    s.model = broken
+    s.start()
+    try:
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        reqs = [Request([5, 6, 7], params), Request([5, 6, 9], params)]
+        done = threading.Event()
+        left = [len(reqs)]
+
+        def finished(_r):
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+        for r in reqs:
+            r.on_done = finished
+        s.call(lambda: setattr(s, "paused", True))
+        for r in reqs:
+            s.submit(r)
+        s.call(lambda: setattr(s, "paused", False))
+        assert done.wait(30), "a request being prefilled when the model failed was never finished"
+        for r in reqs:
+            assert r.finish_reason["status_code"] == 500 and "IndexError" in r.finish_reason["message"]
+        generate(s, [Request([5, 6, 7], params)])  # the engine goes on
+    finally:
+        s.shutdown()

@@ -178,6 +178,7 @@ class Scheduler:
             self._finish_aborted()
             if self.paused or self.released:
                 continue
+            new: list[Request] = []
             try:
                 room = self.max_running - len(self.rows)
                 if room > 0 and self.waiting:
@@ -185,8 +186,8 @@ class Scheduler:
                     self._prefill(new)
                 if self.rows:
                     self._decode()
-            except Exception as e:  # a model error fails the requests in flight, not the server
-                for r in self.rows + self.waiting:
+            except Exception as e:  # a model error fails the requests in flight (prefilling ones too), not the server
+                for r in self.rows + [r for r in new if r not in self.rows] + self.waiting:
                     self._finish(r, abort_reason(f"engine error: {type(e).__name__}: {e}", 500,
                                                  "InternalServerError"))
                 self._reset_batch()
