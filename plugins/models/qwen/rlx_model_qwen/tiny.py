@@ -29,3 +29,27 @@ def build_tiny_qwen3_moe(out: Path, seed: int = 0, **shape: Any) -> Path:
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(qwen3_moe_config(tok, **shape))
     return save_tiny(Path(out), model, tok)
+
+
+NEXT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+
+
+def build_tiny_qwen3_next(out: Path, seed: int = 0, **shape: Any) -> Path:
+    """``builtin://tiny-qwen3-next``: a random Qwen3-Next (GDN and gated attention layers, 8 experts and a gated
+    shared expert; about 0.5 M parameters) with the built-in tokenizer."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from rlx.models.tiny import build_tokenizer, save_tiny
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
+                             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+                             bos_token_id=None, **{**NEXT_SHAPE, **shape})
+    return save_tiny(Path(out), Qwen3NextForCausalLM(config), tok)
