@@ -13,7 +13,8 @@ a CPU) and refuses packed sequences. `GatedDeltaNet` here is the same layer in m
 Parameters (local names; the bridge maps HF's): ``in_proj.weight`` (column parallel; each tensor-parallel rank's
 rows are ``[q | k | v | z | b | a]`` of its own heads), ``conv1d.weight`` ``[channels, 1, width]`` over that
 rank's ``[q | k | v]`` channels, ``dt_bias`` and ``A_log`` per value head, ``out_norm.weight`` (a plain RMSNorm
-over each value head, gated by ``silu(z)``), ``out_proj.weight`` (row parallel).
+over each value head, gated by ``silu(z)``; every rank holds all of it and applies it to its own heads, so its
+gradient is summed over tensor-parallel ranks), ``out_proj.weight`` (row parallel).
 
 Per token, with r = value heads per key head: q, k (key heads) and v, z (value heads) come from the projection
 and the causal convolution (q, k, v; SiLU after it); ``g = -exp(A_log) * softplus(a + dt_bias)``,
@@ -138,7 +139,10 @@ class GatedDeltaNet(MegatronModule):
                                            use_qk_l2norm_in_kernel=True)
         o = o.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        o = (self.out_norm.weight.float() * o) * F.silu(z.reshape(1, b * s, self.nv_local, self.dv).float())
+        weight = self.out_norm.weight
+        if self.tp > 1:  # shared by every rank's heads: its gradient is the sum of theirs (identity forward)
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight)
+        o = (weight.float() * o) * F.silu(z.reshape(1, b * s, self.nv_local, self.dv).float())
         o = o.to(hidden_states.dtype).reshape(b, s, -1).transpose(0, 1).contiguous()
         out, _ = self.out_proj(o)
         return out, None

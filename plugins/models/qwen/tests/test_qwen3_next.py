@@ -71,3 +71,78 @@ def test_spec_reads_the_family(tmp_path):
     assert spec.layer_types == ("linear_attention", "full_attention", "linear_attention", "full_attention")
     assert spec.moe.layers == {0, 1, 3} and spec.moe.shared_ffn == 24 and spec.moe.shared_gate
     assert spec.rotary_percent == 0.25 and spec.gdn.per_key == 2 and not spec.gdn.flat
+
+
+PACKED_SCRIPT = """
+import json, os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from rlx.train.megatron_cpu import enable
+enable()
+folder, port = sys.argv[1:3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+model_parallel_cuda_manual_seed(1)
+from rlx.config import ParallelConfig
+from rlx.plugins import build_plugins
+from rlx.train import gdn
+from rlx.train.masks import BlockCausal
+from rlx.train.spec import HFCheckpoint, Stage, model_spec
+spec = model_spec(folder, build_plugins())
+stage = Stage(0, spec.num_layers, True, True)
+model = spec.build(spec.transformer_config(ParallelConfig(), torch.float32), stage)
+model.load_state_dict(dict(spec.to_megatron(HFCheckpoint(folder), stage)), strict=False)
+g = torch.Generator().manual_seed(0)
+a, b = (torch.randint(3, spec.vocab_size, (n,), generator=g) for n in (7, 5))
+probe = torch.randn(12, spec.vocab_size, generator=g)
+
+def run(ids, blocks):
+    model.zero_grad()
+    n = len(ids)
+    logits = model(ids[None], torch.arange(n)[None], attention_mask=BlockCausal([blocks], n))[0]
+    (logits * probe[:n]).sum().backward()
+    return logits.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+packed, grads = run(torch.cat([a, b]), [7, 5])
+alone_a, grads_a = run(a, [7])
+alone_b, grads_b = run(b, [5])
+probe_b = probe[7:]
+model.zero_grad()
+lb = model(b[None], torch.arange(5)[None], attention_mask=BlockCausal([[5]], 5))[0]
+(lb * probe_b).sum().backward()
+grads_b = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+err = ((packed - torch.cat([alone_a, alone_b])).abs().max() / packed.abs().max()).item()  # relative to the logits' scale
+gerr = max(((grads[k] - grads_a.get(k, 0) - grads_b.get(k, 0)).abs().max() / grads[k].abs().max().clamp(min=1e-30)).item()
+           for k in grads)  # relative to each gradient's largest entry
+one = gdn.sequence_offsets
+gdn.sequence_offsets = lambda mask, rows, width, device: one(None, rows, width, device)  # no varlen in GDN layers
+leaky, _ = run(torch.cat([a, b]), [7, 5])
+leak = (leaky[7:] - alone_b).abs().max().item()
+print("RESULT", json.dumps({"logits": err, "grads": gerr, "without_varlen": leak}))
+"""
+
+
+@pytest.mark.integration
+def test_a_packed_row_equals_each_sample_alone(tmp_path):
+    """Two samples packed in one row give the logits and (summed) gradients of each alone, relative to their scale:
+    the GDN layers' convolution and recurrence start afresh at the second sample. Without the per-sample offsets the second
+    sample's logits differ (state carried over), so the check can fail."""
+    import json
+    import subprocess
+    import sys
+
+    from rlx.rollout.engines.launch import free_port
+
+    write(tmp_path, "qwen3_next")
+    r = subprocess.run([sys.executable, "-c", PACKED_SCRIPT, str(tmp_path), str(free_port())], capture_output=True,
+                       text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, r.stderr[-3000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    # fp32: the packed row sums each gradient over both samples' tokens in another order than the two runs do
+    assert got["logits"] < 1e-6 and got["grads"] < 5e-5, got
+    assert got["without_varlen"] > 1e-2, got
