@@ -59,11 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    if "linear_attention" in (getattr(model.config, "layer_types", None) or []):
-        print(f"rlx embedded engine: {args.model_path} ({model.config.model_type}) has linear-attention layers, "
-              f"whose recurrent state this engine cannot keep between steps yet: generate with SGLang "
-              f"(rollout.engines[].backend: sglang)", file=sys.stderr, flush=True)
-        return 2
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,

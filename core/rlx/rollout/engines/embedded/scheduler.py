@@ -138,6 +138,14 @@ class Scheduler:
         self.prefix = PrefixCache(budget) if budget > 0 else None
         self._prefix_bytes = prefix_cache_bytes if prefix_cache_tokens <= 0 else 0  # to size it by, once
         self.kv_epoch = 0  # advances when the weights change: KV from before is not this model's
+        # linear-attention layers (Qwen3-Next's GDN) keep a convolution window and a recurrent state per row instead
+        # of per-token keys and values: rows are selected and joined the same way, but never padded or trimmed
+        types = getattr(model.config, "layer_types", None) or []
+        self.recurrent = [t == "linear_attention" for t in types]
+        if any(self.recurrent) and self.prefix is not None:
+            log.info("prefix cache off: %s has linear-attention layers (a prefix's state is not per token)",
+                     model.config.model_type)
+            self.prefix, self._prefix_bytes = None, 0
 
     # -- called from other threads -------------------------------------------------------------
 
@@ -242,12 +250,31 @@ class Scheduler:
         self._sampling = None
 
     def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in cache.layers]
+        """Per layer: (keys, values) ``[B, heads, L, d]``, or for a linear-attention layer (convolution window
+        ``[B, channels, width]``, recurrent state ``[B, heads, dk, dv]``)."""
+        return [(layer.conv_states[0], layer.recurrent_states[0]) if rec else (layer.keys, layer.values)
+                for layer, rec in zip(cache.layers, self.recurrent or [False] * len(cache.layers))]
 
     def _make_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         from transformers import DynamicCache
 
-        return DynamicCache(ddp_cache_data=kv)
+        if not any(self.recurrent):
+            return DynamicCache(ddp_cache_data=kv)
+        cache = DynamicCache(config=self.model.config)
+        for layer, rec, (a, b) in zip(cache.layers, self.recurrent, kv):
+            if rec:  # owned tensors: decoding updates them in place
+                layer.lazy_initialization(conv_states=a, recurrent_states=b)
+                layer.conv_states[0].copy_(a)
+                layer.recurrent_states[0].copy_(b)
+                layer.has_previous_state[0] = True
+            else:
+                layer.lazy_initialization(a, b)
+                layer.keys, layer.values = a, b
+        return cache
+
+    def _columns(self, layer: int) -> bool:
+        """Whether the layer's cache has a column per token (keys and values), which rows pad and trim."""
+        return not (self.recurrent and self.recurrent[layer])
 
     def _select(self, keep: list[int]) -> None:
         if not keep:
@@ -260,8 +287,9 @@ class Scheduler:
         # Trim columns that no remaining row attends to (left padding of finished long rows).
         used = mask.any(0).nonzero()
         start = int(used[0]) if len(used) else mask.shape[1]
-        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
-              for k, v in self._layers(self._cache)]
+        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:]) if self._columns(i)
+              else (k.index_select(0, idx), v.index_select(0, idx))
+              for i, (k, v) in enumerate(self._layers(self._cache))]
         self._cache = self._make_cache(kv)
         self._mask = mask[:, start:]
         self._pos = self._pos.index_select(0, idx)
@@ -400,8 +428,9 @@ class Scheduler:
 
         kv = [
             (torch.cat([left_pad(k0, 2, total), left_pad(k1, 2, total)]),
-             torch.cat([left_pad(v0, 2, total), left_pad(v1, 2, total)]))
-            for (k0, v0), (k1, v1) in zip(self._layers(self._cache), self._layers(cache), strict=True)
+             torch.cat([left_pad(v0, 2, total), left_pad(v1, 2, total)])) if self._columns(i)
+            else (torch.cat([k0, k1]), torch.cat([v0, v1]))
+            for i, ((k0, v0), (k1, v1)) in enumerate(zip(self._layers(self._cache), self._layers(cache), strict=True))
         ]
         self._cache = self._make_cache(kv)
         self._mask = torch.cat([left_pad(self._mask, 1, total), left_pad(mask, 1, total)])
