@@ -81,6 +81,26 @@ def test_unknown_reward_and_bad_args_are_reported_with_paths(tmp_path, capsys):
     assert f"{p}:7: rollout.rewards[1].args.strp: unknown key" in err
 
 
+def test_model_kernels_name_installed_ops_and_kernels(tmp_path, capsys):
+    """``model.kernels`` is checked against the installed kernel plugins (a choice no model reads is an error);
+    rlx-kernel-flashqla, installed with the suite, registers the gdn op."""
+    p = write(tmp_path, """
+        model:
+          path: /m
+          kernels: {gdn: flashqlaa, attn: auto}
+    """)
+    code, _, err = run(capsys, "config", "validate", str(p))
+    assert code == 2
+    assert f"{p}:4: model.kernels.gdn: unknown gdn kernel 'flashqlaa'; installed: flashqla, fla, torch (or auto)" in err
+    assert "model.kernels.attn: no installed kernel runs 'attn'" in err
+    p = write(tmp_path, """
+        model:
+          path: /m
+          kernels: {gdn: torch}
+    """)
+    assert "model.kernels" not in run(capsys, "config", "validate", str(p))[2]
+
+
 def test_missing_file_is_a_one_line_error(tmp_path, capsys):
     code, _, err = run(capsys, "config", "validate", str(tmp_path / "nope.yaml"))
     assert code == 2 and "cannot read" in err and "Traceback" not in err
