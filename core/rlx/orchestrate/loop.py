@@ -64,10 +64,14 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
     trainer: TrainerGroup | None = None
     loggers: list[Any] = []
     try:
+        if shares_gpu(cfg):  # engines size their KV cache by the memory they find free: the trainers' must be taken
+            trainer = await asyncio.shield(starting)
         loggers += [plugins.build("loggers", spec) for spec in cfg.run.loggers]
         spawn = placement.engine_spawner(cfg) if placement else None
         async with RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate") as session:
-            trainer = await starting
+            # shielded: a second Ctrl-C here must not drop the group the thread is still making (the finally
+            # below waits for it and shuts it down)
+            trainer = trainer or await asyncio.shield(starting)
             write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
             weights = Weights(trainer, session.fleet, out)
             await weights.setup()
@@ -162,6 +166,16 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
         if placement is not None:
             placement.shutdown()
     return out
+
+
+def shares_gpu(cfg: Config) -> bool:
+    """Whether trainer ranks and engines may use the same GPU (colocated on Ray's bundles, or one process without
+    Ray on a machine with one)."""
+    if cfg.ray.enabled:
+        return cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+    import torch
+
+    return torch.cuda.is_available()
 
 
 async def _started(starting: asyncio.Future) -> TrainerGroup | None:

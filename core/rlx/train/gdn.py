@@ -50,10 +50,11 @@ def sequence_offsets(mask: Any, rows: int, width: int, device: Any) -> tuple[tor
     else:  # megatron's dense mask [rows, 1, width, width], True where not allowed: a sample starts where a token
         #    cannot see the one before it
         allowed = ~mask.reshape(rows, width, width).bool()
-        first = allowed.int().argmax(-1)  # per token, the first column it sees
+        first = allowed.int().argmax(-1).cpu()  # per token, the first column it sees
+        begins_at = first == torch.arange(width)
         lengths = []
         for r in range(rows):
-            begins = [t for t in range(width) if int(first[r, t]) == t] or [0]
+            begins = begins_at[r].nonzero().flatten().tolist() or [0]
             lengths.append([b - a for a, b in zip(begins, begins[1:] + [width])])
     flat = torch.tensor([n for row in lengths for n in row], dtype=torch.long)
     cu = torch.cat([flat.new_zeros(1), flat.cumsum(0)])
@@ -65,12 +66,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -
     """Depthwise causal convolution of ``x [T, C]`` with ``weight [C, width]`` (the last tap on the token itself),
     where no token sees one before its sequence's start (`starts`)."""
     t, width = x.shape[0], weight.shape[1]
-    out = x * weight[:, width - 1]
+    xf, wf = x.float(), weight.float()  # summed in fp32, as a convolution accumulates
+    out = xf * wf[:, width - 1]
     pos = torch.arange(t, device=x.device)
     for back in range(1, width):
-        seen = (pos - back >= starts).to(x.dtype)[:, None]
-        out = out + F.pad(x, (0, 0, back, 0))[:t] * seen * weight[:, width - 1 - back]
-    return out
+        seen = (pos - back >= starts).float()[:, None]
+        out = out + F.pad(xf, (0, 0, back, 0))[:t] * seen * wf[:, width - 1 - back]
+    return out.to(x.dtype)
 
 
 class GatedDeltaNet(MegatronModule):

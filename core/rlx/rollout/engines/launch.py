@@ -131,14 +131,22 @@ class ManagedProcess:
         self.proc.wait(5)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+def _load_libc() -> Any:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc Linux: no parent-death signal
+        return None
+
+
+_LIBC = _load_libc()  # loaded here, not in a forked child: dlopen after fork in a threaded process can deadlock
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 async def wait_healthy(url: str, process: Any, timeout_s: float, what: str = "engine") -> None:

@@ -116,6 +116,10 @@ class Harness(ABC):
         if self.exe is None:
             raise RLXError(f"agent {self.name!r}: the {self.cli} CLI is not installed in {self.folder}: run "
                            f"`rl-coding-harness install` (npm install {PACKAGES[self.cli]} there)")
+        ours = {"HOME", *self.command("", "http://127.0.0.1:1", "key")[1]}
+        if clash := sorted(set(self.config.env) & ours):
+            raise RLXError(f"agent {self.name!r}: agent_args.env sets {clash}, which rlx sets for the {self.cli} CLI "
+                           f"itself")
 
     @abstractmethod
     def command(self, prompt: str, base_url: str, api_key: str) -> tuple[list[str], dict[str, str]]:
@@ -151,10 +155,7 @@ class Harness(ABC):
                 box.write(name, content)
             argv, env = self.command(task["prompt"], base_url, api_key)
             env = {"HOME": "/tmp/home" if c.isolate_files else box.workdir, **env}
-            if clash := sorted(set(c.env) & set(env)):
-                raise RLXError(f"agent {self.name!r}: agent_args.env sets {clash}, which rlx sets for the {self.cli} "
-                               f"CLI itself")
-            ran = await box.run(argv, env={**c.env, **env})
+            ran = await box.run(argv, env={**c.env, **env})  # rlx's own keys win (a clash is refused at init)
             for name in protected:  # the tests as the task wrote them, whatever the harness did to them
                 box.path(name).unlink(missing_ok=True)  # a link the harness put there is replaced, not followed
                 box.write(name, files[name])

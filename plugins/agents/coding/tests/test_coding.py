@@ -144,9 +144,8 @@ def test_a_missing_cli_and_a_task_without_files_or_tests_are_named_errors(stand_
             "files": {"a.py": ""}, "test": "true", "test_files": ["t.py"]}}))
     with pytest.raises(Exception, match="max_turns"):  # Codex has no turn limit: the option is not accepted
         Codex.Config(max_turns=2)
-    clash = Codex(Codex.Config(harness_dir=str(stand_in), env={"RLX_API_KEY": "mine", "HOME": "/x", "OK": "1"}))
     with pytest.raises(RLXError, match=r"agent_args.env sets \['HOME', 'RLX_API_KEY'\], which rlx sets for the codex"):
-        asyncio.run(clash.run("http://127.0.0.1:1", "k", TASK))
+        Codex(Codex.Config(harness_dir=str(stand_in), env={"RLX_API_KEY": "mine", "HOME": "/x", "OK": "1"}))
 
 
 def test_test_files_are_named_or_found_by_name():
@@ -229,14 +228,15 @@ def scripted_run(code_adapter, harness, cli, replies, **config):
     a, engine = code_adapter
     engine.replies.extend(replies)
     session, key = a.open_session()
-    ran, tests = asyncio.run(harness(harness.Config(time_limit_s=120, **config)).attempt(a.base_url, key, TASK))
-    assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
-    assert not engine.replies and len(engine.sent) == len(replies), (len(engine.sent), engine.replies)
-    assert tests.ok, tests.stderr  # the CLI's tool made the fix, in the task's folder
-    assert sum(session.mismatch_counts().values()) == 0
-    samples = session.samples()
-    a.close_session(session)
-    return ran, samples, engine.sent
+    try:
+        ran, tests = asyncio.run(harness(harness.Config(time_limit_s=120, **config)).attempt(a.base_url, key, TASK))
+        assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
+        assert not engine.replies and len(engine.sent) == len(replies), (len(engine.sent), engine.replies)
+        assert tests.ok, tests.stderr  # the CLI's tool made the fix, in the task's folder
+        assert sum(session.mismatch_counts().values()) == 0
+        return ran, session.samples(), engine.sent
+    finally:
+        a.close_session(session)
 
 
 @pytest.mark.integration
@@ -298,7 +298,9 @@ def test_a_compaction_by_the_real_cli_is_a_branch_of_the_session(code_adapter, h
     before, summary, after = samples
     assert [s.prompt_ids for s in samples] == [sent[0], sent[2], sent[3]]
     long_result = f"\n{n - 1}\n"
-    assert long_result in tok.decode(before.response_ids)  # not trained on (mask 0)
+    assert long_result in tok.decode(before.response_ids)
+    untrained = [t for t, m in zip(before.response_ids, before.loss_mask, strict=True) if m == 0]
+    assert long_result in tok.decode(untrained)  # the tool's output is not trained on
     assert tok.decode(summary.response_ids) == "Summary one.<|im_end|>" and all(summary.loss_mask)
     assert "Summary one." in tok.decode(after.prompt_ids) and long_result not in tok.decode(after.prompt_ids)
     assert tok.decode(after.response_ids) == "Done.<|im_end|>"
