@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,8 @@ class EngineFleet:
             args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
             if records_routing(self.cfg):
                 args.setdefault("enable_return_routed_experts", True)
+            if self.cfg.model.kernels:  # the trainer's kernel choices (a GDN model's gated delta rule)
+                args.setdefault("kernels", json.dumps(self.cfg.model.kernels))
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
         args = {**self.engine_args(path), **g.server_args}

@@ -64,3 +64,28 @@ def test_padded_forked_and_joining_rows_generate_what_a_plain_forward_gives(engi
             assert r.logprobs == pytest.approx(forward_logprobs(model, r.input_ids, r.output_ids), abs=1e-4)
     finally:
         s.shutdown()
+
+
+def test_prefill_runs_the_kernel_model_kernels_chooses(engine_parts):
+    """``--kernels '{"gdn": "torch"}'`` (rlx passes model.kernels): transformers' chunked gated delta rule is replaced
+    by the kernels hook's, and the model's logits are unchanged (the torch kernel is transformers' math)."""
+    import importlib
+
+    from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
+
+    model, _ = engine_parts
+    ids = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(0))  # more than one chunk
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    original = module.torch_chunk_gated_delta_rule
+    try:
+        assert use_gdn_kernel(model, "torch") == "gdn-torch"
+        assert module.torch_chunk_gated_delta_rule is not original
+        with torch.no_grad():
+            after = model(input_ids=ids).logits
+    finally:
+        module.torch_chunk_gated_delta_rule = original
+    assert (after - before).abs().max().item() < 1e-4
+    with pytest.raises(Exception, match="model.kernels.gdn: 'flashqla' cannot run here"):
+        use_gdn_kernel(model, "flashqla")

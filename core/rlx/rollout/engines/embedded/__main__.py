@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -30,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="memory for the prefix cache's KV when --prefix-cache-tokens is 0")
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
+    p.add_argument("--kernels", default="{}",
+                   help='kernel choices as JSON, e.g. {"gdn": "torch"} (rlx\'s model.kernels; unnamed ops: auto)')
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record the experts each token is routed to, for requests with return_routed_experts")
     return p.parse_args(argv)
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
+
+    use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
