@@ -140,13 +140,15 @@ def _load_libc() -> Any:
         return None
 
 
-_LIBC = _load_libc()  # loaded here, not in a forked child: dlopen after fork in a threaded process can deadlock
+_LIBC = _load_libc()
+# resolved here, not in a forked child: dlopen/dlsym after fork in a threaded process can deadlock on glibc's lock
+_PRCTL = _LIBC.prctl if _LIBC is not None else None
 
 
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies, even by SIGKILL (Linux)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 async def wait_healthy(url: str, process: Any, timeout_s: float, what: str = "engine") -> None:

@@ -1,27 +1,51 @@
 """The embedded engine's gated delta rule (Qwen3-Next / Qwen3.5 GDN layers): the kernel ``model.kernels.gdn``
 chooses through the kernels hook (`rlx.train.kernels.select`), as the trainer's does, in place of transformers'
-chunked function for prefill. Decoding one token at a time keeps transformers' recurrent step."""
+chunked function for prefill. Decoding one token at a time keeps transformers' recurrent step.
+
+The transformers modules are found from the model's own layers: those whose module defines a module-level
+``torch_chunk_gated_delta_rule`` (which their GDN layers call). A model without one is left alone."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
-# transformers modules whose GDN layers call a module-level ``torch_chunk_gated_delta_rule``
-GDN_MODULES = ("transformers.models.qwen3_next.modeling_qwen3_next", "transformers.models.qwen3_5.modeling_qwen3_5",
-               "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+
+def gdn_modules(model: Any) -> list[Any]:
+    """The transformers modules of the model's layers that call a module-level chunked gated delta rule."""
+    found = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and hasattr(module, "torch_chunk_gated_delta_rule"):
+            found[module.__name__] = module
+    return list(found.values())
 
 
-def use_gdn_kernel(model: Any, choice: str = "auto") -> str | None:
-    """Route the model's GDN prefill through the chosen kernel; returns its name (None: the model has no GDN
-    layers)."""
-    if "linear_attention" not in (getattr(model.config, "layer_types", None) or []):
+def use_gdn_kernel(model: Any, choice: str = "auto") -> Callable[[], None] | None:
+    """Route the model's GDN prefill through the chosen kernel; returns a function that puts transformers' back
+    (None: nothing was replaced: no GDN module, or no kernel for it). A kernel named in ``model.kernels`` that
+    cannot run on this engine's device (a GPU trainer's choice, CPU engines) gives way to ``auto``, saying so."""
+    modules = gdn_modules(model)
+    if not modules:
         return None
+    from rlx.errors import RLXError
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import select
+    from rlx.train.kernels import candidates, select
 
+    plugins = build_plugins()
+    if not candidates(plugins, "gdn"):
+        print("rlx: kernel for gdn: transformers' own (no gdn kernel plugin installed: rlx-kernel-flashqla)",
+              file=sys.stderr, flush=True)
+        return None
     p = next(model.parameters())
-    kernel = select(build_plugins(), "gdn", choice, where="model.kernels", device=p.device, dtype=p.dtype)
+    try:
+        kernel = select(plugins, "gdn", choice, where="model.kernels", device=p.device, dtype=p.dtype)
+    except RLXError as e:
+        if choice == "auto":
+            raise
+        print(f"rlx: warning: {e}; this engine uses auto", file=sys.stderr, flush=True)
+        kernel = select(plugins, "gdn", "auto", where="model.kernels", device=p.device, dtype=p.dtype)
 
     def chunked(query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_: Any):
@@ -29,13 +53,12 @@ def use_gdn_kernel(model: Any, choice: str = "auto") -> str | None:
                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
-    patched = 0
-    for name in GDN_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "torch_chunk_gated_delta_rule"):
-            module.torch_chunk_gated_delta_rule = chunked
-            patched += 1
-    if not patched:
-        raise RuntimeError(f"{model.config.model_type}: no transformers GDN module to give the {kernel.name} kernel "
-                           f"(looked in {', '.join(GDN_MODULES)})")
-    return kernel.name
+    originals = [(module, module.torch_chunk_gated_delta_rule) for module in modules]
+    for module, _ in originals:
+        module.torch_chunk_gated_delta_rule = chunked
+
+    def restore() -> None:
+        for module, original in originals:
+            module.torch_chunk_gated_delta_rule = original
+
+    return restore

@@ -195,8 +195,9 @@ class Scheduler:
                 if self.rows:
                     self._decode()
             except Exception as e:  # a model error fails the requests in flight (prefilling ones too), not the server
-                prefilling = [r for r in new if r not in self.rows and r.finish_reason is None]  # not yet done
-                for r in self.rows + prefilling + self.waiting:
+                prefilling = [r for r in new if r not in self.rows]
+                # a request that finished before the error keeps its own finish
+                for r in [r for r in self.rows + prefilling + self.waiting if r.finish_reason is None]:
                     self._finish(r, abort_reason(f"engine error: {type(e).__name__}: {e}", 500,
                                                  "InternalServerError"))
                 self._reset_batch()
