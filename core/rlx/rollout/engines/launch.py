@@ -112,12 +112,7 @@ class ManagedProcess:
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(5)
-
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL the process group at once and reap the process: for a server whose work is over and whose
@@ -131,18 +126,17 @@ class ManagedProcess:
         self.proc.wait(5)
 
 
-def _load_libc() -> Any:
+def _load_prctl() -> Any:
     try:
         import ctypes
 
-        return ctypes.CDLL("libc.so.6", use_errno=True)
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:  # not glibc Linux: no parent-death signal
         return None
 
 
-_LIBC = _load_libc()
 # resolved here, not in a forked child: dlopen/dlsym after fork in a threaded process can deadlock on glibc's lock
-_PRCTL = _LIBC.prctl if _LIBC is not None else None
+_PRCTL = _load_prctl()
 
 
 def _die_with_parent() -> None:
