@@ -64,15 +64,21 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:
             b1 = await s.manager.next_batch(1)
+            kept = [g.group_id for g in s.manager.pending]
             pending = {x.sample_id: list(x.response_ids) for g in s.manager.pending for x in g.samples
                        if x.status == SampleStatus.ABORTED}
-            b2 = await s.manager.next_batch(2)
-            return b1, pending, b2
+            # No fresh prompts from here on: the next two steps must finish exactly the kept groups. (With
+            # over-sampling, fresh groups race the resumed ones, and which finish first is up to the lengths
+            # the random model samples.)
+            s.manager.rc.over_sampling = 1.0
+            later = [await s.manager.next_batch(2), await s.manager.next_batch(3)]
+            return b1, kept, pending, later, s.manager.pending
 
-    b1, pending, b2 = asyncio.run(go())
+    b1, kept, pending, later, left = asyncio.run(go())
     assert len(b1.groups) == 2 and pending, "groups still running at the boundary were kept"
-    resumed = {x.sample_id: x for x in b2.samples if x.sample_id in pending}
-    assert resumed, "the next step finished the partial groups first"
+    assert len(kept) == 4 and sorted(g.group_id for b in later for g in b.groups) == sorted(kept) and not left
+    resumed = {x.sample_id: x for b in later for x in b.samples if x.sample_id in pending}
+    assert resumed.keys() == pending.keys()
     for sid, x in resumed.items():
         prefix = pending[sid]
         assert x.response_ids[: len(prefix)] == prefix and len(x.response_ids) > len(prefix)
