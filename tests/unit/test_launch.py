@@ -112,3 +112,31 @@ def test_a_server_that_never_answers_times_out(tmp_path):
     finally:
         proc.stop()
     assert not proc.alive()
+
+
+def test_free_ports_lie_outside_the_kernels_ephemeral_range_and_are_not_handed_out_twice(monkeypatch):
+    """A port from bind(0) can be taken as some connection's source port before the engine binds it (it
+    binds after loading its model): rlx's ports come from outside the ephemeral range and Ray's worker ports."""
+    import socket
+
+    from rlx import net
+
+    lo, hi = net._ephemeral_range()
+    ports = [net.free_port() for _ in range(300)]
+    assert len(set(ports)) == 300
+    assert all(20000 <= p <= 65535 and not lo <= p <= hi for p in ports)
+    with socket.socket() as s:  # each was free when handed out
+        s.bind(("127.0.0.1", ports[-1]))
+    # an ephemeral range that leaves nothing outside it: the kernel's pick
+    monkeypatch.setattr(net, "_ephemeral_range", lambda: (1024, 65535))
+    assert 0 < net.free_port() <= 65535
+    # a port something else holds is never handed out
+    monkeypatch.setattr(net, "_ephemeral_range", lambda: (20001, 65535))  # one candidate left: 20000
+    net._given.discard(20000)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", 20000))
+        except OSError:
+            pytest.skip("port 20000 is held by another process on this machine")
+        s.listen()
+        assert net.free_port() != 20000
