@@ -106,3 +106,24 @@ def test_enable_is_a_no_op_when_cuda_is_there(tmp_path):
             "print(enable(), torch.Tensor.type is t)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "True"], r.stderr
+
+
+@pytest.mark.parametrize("order", ["rlx first", "rlx first, cuda", "megatron first"])
+def test_megatrons_jit_fuser_is_a_plain_decorator_on_cpu_and_torch_compile_is_not_imported(order):
+    """`import rlx` makes megatron's jit_fuser (torch.compile) a no-op decorator on a CPU machine as megatron is
+    imported: torch's compiler stays unimported (1.3 s of each trainer's start). On GPU machines megatron keeps
+    its choice; megatron imported before rlx keeps compiled functions, and then dynamo is disabled instead."""
+    first = {"rlx first": "import rlx\n", "rlx first, cuda": "torch.cuda.is_available = lambda: True\nimport rlx\n",
+             "megatron first": "import megatron.core\nimport rlx\n"}[order]
+    code = ("import sys, warnings, torch\nwarnings.filterwarnings('ignore')\n" + first +
+            "from megatron.core.models.gpt import GPTModel\nfrom megatron.core import jit\n"
+            "fuser = 'noop' if jit.jit_fuser is jit.noop_decorator else 'compile'\n"
+            "dynamo = 'torch._dynamo' in sys.modules\n"
+            "from rlx.train import megatron_cpu\nmegatron_cpu.no_compile()\n"
+            "off = 'torch._dynamo' in sys.modules and sys.modules['torch._dynamo'].config.disable\n"
+            "print(fuser, dynamo, off)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == {"rlx first": ["noop", "False", "False"],
+                                "rlx first, cuda": ["compile", "True", "True"],
+                                "megatron first": ["compile", "True", "True"]}[order]

@@ -27,7 +27,9 @@ For mixture-of-experts and latent attention (each its own function, with a test 
 * `no_te_in_mla`: multi-latent attention believes TE is there (its stand-ins are MagicMocks) and calls
   ``isinstance`` with them. MLA's core attention is `rlx.train.attention.SDPACoreAttention`: megatron's
   local one does not take ``k_channels``/``v_channels``.
-* `no_compile`: megatron's ``jit_fuser`` is ``torch.compile``; its first call on CPU takes tens of seconds.
+* `no_compile`: megatron's ``jit_fuser`` is ``torch.compile``; its first call on CPU takes tens of seconds. It is
+  made a no-op as megatron is imported (`rlx._megatron_import`, installed by ``import rlx``), which also spares each
+  trainer process the 1.3 s import of torch's compiler.
 * `uneven_gathers`: with expert and expert-tensor parallelism together, the token dispatcher all-gathers and
   reduce-scatters pieces of different lengths over the expert-tensor-parallel group; gloo takes only equal
   pieces. Uneven pieces are padded to the longest for the all-gather, and the reduce-scatter becomes an
@@ -188,9 +190,14 @@ def no_te_in_mla() -> None:
 
 
 def no_compile() -> None:
-    import torch._dynamo
+    """Megatron imported before rlx (or compiled functions called): its fused functions are ``torch.compile``d
+    ones, which dynamo must not compile on CPU."""
+    from megatron.core import jit
 
-    torch._dynamo.config.disable = True
+    if jit.jit_fuser is not jit.noop_decorator or "torch._dynamo" in sys.modules:
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
 
 
 def uneven_gathers() -> None:
