@@ -147,6 +147,7 @@ def test_a_run_bigger_than_the_cluster_it_starts_fails_at_once(tiny_model_path, 
     p = rl("train", write_config(tmp_path, "big"), "--set", "ray.cpus_per_trainer=64", tag=uuid.uuid4().hex)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 1 and "needs 65 CPU" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "big" / "logs" / "ray-head.log").exists(), "known before a Ray head was started"
 
 
 def test_async_kill_9_then_resume_loses_and_repeats_no_sample(tiny_model_path, tmp_path):

@@ -385,6 +385,8 @@ class RayPlacement:
         init = dict(log_to_driver=rc.log_to_driver,
                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
         logs = Path(cfg.run.output_dir) / "logs"
+        if rc.address is None and not ray.is_initialized():  # the CPUs of the cluster it would start: before it
+            self._check_fits(self._bundles(cfg), {"CPU": rc.num_cpus or os.cpu_count() or 1}, ("CPU",))
         with stderr_to(None if verbose else logs / "driver.log"):
             if rc.address is None and not ray.is_initialized():
                 self.head = start_head(rc.num_cpus, logs, init)
@@ -399,14 +401,14 @@ class RayPlacement:
                 end_token_auth()
             raise
 
-    def _place(self, cfg: Config, ray: Any, placement_group: Any) -> None:
+    def _bundles(self, cfg: Config) -> list[dict[str, float]]:
+        """The run's bundles: trainer ranks (each with its critic rank where they share), then engines."""
         rc = cfg.ray
         actors = cfg.train.parallel.world_size
         critics = cfg.train.critic.parallel.world_size if cfg.train.critic.parallel is not None else 0
         shared = cfg.train.critic.placement == "shared"
         # shared: bundle r holds actor rank r and critic rank r, where they exist; own: the critic's bundles follow
         self.trainer_bundles = max(actors, critics) if shared else actors + critics
-        engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
         self.colocated = rc.placement == "colocated"
         bundles = []
         for r in range(self.trainer_bundles):
@@ -417,22 +419,37 @@ class RayPlacement:
             bundles.append(bundle)
         if self.colocated:
             # Engines share the actor's bundles; each bundle gets room for one engine's CPU as well.
-            for i in range(engines):
+            for i in range(self._engines(cfg)):
                 bundles[i % actors]["CPU"] += rc.cpus_per_engine
         else:
             eb = {"CPU": rc.cpus_per_engine}
             if rc.gpus_per_engine:
                 eb["GPU"] = rc.gpus_per_engine
-            bundles += [dict(eb) for _ in range(engines)]
-        if self.head is not None:  # a cluster started here cannot grow: say so now rather than after the timeout
-            total = ray.cluster_resources()
-            for res in ("CPU", "GPU"):
-                need = sum(b.get(res, 0) for b in bundles)
-                if need > total.get(res, 0):
-                    raise RLXError(
-                        f"the run needs {need:g} {res} for its bundles {bundles} but this Ray cluster has "
-                        f"{total.get(res, 0):g}; lower ray.cpus_per_trainer / ray.cpus_per_engine (fractions are "
-                        f"fine), set ray.num_cpus, or use ray.placement: colocated")
+            bundles += [dict(eb) for _ in range(self._engines(cfg))]
+        return bundles
+
+    @staticmethod
+    def _engines(cfg: Config) -> int:
+        return sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+
+    @staticmethod
+    def _check_fits(bundles: list[dict[str, float]], total: dict[str, float], kinds: tuple[str, ...]) -> None:
+        """A cluster started here cannot grow: say so now rather than after the placement timeout."""
+        for res in kinds:
+            need = sum(b.get(res, 0) for b in bundles)
+            if need > total.get(res, 0):
+                raise RLXError(
+                    f"the run needs {need:g} {res} for its bundles {bundles} but this Ray cluster has "
+                    f"{total.get(res, 0):g}; lower ray.cpus_per_trainer / ray.cpus_per_engine (fractions are "
+                    f"fine), set ray.num_cpus, or use ray.placement: colocated")
+
+    def _place(self, cfg: Config, ray: Any, placement_group: Any) -> None:
+        rc = cfg.ray
+        actors = cfg.train.parallel.world_size
+        engines = self._engines(cfg)
+        bundles = self._bundles(cfg)
+        if self.head is not None:
+            self._check_fits(bundles, ray.cluster_resources(), ("CPU", "GPU"))
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=rc.placement_timeout_s)
