@@ -121,9 +121,11 @@ def test_megatrons_jit_fuser_is_a_plain_decorator_on_cpu_and_torch_compile_is_no
             "dynamo = 'torch._dynamo' in sys.modules\n"
             "from rlx.train import megatron_cpu\nmegatron_cpu.no_compile()\n"
             "off = 'torch._dynamo' in sys.modules and sys.modules['torch._dynamo'].config.disable\n"
-            "print(fuser, dynamo, off)")
+            "from megatron.core.activations import quick_gelu\nquick_gelu(torch.randn(8, 8))\n"
+            "frames = sys.modules['torch._dynamo'].utils.counters['frames'] if dynamo else {}\n"
+            "print(fuser, dynamo, off, sum(frames.values()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == {"rlx first": ["noop", "False", "False"],
-                                "rlx first, cuda": ["compile", "True", "True"],
-                                "megatron first": ["compile", "True", "True"]}[order]
+    assert r.stdout.split() == {"rlx first": ["noop", "False", "False", "0"],
+                                "rlx first, cuda": ["compile", "True", "True", "0"],
+                                "megatron first": ["compile", "True", "True", "0"]}[order]  # nothing compiled

@@ -93,12 +93,10 @@ EACH = PRELUDE + textwrap.dedent("""
     real["no_te_in_mla"]()
     attempt("mla_after", mla_attention)
     from megatron.core import jit
-    results["compile_before"] = [jit.jit_fuser is torch.compile, torch._dynamo.config.disable]
-    real["no_compile"]()
     from megatron.core.activations import quick_gelu
-    import torch._dynamo.utils
-    quick_gelu(torch.randn(8, 8))  # a jit_fuser function: compiles for tens of seconds unless disabled
-    results["compile_after"] = [torch._dynamo.config.disable, dict(torch._dynamo.utils.counters["frames"])]
+    quick_gelu(torch.randn(8, 8))  # a jit_fuser function: as torch.compile's, it would compile for tens of seconds
+    # `import rlx` made jit_fuser a no-op as megatron was imported (rlx._megatron_import): no compiler at all
+    results["compile"] = [jit.jit_fuser is jit.noop_decorator, "torch._dynamo" in sys.modules]
     print("RESULTS", json.dumps(results))
 """)
 
@@ -175,8 +173,7 @@ def test_each_fix_is_needed_and_works(tmp_path):
     assert got["local_attention"][0] == "TypeError" and "k_channels" in got["local_attention"][1]
     assert got["mla_before"][0] == "TypeError" and "isinstance" in got["mla_before"][1]
     assert got["mla_after"] == ["ok", "MLASelfAttention"]
-    assert got["compile_before"] == [True, False]  # megatron's jit_fuser is torch.compile, and it is on
-    assert got["compile_after"] == [True, {}]  # nothing was compiled
+    assert got["compile"] == [True, False]  # (megatron imported before rlx: test_megatron_cpu.py)
 
 
 def test_expert_parallel_over_gloo_needs_list_split_sizes_and_matches_one_process(tmp_path):
