@@ -59,17 +59,43 @@ def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_grad
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask.dense(), scale=0.3)
     w = torch.randn(want.shape, generator=g)
     wants = torch.autograd.grad((want * w).sum(), (q, k, v))
-    for dense_width in (0, 9):  # each block alone (long rows), and one call under the mask (short rows)
-        got = block_causal_attention(q, k, v, mask, scale=0.3, dense_width=dense_width)
-        assert torch.allclose(got, want, atol=1e-6), dense_width
+    # lengths 9 | 5 4 | 3 | 2 | 1: five batches of blocks, one of them two blocks padded to 5
+    assert [tuple(g.shape) for g, _, _ in mask.buckets("cpu")] == [(1, 9), (2, 5), (1, 3), (1, 2), (1, 1)]
+    for ratio_mask in (mask, BlockCausal(mask.blocks, 9)):
+        if ratio_mask is not mask:  # every block in one batch, padded to 9
+            ratio_mask._buckets["cpu"] = ratio_mask.buckets("cpu", ratio=0.0)
+            assert len(ratio_mask._buckets["cpu"]) == 1
+        got = block_causal_attention(q, k, v, ratio_mask, scale=0.3)
+        assert torch.allclose(got, want, atol=1e-6)
         grads = torch.autograd.grad((got * w).sum(), (q, k, v))
         for a, b in zip(grads, wants, strict=True):
-            assert torch.allclose(a, b, atol=1e-5), dense_width
-        other = BlockCausal([[9], [6], [9]], 9)
-        assert not torch.allclose(block_causal_attention(q, k, v, other, 0.3, dense_width=dense_width), want)
+            assert torch.allclose(a, b, atol=1e-5)
+    other = BlockCausal([[9], [6], [9]], 9)
+    assert not torch.allclose(block_causal_attention(q, k, v, other, 0.3), want)
+    full = BlockCausal([[4, 5], [9], [9]], 9)  # no padding column
+    want_full = F.scaled_dot_product_attention(q, k, v, attn_mask=~full.dense(), scale=0.3)
+    assert torch.allclose(block_causal_attention(q, k, v, full, 0.3), want_full, atol=1e-6)
     with pytest.raises(ValueError, match="row 1"):
         BlockCausal([[4], [5, 5]], width=9)
     with pytest.raises(ValueError, match="no tokens"):
         BlockCausal([[4, 0]], width=9)
     with pytest.raises(ValueError, match="3 rows x 8 positions for a mask of 3 rows x 9"):
         block_causal_attention(q[:, :, :8], k, v, mask, scale=0.3)
+
+
+def test_rows_are_dealt_evenly_because_every_row_is_padded_to_the_longest():
+    from rlx.train.packing import balanced_rows, micro_batches
+
+    lengths = [7, 7, 4, 4, 4, 4]
+    # first-fit decreasing in rows of 14: 7+7 | 4+4+4 | 4 -> 3 rows padded to 14 = 42 positions
+    assert micro_batches(lengths, 14) == [[0, 1], [2, 3, 4], [5]]
+    # dealt longest first to the emptiest of the 3 rows: 7+4 | 7+4 | 4+4 -> padded to 11 = 33 positions
+    assert balanced_rows(lengths, 14) == [[0, 4], [1, 5], [2, 3]]
+    # dealing would overfill a row (3+2+2 > 6): first-fit's rows
+    assert balanced_rows([3, 3, 2, 2, 2], 6) == micro_batches([3, 3, 2, 2, 2], 6) == [[0, 1], [2, 3, 4]]
+    # a sample longer than a row still gets a row of its own, and one row or none stays as it is
+    assert balanced_rows([9, 2, 2], 4) == [[0], [1, 2]] and balanced_rows([3], 4) == [[0]] and balanced_rows([], 4) == []
+    p = pack([Sample([1] * 3, [2] * 4, sample_id=i) for i in range(2)] +
+             [Sample([1] * 2, [2] * 2, sample_id=2 + i) for i in range(4)], row_tokens=14)
+    assert p.input_ids.shape == (3, 11) and p.attention_mask.blocks == [[7, 4], [7, 4], [4, 4]]
+
