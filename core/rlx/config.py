@@ -315,7 +315,8 @@ class TrainConfig(Section):
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
     threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: in sync mode the node's cores
     #                                         shared by its trainer ranks, in async ray.cpus_per_trainer; rlx.cores)
-    row_tokens: int | None = Field(256, ge=1)  # packed row length: attention is dense per row (None: one row)
+    row_tokens: int | None = Field(256, ge=1)  # packed row length: rows are padded to the longest, and positions
+    #                                            run on across a row's samples (None: one row); attention is per sample
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
     # after each push: "sample" checks the version and a few values of some tensors on every engine; "full"
