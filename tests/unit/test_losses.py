@@ -164,3 +164,34 @@ def test_prepare_spreads_scalar_advantages_of_any_numeric_type_and_checks_per_to
 
     with pytest.raises(RLXError, match="estimator 'short' gave sample 0 1 advantages for 3 response tokens"):
         prepare(RolloutBatch(1, [g]), Short(), "token")
+
+
+def test_response_logprobs_and_entropy_of_the_tempered_distribution():
+    """Log-probs and entropy of softmax(logits / temperature) at the response positions, against a direct
+    computation. (rlx used to take the entropy from the logits after megatron's cross entropy had turned them
+    into probabilities in place: the entropy metric and, with an entropy coefficient, its gradient were wrong.)
+    The entropy carries a gradient only when it is a loss term."""
+    from rlx.train.objective import response_logprobs
+    from rlx.train.packing import pack
+    from rlx.types import Sample
+
+    a = Sample([1, 2], [3, 4, 5], sample_id=0, token_temperatures=[0.6, 0.6, 0.6])
+    b = Sample([6], [7, 8], sample_id=1)  # no temperatures recorded: 1.0
+    mb = pack([a, b])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, mb.input_ids.shape[1], 11, generator=g, requires_grad=True)
+    rows = logits[0, [1, 2, 3, 5, 6]]  # the positions predicting 3, 4, 5 | 7, 8
+    temps = torch.tensor([0.6, 0.6, 0.6, 1.0, 1.0])[:, None]
+    want_lp = torch.log_softmax(rows / temps, -1)[range(5), [3, 4, 5, 7, 8]]
+    p = torch.softmax(rows / temps, -1)
+    want_ent = -(p * p.log()).sum(-1)
+    lp, ent = response_logprobs(mb, logits, entropy=True)
+    assert torch.allclose(lp, want_lp, atol=1e-6) and torch.allclose(ent, want_ent, atol=1e-5)
+    assert lp.requires_grad and not ent.requires_grad  # a metric: no graph
+    (grad,) = torch.autograd.grad(lp.sum(), logits)
+    (want,) = torch.autograd.grad(want_lp.sum(), logits, retain_graph=True)
+    assert torch.allclose(grad, want, atol=1e-6)
+    _, ent = response_logprobs(mb, logits, entropy=True, entropy_grad=True)
+    (grad,) = torch.autograd.grad(ent.sum(), logits)
+    (want,) = torch.autograd.grad(want_ent.sum(), logits)
+    assert torch.allclose(grad, want, atol=1e-5)

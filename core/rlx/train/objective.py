@@ -96,7 +96,7 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
     """The loss of one packed micro-batch from its logits, with the batch's per-token values; `scale`
     multiplies the normalisation weights (so that one update's mini-batch sums to one)."""
     dev = logits.device
-    logprobs, ent = response_logprobs(mb, logits, entropy=True)
+    logprobs, ent = response_logprobs(mb, logits, entropy=True, entropy_grad=bool(cfg.entropy_coef))
     s = mb.samples
     rollout, has = TrainBatch.rollout_logprobs(s)
     inp = LossInputs(
@@ -115,19 +115,36 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
     return objective(inp, policy_loss, cfg, diff_threshold)
 
 
-def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool):
+def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entropy_grad: bool = False):
     """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel
-    safe, of the distribution each token was sampled from: the logits over its sampling temperature."""
+    safe, of the distribution each token was sampled from: the logits over its sampling temperature.
+
+    The entropy is a metric unless `entropy_grad` (a loss term): then it is computed without a graph. With the
+    vocabulary on one rank, one log-softmax gives both (the [T, V] passes are most of the loss's time on a
+    large vocabulary: 49k entries x 470 tokens is 92 MB a pass); split over TP ranks, megatron's cross
+    entropy and `vocab_parallel_entropy` reduce across them."""
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     dev = logits.device
     pos = mb.response_positions.to(dev)
-    temps = mb.temperatures.to(dev)[:, None]
-    resp_logits = mb.at_response(logits).float() / temps  # [T, V/tp]
+    resp_logits = mb.at_response(logits).float()  # [T, V/tp]
+    if not bool((mb.temperatures == 1.0).all()):
+        resp_logits = resp_logits / mb.temperatures.to(dev)[:, None]
     targets = mb.targets.to(dev)[pos]
-    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].contiguous(),
-                                                             targets[:, None])[:, 0]
-    ent = vocab_parallel_entropy(resp_logits) if entropy else None
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        logp = torch.log_softmax(resp_logits, dim=-1)
+        logprobs = logp.gather(-1, targets[:, None])[:, 0]
+        ent = None
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = -(logp.exp() * logp).sum(-1)
+        return logprobs, ent
+    ent = None
+    if entropy:  # first: megatron's cross entropy turns its input into probabilities in place
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = vocab_parallel_entropy(resp_logits)
+    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(resp_logits[:, None, :].clone(), targets[:, None])[:, 0]
     return logprobs, ent
 
 
