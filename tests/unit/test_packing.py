@@ -63,8 +63,9 @@ def test_block_causal_attention_equals_sdpa_under_the_dense_mask_values_and_grad
     assert [tuple(g.shape) for g, _, _ in mask.buckets("cpu")] == [(1, 9), (2, 5), (1, 3), (1, 2), (1, 1)]
     for ratio_mask in (mask, BlockCausal(mask.blocks, 9)):
         if ratio_mask is not mask:  # every block in one batch, padded to 9
-            ratio_mask._buckets["cpu"] = ratio_mask.buckets("cpu", ratio=0.0)
-            assert len(ratio_mask._buckets["cpu"]) == 1
+            cpu = torch.device("cpu")  # the key block_causal_attention looks up (q.device)
+            ratio_mask._buckets[cpu] = ratio_mask.buckets(cpu, ratio=0.0)
+            assert [tuple(g.shape) for g, _, _ in ratio_mask.buckets(cpu)] == [(6, 9)]
         got = block_causal_attention(q, k, v, ratio_mask, scale=0.3)
         assert torch.allclose(got, want, atol=1e-6)
         grads = torch.autograd.grad((got * w).sum(), (q, k, v))
