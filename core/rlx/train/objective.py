@@ -119,7 +119,7 @@ def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entr
     """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel
     safe, of the distribution each token was sampled from: the logits over its sampling temperature.
 
-    The entropy is a metric unless `entropy_grad` (a loss term): then it is computed without a graph. With the
+    The entropy is computed without a graph unless `entropy_grad` (it is a loss term, not only a metric). With the
     vocabulary on one rank, one log-softmax gives both (the [T, V] passes are most of the loss's time on a
     large vocabulary: 49k entries x 470 tokens is 92 MB a pass); split over TP ranks, megatron's cross
     entropy and `vocab_parallel_entropy` reduce across them."""
