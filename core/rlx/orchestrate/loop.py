@@ -501,8 +501,9 @@ def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
 def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
     """Each trainer rank's torch threads (`rlx.cores`); logged once."""
     from rlx.cores import local_plan
+    from rlx.orchestrate.workers import launched_engines
 
-    engines = sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+    engines = launched_engines(cfg)
     local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads)
     plan = local if placement is None else placement.thread_plan(cfg)
     trainer.set_threads(plan.trainer)

@@ -368,6 +368,11 @@ def _reraise(e: Any) -> None:
     raise e
 
 
+def launched_engines(cfg: Config) -> int:
+    """The engines the run starts (none when it attaches to engines by address)."""
+    return sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+
+
 class RayPlacement:
     """A Ray cluster (started here, or joined at ``ray.address``) and one placement group for the run."""
 
@@ -385,15 +390,16 @@ class RayPlacement:
         init = dict(log_to_driver=rc.log_to_driver,
                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
         logs = Path(cfg.run.output_dir) / "logs"
+        bundles = self._bundles(cfg)
         if rc.address is None and not ray.is_initialized():  # the CPUs of the cluster it would start: before it
-            self._check_fits(self._bundles(cfg), {"CPU": rc.num_cpus or os.cpu_count() or 1}, ("CPU",))
+            self._check_fits(bundles, {"CPU": rc.num_cpus or os.cpu_count() or 1}, ("CPU",))
         with stderr_to(None if verbose else logs / "driver.log"):
             if rc.address is None and not ray.is_initialized():
                 self.head = start_head(rc.num_cpus, logs, init)
             elif not ray.is_initialized():
                 ray.init(address=rc.address, **init)
         try:
-            self._place(cfg, ray, placement_group)
+            self._place(cfg, ray, placement_group, bundles)
         except BaseException:
             if self.head is not None:  # the run's own cluster goes with the failed start
                 ray.shutdown()
@@ -419,18 +425,14 @@ class RayPlacement:
             bundles.append(bundle)
         if self.colocated:
             # Engines share the actor's bundles; each bundle gets room for one engine's CPU as well.
-            for i in range(self._engines(cfg)):
+            for i in range(launched_engines(cfg)):
                 bundles[i % actors]["CPU"] += rc.cpus_per_engine
         else:
             eb = {"CPU": rc.cpus_per_engine}
             if rc.gpus_per_engine:
                 eb["GPU"] = rc.gpus_per_engine
-            bundles += [dict(eb) for _ in range(self._engines(cfg))]
+            bundles += [dict(eb) for _ in range(launched_engines(cfg))]
         return bundles
-
-    @staticmethod
-    def _engines(cfg: Config) -> int:
-        return sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
 
     @staticmethod
     def _check_fits(bundles: list[dict[str, float]], total: dict[str, float], kinds: tuple[str, ...]) -> None:
@@ -443,11 +445,10 @@ class RayPlacement:
                     f"{total.get(res, 0):g}; lower ray.cpus_per_trainer / ray.cpus_per_engine (fractions are "
                     f"fine), set ray.num_cpus, or use ray.placement: colocated")
 
-    def _place(self, cfg: Config, ray: Any, placement_group: Any) -> None:
+    def _place(self, cfg: Config, ray: Any, placement_group: Any, bundles: list[dict[str, float]]) -> None:
         rc = cfg.ray
         actors = cfg.train.parallel.world_size
-        engines = self._engines(cfg)
-        bundles = self._bundles(cfg)
+        engines = launched_engines(cfg)
         if self.head is not None:
             self._check_fits(bundles, ray.cluster_resources(), ("CPU", "GPU"))
         self.pg = placement_group(bundles, strategy="PACK")
