@@ -140,7 +140,11 @@ def test_sigterm_saves_a_checkpoint_at_the_end_of_the_step_and_resume_goes_on(ti
 
 def test_a_second_ctrl_c_stops_at_once(tiny_model_path, tmp_path):
     tag = uuid.uuid4().hex
-    p, _ = start_run(tmp_path, "int", 400, "--set", "train.checkpoint.interval=0", tag=tag)
+    # Steps of seconds (long rollouts): both signals land inside one step. With the steps of a few tens of ms the
+    # tiny model now takes, the first Ctrl-C's end-of-step checkpoint could finish before the second was handled.
+    p, _ = start_run(tmp_path, "int", 400, "--set", "train.checkpoint.interval=0",
+                     "--set", "rollout.sampling.max_new_tokens=1000", "--set", "rollout.sampling.ignore_eos=true",
+                     tag=tag)
     wait_rows(p, tmp_path / "int" / "metrics.jsonl", 1)
     p.send_signal(signal.SIGINT)
     time.sleep(0.02)
