@@ -1,4 +1,5 @@
-"""One GRPO workload through rlx (sync and async) and through TRL's GRPOTrainer on CPU, side by side.
+"""One GRPO workload through rlx (sync; async with the cores shared, the default, and split: `train.async_cores`)
+and through TRL's GRPOTrainer on CPU, side by side.
 
 Same model, prompts (arithmetic), completions per prompt, prompts per step, new tokens, reward (fraction of
 digit characters), learning rate, no KL term. Seconds per step, phase times and cores used are medians over
@@ -48,7 +49,7 @@ def digits(text: str) -> float:
     return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
 
 
-def run_rlx(w: Workload, data: Path, out: Path, mode: str) -> list[dict]:
+def run_rlx(w: Workload, data: Path, out: Path, mode: str, async_cores: str = "share") -> list[dict]:
     from rlx.config import parse_config
     from rlx.orchestrate.loop import train
     from rlx.orchestrate.metrics import read
@@ -60,7 +61,8 @@ def run_rlx(w: Workload, data: Path, out: Path, mode: str) -> list[dict]:
         "data": {"path": str(data)},
         "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["digits"],
                     "sampling": {"max_new_tokens": w.tokens, "temperature": 1.0}},
-        "train": {"mode": mode, "num_steps": w.steps, "optim": {"lr": w.lr}, "checkpoint": {"interval": 0}},
+        "train": {"mode": mode, "async_cores": async_cores, "num_steps": w.steps, "optim": {"lr": w.lr},
+                  "checkpoint": {"interval": 0}},
     }))
     asyncio.run(train(cfg, build_plugins()))
     return read(out)
@@ -144,6 +146,7 @@ def main() -> None:
     data = write_jsonl(arithmetic(512), tmp / "data.jsonl")
     runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),
             "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
+            "rlx async split": lambda: run_rlx(w, data, tmp / "rlx-async-split", "async", "split"),
             "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl")}
     table = {}
     for name, fn in runs.items():

@@ -313,8 +313,12 @@ class TrainConfig(Section):
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
     update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
-    threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: in sync mode the node's cores
-    #                                         shared by its trainer ranks, in async ray.cpus_per_trainer; rlx.cores)
+    threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: the node's cores shared by its
+    #                                         trainer ranks; async with async_cores "split": ray.cpus_per_trainer)
+    # async mode, how trainer ranks and engines use a node's cores (rlx.cores): "share": each gets what it would in
+    # sync mode, and threads that wait sleep at once (OMP_WAIT_POLICY=PASSIVE), so the busy phase has the cores the
+    # idle one leaves; "split": each keeps the CPUs it reserved (ray.cpus_per_trainer, ray.cpus_per_engine)
+    async_cores: Literal["share", "split"] = "share"
     row_tokens: int | None = Field(256, ge=1)  # packed row length: rows are padded to the longest, and positions
     #                                            run on across a row's samples (None: one row); attention is per sample
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks

@@ -7,8 +7,14 @@ threads itself:
 - **sync mode**: rollout, training and weight sync take turns, so each phase runs alone on the machine. Each
   trainer rank gets its node's cores divided by the trainer ranks there (actor and critic), each engine its
   node's cores divided by the engines there.
-- **async mode**: rollout and training run at once, so each process keeps what it reserved:
-  ``ray.cpus_per_trainer`` and ``ray.cpus_per_engine`` (at least one thread), which split the machine.
+- **async mode**: rollout and training run at once. ``train.async_cores`` says how they use the cores:
+  - ``share`` (the default): each process gets the threads it would have in sync mode, and starts with
+    ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets a policy), so that an OpenMP thread that waits
+    sleeps instead of spinning on a core the other phase could use. Whichever phase is busy gets the cores the
+    other leaves idle. On 2 cores, SmolLM2-135M: 9.2 s/step against 12-15 s split 1 + 1 (benchmarks/RESULTS.md).
+  - ``split``: each process keeps what it reserved, ``ray.cpus_per_trainer`` and ``ray.cpus_per_engine``
+    (at least one thread), which divide the machine. Better where ops are too small to use several threads
+    (the tiny test model: 0.10 s/step against 0.12 shared), or where steady per-phase timings matter.
 - ``train.threads`` (trainer ranks) and an engine group's ``server_args.num_threads`` override both.
 
 A node's cores are what Ray counts for it (``ray.num_cpus`` for a cluster started here), or this process's
@@ -44,11 +50,11 @@ class ThreadPlan:
 
 
 def plan_threads(mode: str, node_cores: dict[str, int], trainer_nodes: Sequence[str], engine_nodes: Sequence[str],
-                 cpus_per_trainer: float = 1, cpus_per_engine: float = 1, trainer_threads: int | None = None
-                 ) -> ThreadPlan:
+                 cpus_per_trainer: float = 1, cpus_per_engine: float = 1, trainer_threads: int | None = None,
+                 async_cores: str = "share") -> ThreadPlan:
     """Threads for each trainer process and engine, given the node each runs on (see the module docstring)."""
     trainers_on, engines_on = Counter(trainer_nodes), Counter(engine_nodes)
-    if mode == "async":
+    if mode == "async" and async_cores == "split":
         trainer = [max(1, int(cpus_per_trainer))] * len(trainer_nodes)
         engine = [max(1, int(cpus_per_engine))] * len(engine_nodes)
     else:
@@ -60,10 +66,19 @@ def plan_threads(mode: str, node_cores: dict[str, int], trainer_nodes: Sequence[
 
 
 def local_plan(mode: str, engines: int, cpus_per_trainer: float = 1, cpus_per_engine: float = 1,
-               trainer_threads: int | None = None) -> ThreadPlan:
+               trainer_threads: int | None = None, async_cores: str = "share") -> ThreadPlan:
     """The plan without Ray: one trainer rank (this process) and `engines` engines, all on this machine."""
     return plan_threads(mode, {"here": local_cores()}, ["here"], ["here"] * engines, cpus_per_trainer=cpus_per_trainer,
-                        cpus_per_engine=cpus_per_engine, trainer_threads=trainer_threads)
+                        cpus_per_engine=cpus_per_engine, trainer_threads=trainer_threads, async_cores=async_cores)
+
+
+def process_env(mode: str, async_cores: str) -> dict[str, str]:
+    """What trainer rank and engine processes start with, beyond this process's environment: in async mode with
+    shared cores, OpenMP threads that wait sleep at once (it is read when the library loads: a process's
+    start is the only time to set it). A wait policy in this environment is kept (the processes inherit it)."""
+    if mode == "async" and async_cores == "share" and "OMP_WAIT_POLICY" not in os.environ:
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {}
 
 
 def process_cpu() -> tuple[str, float]:

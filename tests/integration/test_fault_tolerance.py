@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx.testing.processes import processes_tagged, wait_gone
+from rlx.testing.processes import environ, processes_tagged, wait_gone
 from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
@@ -57,6 +57,7 @@ def run_with_a_fault(tmp_path: Path, name: str, sig: int, *sets: str) -> tuple[s
             time.sleep(0.05)
         pids = engine_pids(tag)
         assert len(pids) == 2, pids
+        policies = {environ(pid).get("OMP_WAIT_POLICY") for pid in pids}
         os.kill(pids[0], sig)
         _, err = p.communicate(timeout=600)
     finally:
@@ -66,6 +67,9 @@ def run_with_a_fault(tmp_path: Path, name: str, sig: int, *sets: str) -> tuple[s
     assert p.returncode == 0, err[-3000:]
     assert wait_gone(tag) == [], "rl train left processes behind"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # async mode shares the cores: its engines start with sleeping waits (rlx.cores); sync mode leaves them be
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE" if "train.mode=async" in sets else None)
+    assert policies == {expected}, policies
     return err, rows
 
 

@@ -1,4 +1,5 @@
-"""Threads per process (sync: a phase has its node's cores; async: what each reserved) and cores used per phase."""
+"""Threads per process (sync and async shared: a phase has its node's cores; async split: what each reserved) and
+cores used per phase."""
 
 import asyncio
 
@@ -15,15 +16,34 @@ def test_sync_mode_gives_each_phase_its_nodes_cores():
     assert plan_threads("sync", {"a": 1}, ["a", "a"], ["a"] * 3).trainer == [1, 1]  # never zero
 
 
-def test_async_mode_splits_by_reserved_cpus_and_the_config_overrides():
-    plan = plan_threads("async", {"a": 8}, ["a", "a"], ["a"], cpus_per_trainer=3, cpus_per_engine=0.5)
+def test_async_mode_split_keeps_the_reserved_cpus_and_the_config_overrides():
+    plan = plan_threads("async", {"a": 8}, ["a", "a"], ["a"], cpus_per_trainer=3, cpus_per_engine=0.5,
+                        async_cores="split")
     assert plan.trainer == [3, 3] and plan.engine == [1]
     assert plan_threads("sync", {"a": 8}, ["a"], ["a"], trainer_threads=2).trainer == [2]
-    assert plan_threads("async", {"a": 8}, ["a"], [], trainer_threads=5).trainer == [5]
+    assert plan_threads("async", {"a": 8}, ["a"], [], trainer_threads=5, async_cores="split").trainer == [5]
     from rlx.cores import local_plan
 
-    plan = local_plan("async", 2, cpus_per_trainer=3, cpus_per_engine=2)  # without Ray: the same settings count
+    plan = local_plan("async", 2, cpus_per_trainer=3, cpus_per_engine=2, async_cores="split")  # without Ray: the same
     assert plan.trainer == [3] and plan.engine == [2, 2]
+
+
+def test_async_mode_shared_gives_each_process_its_sync_threads():
+    cores = {"a": 8, "b": 16}
+    args = (cores, ["a", "a", "b"], ["a", "b", "b"])
+    shared = plan_threads("async", *args, cpus_per_trainer=1, cpus_per_engine=1)  # share is the default
+    assert shared == plan_threads("sync", *args) and shared.trainer == [4, 4, 16] and shared.engine == [8, 8, 8]
+    assert plan_threads("async", *args, trainer_threads=3).trainer == [3, 3, 3]
+
+
+def test_only_async_shared_processes_start_with_sleeping_waits(monkeypatch):
+    from rlx.cores import process_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert process_env("async", "share") == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert process_env("async", "split") == {} and process_env("sync", "share") == {}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice reaches the processes unchanged
+    assert process_env("async", "share") == {}
 
 
 class _Client:

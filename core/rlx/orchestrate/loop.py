@@ -14,6 +14,7 @@ mode the rollout stream keeps generating while it trains.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -504,7 +505,8 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
     from rlx.orchestrate.workers import launched_engines
 
     engines = launched_engines(cfg)
-    local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads)
+    local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads,
+                       cfg.train.async_cores)
     plan = local if placement is None else placement.thread_plan(cfg)
     trainer.set_threads(plan.trainer)
     planned = iter(plan.engine or local.engine)
@@ -515,5 +517,16 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
             if g.backend == "embedded":
                 threads.append(g.server_args.get("num_threads") or t)
     engines_text = f", engines {threads}" if threads else ""
-    print(f"rlx: CPU threads ({cfg.train.mode} mode): trainer ranks {plan.trainer}{engines_text}", file=sys.stderr,
-          flush=True)
+    mode = cfg.train.mode
+    if mode == "async":  # how the two phases share a node's cores, and whether waiting threads sleep in each
+        from rlx.cores import process_env
+
+        mode += f" mode, cores {'shared' if cfg.train.async_cores == 'share' else 'split'}"
+        engine_policy = process_env(cfg.train.mode, cfg.train.async_cores).get(
+            "OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "unset"))
+        policies = sorted(set(trainer.wait_policies()))
+        engines_text += (f"; OMP_WAIT_POLICY: trainer ranks {'/'.join(policies)}"
+                         + (f", engines {engine_policy}" if engines else ""))
+    else:
+        mode += " mode"
+    print(f"rlx: CPU threads ({mode}): trainer ranks {plan.trainer}{engines_text}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.config import Config
+from rlx.cores import process_env
 from rlx.errors import RLXError
 from rlx.net import node_ip, use_interface_of
 
@@ -70,6 +71,10 @@ class TrainerWorker:
         from rlx.cores import set_threads
 
         set_threads(n)
+
+    def wait_policy(self) -> str:
+        """The OpenMP wait policy this process started with (`rlx.cores.process_env`)."""
+        return os.environ.get("OMP_WAIT_POLICY", "unset")
 
     def cpu_seconds(self) -> tuple[str, float]:
         """(this process's identity, its CPU seconds): ranks in the driver's own process count once."""
@@ -126,6 +131,7 @@ class CriticWorker:
         self.trainer = CriticTrainer(self.cfg, build_plugins(), master_addr)
 
     set_threads = TrainerWorker.set_threads
+    wait_policy = TrainerWorker.wait_policy
     cpu_seconds = TrainerWorker.cpu_seconds
 
     def values(self, batch: Any) -> Any:
@@ -159,6 +165,10 @@ class TrainerGroup(ABC):
     def set_threads(self, threads: list[int]) -> None:
         """Torch threads for each rank (`rlx.cores`), in rank order."""
         self._each("set_threads", threads)
+
+    def wait_policies(self) -> list[str]:
+        """Each rank's OpenMP wait policy, as its process started."""
+        return self._all("wait_policy")
 
     def cpu_seconds(self) -> list[tuple[str, float]]:
         """Each rank's process (host and PID) and the CPU seconds it has used."""
@@ -229,8 +239,10 @@ class RayTrainerGroup(TrainerGroup):
         other = 0 if cfg.train.critic.placement == "own" else (  # ranks of the other role on the same bundles
             cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
         actor = ray.remote(num_cpus=rc.cpus_per_trainer)(CriticWorker if role == "critic" else TrainerWorker)
+        env = process_env(cfg.train.mode, cfg.train.async_cores)  # before the process loads torch (rlx.cores)
         self.workers = [
             actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
+                          **({"runtime_env": {"env_vars": env}} if env else {}),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               placement_group, placement_group_bundle_index=first_bundle + rank)).remote(cfg)
             for rank in range(world)
@@ -479,7 +491,7 @@ class RayPlacement:
         rc = cfg.ray
         return plan_threads(cfg.train.mode, cores, [node_of[b] for b in trainers],
                             [node_of[b] for b in self.engine_bundles], rc.cpus_per_trainer, rc.cpus_per_engine,
-                            cfg.train.threads)
+                            cfg.train.threads, cfg.train.async_cores)
 
     def engine_spawner(self, cfg: Config):
         """A function making engine processes inside Ray actors placed on the engine bundles."""
@@ -492,14 +504,14 @@ class RayPlacement:
         bundles = iter(zip(self.engine_bundles, self.thread_plan(cfg).engine, strict=True))
         placed: dict[Path, tuple[int, int]] = {}  # an engine restarted (same log) goes back to its own bundle
 
-        def spawn(command, log_path: Path):
+        def spawn(command, log_path: Path, env: dict[str, str] | None = None):
             if log_path not in placed:
                 placed[log_path] = next(bundles)
             bundle, threads = placed[log_path]
             host = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=bundle)).remote()
             ip, port = ray.get(host.address.remote(), timeout=rc.placement_timeout_s)  # a restart waits for its bundle
-            ray.get(host.start.remote(command(ip, port, threads), str(log_path)))
+            ray.get(host.start.remote(command(ip, port, threads), str(log_path), env))
             return RayProcess(host, log_path), f"http://{ip}:{port}"
 
         return spawn
@@ -650,11 +662,11 @@ class EngineHost:
         ip = node_ip()
         return ip, free_port(ip)
 
-    def start(self, cmd: list[str], log_path: str) -> None:
+    def start(self, cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
         from rlx.rollout.engines.launch import ManagedProcess
 
         self.process = ManagedProcess(cmd, Path(log_path))
-        self.process.start()
+        self.process.start(env)
 
     def alive(self) -> bool:
         return self.process.alive()

@@ -19,6 +19,12 @@ def processes_tagged(tag: str, var: str = "RLX_TEST_TAG") -> list[int]:
     return pids
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (Linux /proc)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
 def wait_gone(tag: str, timeout: float = 20, var: str = "RLX_TEST_TAG") -> list[int]:
     """Wait until no process carries the tag; returns those still there after `timeout` seconds."""
     deadline = time.monotonic() + timeout

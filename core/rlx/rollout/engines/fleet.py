@@ -52,9 +52,9 @@ class Engine:
 
 class EngineFleet:
     def __init__(self, cfg: Config, log_dir: Path, spawn=None, engine_args: Any = None):
-        """`spawn(command, log_path) -> (process, url)` starts an engine process where it is placed: it
-        calls ``command(host, port)`` with that host's address and a port free there (default: a local
-        `ManagedProcess` on 127.0.0.1). `engine_args(model_path) -> dict`: SGLang server arguments that
+        """`spawn(command, log_path, env) -> (process, url)` starts an engine process where it is placed: it
+        calls ``command(host, port)`` with that host's address and a port free there, and starts it with `env`
+        added to the environment (default: a local `ManagedProcess` on 127.0.0.1). `engine_args(model_path) -> dict`: SGLang server arguments that
         model's family needs (from its model spec); a group's own ``server_args`` override them."""
         self.spawn = spawn or _spawn_local
         self.cfg = cfg
@@ -108,7 +108,13 @@ class EngineFleet:
         from rlx.cores import local_plan
 
         n = sum(g.num_engines for g in self.rc.engines)
-        return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine).engine[0]
+        return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine,
+                          async_cores=self.cfg.train.async_cores).engine[0]
+
+    def _env(self) -> dict[str, str]:
+        from rlx.cores import process_env
+
+        return process_env(self.cfg.train.mode, self.cfg.train.async_cores)
 
     async def start(self) -> None:
         try:
@@ -125,7 +131,7 @@ class EngineFleet:
             for g in self.rc.engines:
                 for i in range(g.num_engines):
                     log_path = self.log_dir / f"engine-{g.name}-{i}.log"
-                    proc, url = self.spawn(functools.partial(self._command, g), log_path)
+                    proc, url = self.spawn(functools.partial(self._command, g), log_path, self._env())
                     self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size,
                                                process=proc, timeout_s=timeout, launch=(g, log_path)))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
@@ -184,7 +190,7 @@ class EngineFleet:
     def respawn(self, e: Engine) -> None:
         """Start a launched engine again where it was (its old process is gone): a new process and URL."""
         g, log_path = e.launch
-        e.process, e.url = self.spawn(functools.partial(self._command, g), log_path)
+        e.process, e.url = self.spawn(functools.partial(self._command, g), log_path, self._env())
 
     async def stop(self) -> None:
         if self.health is not None:
@@ -201,8 +207,8 @@ class EngineFleet:
         self.engines = []
 
 
-def _spawn_local(command: Any, log_path: Path) -> tuple[ManagedProcess, str]:
+def _spawn_local(command: Any, log_path: Path, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
     port = free_port()
     proc = ManagedProcess(command(HOST, port), log_path)
-    proc.start()
+    proc.start(env)
     return proc, f"http://{HOST}:{port}"
