@@ -11,10 +11,13 @@ threads itself:
   - ``share`` (the default): each process gets the threads it would have in sync mode, and starts with
     ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets a policy), so that an OpenMP thread that waits
     sleeps instead of spinning on a core the other phase could use. Whichever phase is busy gets the cores the
-    other leaves idle. On 2 cores, SmolLM2-135M: 9.2 s/step against 12-15 s split 1 + 1 (benchmarks/RESULTS.md).
+    other leaves idle. On 2 cores, SmolLM2-135M: 8.1-10.0 s/step against 10.9-11.5 s split 1 + 1
+    (benchmarks/RESULTS.md, 2026-11-24). Without Ray the trainer runs in the driver's process, which started
+    before the config was read: unless it was started with ``OMP_WAIT_POLICY=PASSIVE``, its threads spin, and
+    it keeps ``ray.cpus_per_trainer`` threads instead (the engines still share).
   - ``split``: each process keeps what it reserved, ``ray.cpus_per_trainer`` and ``ray.cpus_per_engine``
     (at least one thread), which divide the machine. Better where ops are too small to use several threads
-    (the tiny test model: 0.10 s/step against 0.12 shared), or where steady per-phase timings matter.
+    (the tiny test model: 0.109 s/step against 0.123 shared), or where steady per-phase timings matter.
 - ``train.threads`` (trainer ranks) and an engine group's ``server_args.num_threads`` override both.
 
 A node's cores are what Ray counts for it (``ray.num_cpus`` for a cluster started here), or this process's
@@ -75,10 +78,17 @@ def local_plan(mode: str, engines: int, cpus_per_trainer: float = 1, cpus_per_en
 def process_env(mode: str, async_cores: str) -> dict[str, str]:
     """What trainer rank and engine processes start with, beyond this process's environment: in async mode with
     shared cores, OpenMP threads that wait sleep at once (it is read when the library loads: a process's
-    start is the only time to set it). A wait policy in this environment is kept (the processes inherit it)."""
-    if mode == "async" and async_cores == "share" and "OMP_WAIT_POLICY" not in os.environ:
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    start is the only time to set it). A wait policy set in this environment is passed on instead (explicitly:
+    the workers of a cluster joined by address do not inherit this environment)."""
+    if mode == "async" and async_cores == "share":
+        return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     return {}
+
+
+def waits_sleep_here() -> bool:
+    """Whether this process's OpenMP threads sleep when they wait: ``OMP_WAIT_POLICY=PASSIVE`` in its environment
+    (OpenMP reads it once, when torch loads it; set later, it is seen here but does nothing)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 
 
 def process_cpu() -> tuple[str, float]:

@@ -32,14 +32,16 @@ def eval_section(tmp_path):
 def test_evaluation_at_step_0_and_every_interval_reaches_eval_jsonl_and_the_loggers(tiny_model_path, tmp_path, mode):
     """Sync in the driver's process, async through Ray (trainer rank and engine in Ray actors)."""
     cfg = small_run_config(tmp_path, "run", eval=eval_section(tmp_path), run={"loggers": ["tensorboard"]},
-                           ray={"enabled": mode == "async"},
+                           ray={"enabled": mode == "async", "num_cpus": 2},
                            train={"num_steps": 4, "mode": mode, "checkpoint": {"interval": 2}})
     r = rl("train", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     if mode == "async":  # cores shared: the Ray actors' processes start with sleeping waits (rlx.cores)
         policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-        assert (f"CPU threads (async mode, cores shared): trainer ranks [{os.cpu_count()}], engines [1]; "
+        assert (f"CPU threads (async mode, cores shared): trainer ranks [2], engines [1]; "
                 f"OMP_WAIT_POLICY: trainer ranks {policy}, engines {policy}") in r.stderr
+        engine_log = (tmp_path / "run" / "logs" / "engine-default-0.log").read_text()
+        assert f"1 threads, OMP_WAIT_POLICY {policy})" in engine_log  # what the engine itself started with
     out = tmp_path / "run"
     rows = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert [(r["step"], r["dataset"]) for r in rows] == [(s, d) for s in (0, 2, 4) for d in ("exact", "digits")]

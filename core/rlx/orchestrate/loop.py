@@ -14,6 +14,7 @@ mode the rollout stream keeps generating while it trains.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import time
@@ -508,6 +509,15 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
     local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads,
                        cfg.train.async_cores)
     plan = local if placement is None else placement.thread_plan(cfg)
+    from rlx.cores import waits_sleep_here
+
+    # Without Ray the trainer is this process, started before the config was read: if its waiting threads spin,
+    # sharing the cores with them costs the engines more than it gives, so it keeps what it reserved (rlx.cores).
+    spinning_here = (placement is None and cfg.train.mode == "async" and cfg.train.async_cores == "share"
+                     and not cfg.train.threads and not waits_sleep_here())
+    if spinning_here:
+        plan = dataclasses.replace(plan, trainer=local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer,
+                                                            async_cores="split").trainer)
     trainer.set_threads(plan.trainer)
     planned = iter(plan.engine or local.engine)
     threads = []  # each embedded engine's: the plan, or its group's server_args.num_threads
@@ -527,6 +537,9 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
         policies = sorted(set(trainer.wait_policies()))
         engines_text += (f"; OMP_WAIT_POLICY: trainer ranks {'/'.join(policies)}"
                          + (f", engines {engine_policy}" if engines else ""))
+        if spinning_here:
+            engines_text += ("; the trainer runs in this process, whose waiting threads spin: it keeps "
+                             "ray.cpus_per_trainer threads (start rl with OMP_WAIT_POLICY=PASSIVE to share)")
     else:
         mode += " mode"
     print(f"rlx: CPU threads ({mode}): trainer ranks {plan.trainer}{engines_text}", file=sys.stderr, flush=True)

@@ -313,6 +313,9 @@ class CriticTrainerGroup(TrainerGroup):
         self.actor.set_threads(threads[:n])
         self.critic.set_threads(threads[n:])
 
+    def wait_policies(self) -> list[str]:
+        return self.actor.wait_policies() + self.critic.wait_policies()
+
     def cpu_seconds(self) -> list[tuple[str, float]]:
         return self.actor.cpu_seconds() + self.critic.cpu_seconds()
 

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         print(f"rlx embedded engine ready on http://{args.host}:{args.port} (pid {os.getpid()}, "
-              f"{device}, {dtype})", flush=True)
+              f"{device}, {dtype}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY "
+              f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
