@@ -76,7 +76,7 @@ def local_plan(mode: str, engines: int, cpus_per_trainer: float = 1, cpus_per_en
 
 
 def process_env(mode: str, async_cores: str) -> dict[str, str]:
-    """What trainer rank and engine processes start with, beyond this process's environment: in async mode with
+    """What trainer rank and engine processes start with, on top of this process's environment: in async mode with
     shared cores, OpenMP threads that wait sleep at once (it is read when the library loads: a process's
     start is the only time to set it). A wait policy set in this environment is passed on instead (explicitly:
     the workers of a cluster joined by address do not inherit this environment)."""

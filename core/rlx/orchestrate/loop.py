@@ -502,17 +502,16 @@ def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
 
 def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
     """Each trainer rank's torch threads (`rlx.cores`); logged once."""
-    from rlx.cores import local_plan
+    from rlx.cores import local_plan, process_env, waits_sleep_here
     from rlx.orchestrate.workers import launched_engines
 
     engines = launched_engines(cfg)
     local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads,
                        cfg.train.async_cores)
     plan = local if placement is None else placement.thread_plan(cfg)
-    from rlx.cores import waits_sleep_here
-
     # Without Ray the trainer is this process, started before the config was read: if its waiting threads spin,
-    # sharing the cores with them costs the engines more than it gives, so it keeps what it reserved (rlx.cores).
+    # they would hold cores the engines share (spinning waits made sharing slower than splitting), so it keeps
+    # what it reserved (rlx.cores).
     spinning_here = (placement is None and cfg.train.mode == "async" and cfg.train.async_cores == "share"
                      and not cfg.train.threads and not waits_sleep_here())
     if spinning_here:
@@ -529,8 +528,6 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
     engines_text = f", engines {threads}" if threads else ""
     mode = cfg.train.mode
     if mode == "async":  # how the two phases share a node's cores, and whether waiting threads sleep in each
-        from rlx.cores import process_env
-
         mode += f" mode, cores {'shared' if cfg.train.async_cores == 'share' else 'split'}"
         engine_policy = process_env(cfg.train.mode, cfg.train.async_cores).get(
             "OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "unset"))

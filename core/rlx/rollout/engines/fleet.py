@@ -54,8 +54,9 @@ class EngineFleet:
     def __init__(self, cfg: Config, log_dir: Path, spawn=None, engine_args: Any = None):
         """`spawn(command, log_path, env) -> (process, url)` starts an engine process where it is placed: it
         calls ``command(host, port)`` with that host's address and a port free there, and starts it with `env`
-        added to the environment (default: a local `ManagedProcess` on 127.0.0.1). `engine_args(model_path) -> dict`: SGLang server arguments that
-        model's family needs (from its model spec); a group's own ``server_args`` override them."""
+        added to the environment (default: a local `ManagedProcess` on 127.0.0.1). `engine_args(model_path) ->
+        dict`: SGLang server arguments that model's family needs (from its model spec); a group's own
+        ``server_args`` override them."""
         self.spawn = spawn or _spawn_local
         self.cfg = cfg
         self.rc = cfg.rollout
