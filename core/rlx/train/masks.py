@@ -28,6 +28,7 @@ class BlockCausal:
                 raise ValueError(f"row {r}: blocks {row}: a sample of no tokens")
             if sum(row) > self.width:
                 raise ValueError(f"row {r}: blocks {row} do not fit a row of {self.width}")
+        self.has_padding = any(sum(row) < self.width for row in self.blocks)  # some row ends in padding columns
 
     def to(self, device: Any) -> BlockCausal:  # what the trainer does with a mask tensor
         return self
@@ -44,10 +45,6 @@ class BlockCausal:
         seg[pad] = -2 - torch.arange(int(pad.sum()))  # each pad token alone in its own block
         causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
         return ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
-
-    @property
-    def has_padding(self) -> bool:
-        return any(sum(row) < self.width for row in self.blocks)
 
     def buckets(self, device: Any, ratio: float = 0.8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The blocks in batches of about one length, for `block_causal_attention`; built once per device (every

@@ -174,7 +174,6 @@ class ValueHead(torch.nn.Module):
         return hidden_states @ self.weight.t().to(hidden_states.dtype), None
 
 
-
 def skip_lone_grad_reduces(ddp: Any) -> None:
     """No gradient reduce-scatter over a group of one rank. megatron issues it anyway: with one data-parallel
     rank that is a gloo/NCCL call copying the whole gradient buffer onto itself (0.3 s a step for a 135M model
@@ -189,6 +188,7 @@ def skip_lone_grad_reduces(ddp: Any) -> None:
             else bg.data_parallel_group
         if group.size() == 1 and all(b.gradient_scaling_factor == 1.0 for b in bg.buckets):
             bg.start_grad_sync = lambda force_all_reduce=False: None
+
 
 class ModelRole:
     """One megatron model of this rank, built from a spec. Load its weights (`load_hf` or `load_from`),
