@@ -319,8 +319,8 @@ class TrainConfig(Section):
     # sync mode, and threads that wait sleep at once (OMP_WAIT_POLICY=PASSIVE), so the busy phase has the cores the
     # idle one leaves; "split": each keeps the CPUs it reserved (ray.cpus_per_trainer, ray.cpus_per_engine)
     async_cores: Literal["share", "split"] = "share"
-    row_tokens: int | None = Field(256, ge=1)  # packed row length: rows are padded to the longest, and positions
-    #                                            run on across a row's samples (None: one row); attention is per sample
+    row_tokens: int | None = Field(None, ge=1)  # packed row length (None: a micro-batch is one row, no padding);
+    #                                             shorter rows are padded to the longest; attention is per sample
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
     transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
     # after each push: "sample" checks the version and a few values of some tensors on every engine; "full"

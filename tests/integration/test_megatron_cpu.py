@@ -1,6 +1,7 @@
 """megatron-core on CPU through rlx.train.megatron_cpu, in a subprocess (the shim changes torch
 globally, so it never runs inside the test process itself)."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -129,3 +130,50 @@ def test_megatrons_jit_fuser_is_a_plain_decorator_on_cpu_and_torch_compile_is_no
     assert r.stdout.split() == {"rlx first": ["noop", "False", "False", "0"],
                                 "rlx first, cuda": ["compile", "True", "True", "0"],
                                 "megatron first": ["compile", "True", "True", "0"]}[order]  # nothing compiled
+
+
+DEEP = textwrap.dedent("""
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from rlx.config import parse_config
+    from rlx.plugins import build_plugins
+    from rlx.train.trainer import Trainer
+    from rlx.types import Sample
+
+    model, fillers = sys.argv[1], int(sys.argv[2])
+    cfg = parse_config(json.dumps({"model": {"path": model}, "train": {"max_tokens_per_micro_batch": 10 ** 6}}))
+    trainer = Trainer(cfg, build_plugins())
+    g = torch.Generator().manual_seed(0)
+
+    def sample(sid, n):
+        return Sample(torch.randint(3, 500, (n,), generator=g).tolist(), torch.randint(3, 500, (n,), generator=g).tolist(),
+                      [1] * n, sample_id=sid)
+
+    fill = [sample(i, 60) for i in range(fillers)]
+    b = sample(-1, 20)
+    packed = trainer.step_fn.logprobs(trainer.actor, fill + [b])[-1]  # one row: b starts at position 120 * fillers
+    alone = trainer.step_fn.logprobs(trainer.actor, [b])[-1]
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(trainer.model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([b.prompt_ids + b.response_ids])
+        ref = torch.log_softmax(hf(ids).logits[0, len(b.prompt_ids) - 1:-1], -1)
+    ref = ref.gather(-1, torch.tensor(b.response_ids)[:, None])[:, 0]
+    print(json.dumps({"packed": (packed - alone).abs().max().item(), "hf": (alone - ref).abs().max().item()}))
+""")
+
+
+def test_a_sample_deep_in_a_long_row_gets_the_log_probs_it_gets_alone(tmp_path):
+    """A micro-batch is one row by default: the sample after 250 others starts 30,000 positions in. Each sample's
+    queries and keys are rotated for its own positions (from 0, as the engine does), so its log-probs equal those
+    of the sample alone, and transformers'. Rotated by their place in the row instead (megatron's default), the
+    angles carry the rounding of position 30,000 and the log-probs differ by about 2e-5."""
+    script = tmp_path / "deep.py"
+    script.write_text(DEEP)
+    r = subprocess.run([sys.executable, str(script), "builtin://tiny-qwen3", "250"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["packed"] < 1e-6, out
+    assert out["hf"] < 1e-4, out

@@ -29,7 +29,7 @@ def test_pack_into_short_rows_pads_and_reorders():
     assert [s.sample_id for s in p.samples] == [0, 2, 1]
     assert p.targets[p.response_positions].tolist() == [3, 4, 5, 6, 11, 8, 9]
     assert p.seq_index.tolist() == [0, 0, 0, 0, 1, 2, 2]
-    assert p.position_ids.tolist()[1] == [0, 1, 2, 3, 4, 5]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 0]]  # each sample from 0, as alone
     assert p.attention_mask.blocks == [[6], [2, 3]] and p.pad_mask.tolist()[1] == [False] * 5 + [True]
     row1 = ~p.attention_mask.dense()[1, 0]
     assert row1[1].tolist() == [True, True, False, False, False, False]  # c sees only itself

@@ -242,6 +242,12 @@ class ModelRole:
         self._selects = head is not None  # a bridge's own build() may have no megatron output layer
         if head is not None:
             head.register_forward_pre_hook(self._response_positions_only, with_kwargs=True)
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self._positions: torch.Tensor | None = None  # [R, L] position of each packed token within its sample
+        for m in self.model.modules():  # GPTModel's rotary, and each latent attention's own (plain or YaRN)
+            if isinstance(m, RotaryEmbedding):
+                m.register_forward_hook(self._rotary_at_positions)
         self.router_stats: Any = None  # per-layer routing statistics of the training forwards (models with experts)
         self.routing: Any = None  # the engine's routing, set on the routers micro-batch by micro-batch
         if spec.num_experts and not value_head:
@@ -356,6 +362,19 @@ class ModelRole:
         cols, rows = self._keep
         return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
 
+    def _rotary_at_positions(self, module: Any, args: tuple, out: Any) -> Any:
+        """megatron rotates the token at row position ``p`` by angles for ``p``: the rotary table ``[L, 1, 1, D]``
+        for positions 0..L-1. In a packed row each sample's tokens are rotated for their place in the sample
+        instead (`PackedBatch.position_ids`), as the engine rotates them: ``[L, R, 1, D]``. Attention scores
+        depend only on the distance between positions, but the angles of positions deep in a long row carry
+        more rounding than the engine's, so the trainer's log-probs would drift from the engine's with the
+        row's length. YaRN's table comes with its attention scale, ``(table, mscale)``."""
+        if self._positions is None:
+            return None
+        table = out[0] if isinstance(out, tuple) else out
+        picked = table[:, 0, 0][self._positions.t()].unsqueeze(2)
+        return (picked, *out[1:]) if isinstance(out, tuple) else picked
+
     def schedule(self, batches: list[PackedBatch], loss_fn: Callable[[PackedBatch, torch.Tensor], Any],
                  forward_only: bool) -> list[Any]:
         """Run megatron's forward(-backward) schedule over packed micro-batches.
@@ -384,11 +403,14 @@ class ModelRole:
                 width = mb.input_ids.shape[1]
                 pos = mb.response_positions.to(dev)
                 self._keep = (pos % width, pos // width)
+            positions = mb.position_ids.to(dev)
+            self._positions = positions
             try:
                 mask = mb.attention_mask if self._block_masks else mb.attention_mask.dense()
-                out = m(mb.input_ids.to(dev), mb.position_ids.to(dev), attention_mask=mask.to(dev), **extra)
+                out = m(mb.input_ids.to(dev), positions, attention_mask=mask.to(dev), **extra)
             finally:
                 self._keep = None
+                self._positions = None
             mb.outputs_at_response = self._selects
 
             def reduce(logits, non_loss_data=False):

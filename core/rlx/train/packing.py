@@ -5,9 +5,13 @@ sample longer than the bound gets a bin of its own. The same bins cut a micro-ba
 
 A micro-batch is one sequence of concatenated samples. Attention is block-diagonal causal, so no
 token sees another sample: the mask is the samples' lengths per row (`rlx.train.masks.BlockCausal`), never
-an [L, L] tensor. Positions run on across samples: RoPE depends only on the distance
-between query and key, and within a block those distances are the same as from 0 (the trainer's
-logits match an unpacked forward pass to float rounding; see the tests).
+an [L, L] tensor. Each sample's positions start at 0, as in the engine (`PackedBatch.position_ids`; the
+trainer rotates queries and keys by them, `rlx.train.model.ModelRole`), so a sample packed anywhere in
+a row gets the logits it gets alone.
+
+By default a micro-batch is one row (``train.row_tokens: null``): with attention per sample nothing grows
+with a row's length, and a single row has no padding. Shorter rows (``row_tokens``) are padded to the
+longest.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from rlx.types import Sample
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # [R, L]: R rows of packed samples, padded to the longest row
-    position_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]: each token's place in its own sample (0 at padding)
     attention_mask: BlockCausal  # each sample attends causally within itself (`.dense()`: megatron's tensor)
     targets: torch.Tensor  # [R * L] the next token at each position (0 where none)
     response_positions: torch.Tensor  # [T] flat positions (row * L + col) predicting a response token
@@ -55,6 +59,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     rows = [list(range(len(samples)))] if row_tokens is None else balanced_rows(lengths, row_tokens)
     width = max(sum(lengths[i] for i in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
     pad = torch.ones(len(rows), width, dtype=torch.bool)
     targets = torch.zeros(len(rows), width, dtype=torch.long)
     resp_pos: list[int] = []
@@ -68,6 +73,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
             s = samples[i]
             full = s.prompt_ids + s.response_ids
             ids[r, col:col + len(full)] = torch.tensor(full)
+            positions[r, col:col + len(full)] = torch.arange(len(full))
             pad[r, col:col + len(full)] = False
             targets[r, col:col + len(full) - 1] = torch.tensor(full[1:], dtype=torch.long)
             # logits at position p predict token p + 1: response token j is predicted at prompt_len + j - 1
@@ -81,7 +87,7 @@ def pack(samples: list[Sample], row_tokens: int | None = None) -> PackedBatch:
     blocks = [[lengths[i] for i in row] for row in rows]
     return PackedBatch(
         input_ids=ids,
-        position_ids=torch.arange(width).expand(len(rows), width).contiguous(),
+        position_ids=positions,
         attention_mask=BlockCausal(blocks, width),
         targets=targets.flatten(),
         response_positions=torch.tensor(resp_pos, dtype=torch.long),
