@@ -1,9 +1,11 @@
 """Embedded engine tokens/s beside batched HF ``generate`` on the same model, at 1, 8 and 64 concurrent
 requests. Each side generates exactly ``--tokens`` tokens per request (EOS ignored), sampling at
-temperature 1, with the same torch thread count; they run one after the other, not at once. Each point is the median of
-5 timed runs after one warm-up run, the two sides alternating.
+temperature 1, with the same torch thread count and the same CPU matmul kernel (``--matmul``, rlx's
+``model.kernels.matmul``: the engine is started with it and this process installs it for ``generate``; auto:
+oneDNN where it pays); they run one after the other, not at once. Each point is the median of 5 timed runs after
+one warm-up run, the two sides alternating.
 
-    python benchmarks/engine_vs_hf.py [--model builtin://small-qwen3] [--tokens 64] [--threads 2]
+    python benchmarks/engine_vs_hf.py [--model builtin://small-qwen3] [--tokens 64] [--threads 2] [--matmul auto]
 
 Run it inside a loopback-only namespace on shared machines (see scripts/test).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--matmul", default="auto", help="the CPU matmul kernel of both sides: auto, onednn or torch")
     args = ap.parse_args()
 
     from pathlib import Path
@@ -65,10 +69,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from rlx.plugins import build_plugins
+    from rlx.train.kernels import use_matmul
+
+    matmul = use_matmul(build_plugins(), args.matmul, model.device, torch.float32).name.removeprefix("matmul-")
 
     port = free_port()
     proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": args.threads,
-                                                                    "max_running_requests": max(args.concurrency)}),
+                                                                    "max_running_requests": max(args.concurrency),
+                                                                    "kernels": json.dumps({"matmul": matmul})}),
                           Path("/tmp") / f"rlx-bench-engine-{port}.log")
     proc.start()
     hf: dict[int, float] = {}
@@ -93,7 +102,7 @@ def main() -> None:
         proc.stop()
 
     print(f"model {args.model}, {args.tokens} tokens per request, {args.threads} torch threads, "
-          f"{'cuda' if torch.cuda.is_available() else 'cpu'}")
+          f"{'cuda' if torch.cuda.is_available() else 'cpu'}, matmul kernel {matmul} on both sides")
     print(f"{'concurrent':>10} | {'rlx engine tok/s':>16} | {'HF generate tok/s':>17} | {'ratio':>6}")
     for n in args.concurrency:
         print(f"{n:>10} | {eng[n]:>16.1f} | {hf[n]:>17.1f} | {eng[n] / hf[n]:>6.2f}")

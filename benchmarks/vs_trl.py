@@ -11,6 +11,10 @@ Workloads (``--model``):
 
     scripts/loopback .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 12] [--warmup 3]
 
+Rows: rlx sync, async and async split; TRL as its users run it (torch's CPU matmul, MKL); and TRL with rlx's
+``matmul`` kernel installed in its process (oneDNN where it pays, `rlx.builtins.kernels`), which shows how much of
+the difference is that kernel. rlx's trainer and engines choose their kernel by ``model.kernels.matmul`` (auto).
+
 Needs `pip install trl`. Cores used: the CPU seconds of every process of the run (driver, trainer ranks,
 engines; TRL: its one process) over the wall time of the phase.
 """
@@ -68,7 +72,19 @@ def run_rlx(w: Workload, data: Path, out: Path, mode: str, async_cores: str = "s
     return read(out)
 
 
-def run_trl(w: Workload, data: Path, out: Path) -> list[dict]:
+def run_trl(w: Workload, data: Path, out: Path, matmul: str = "torch") -> list[dict]:
+    """TRL in this process, with torch's own CPU matmul (MKL), as TRL users run it, or with rlx's ``matmul``
+    kernel installed for the run (``onednn``: what rlx's trainer and engine use on a CPU where it pays)."""
+    from rlx.builtins.kernels import OneDNNMatmul, TorchMatmul, install_matmul
+
+    install_matmul(OneDNNMatmul() if matmul == "onednn" else TorchMatmul())
+    try:
+        return _run_trl(w, data, out)
+    finally:
+        install_matmul(TorchMatmul())
+
+
+def _run_trl(w: Workload, data: Path, out: Path) -> list[dict]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -147,7 +163,8 @@ def main() -> None:
     runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),
             "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
             "rlx async split": lambda: run_rlx(w, data, tmp / "rlx-async-split", "async", "split"),
-            "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl")}
+            "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl"),
+            "TRL + rlx matmul": lambda: run_trl(w, data, tmp / "trl-onednn", "onednn")}
     table = {}
     for name, fn in runs.items():
         rows = fn()[w.warmup:]

@@ -10,4 +10,5 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.models",
     "rlx.builtins.transports",
     "rlx.builtins.loggers",
+    "rlx.builtins.kernels",
 )

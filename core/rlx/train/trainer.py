@@ -19,7 +19,8 @@ import torch
 from rlx.config import Config
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.train.model import ModelRole, ParallelState, init_distributed
+from rlx.train.kernels import use_matmul
+from rlx.train.model import ModelRole, ParallelState, device, init_distributed
 from rlx.train.ppo import CriticStep, check_critic_model
 from rlx.train.spec import HFCheckpoint, model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
@@ -40,6 +41,7 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model.path)
         self.spec = model_spec(self.model_path, plugins, cfg.model.kernels)
         dtype = torch_dtype(cfg.model.dtype)
+        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), dtype)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
         self.actor.load_hf(HFCheckpoint(self.model_path))

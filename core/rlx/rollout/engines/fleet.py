@@ -93,7 +93,7 @@ class EngineFleet:
             args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
             if records_routing(self.cfg):
                 args.setdefault("enable_return_routed_experts", True)
-            if self.cfg.model.kernels:  # the trainer's kernel choices (a GDN model's gated delta rule)
+            if self.cfg.model.kernels:  # the trainer's kernel choices (a GDN model's gated delta rule, matmul)
                 args.setdefault("kernels", json.dumps(self.cfg.model.kernels))
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)

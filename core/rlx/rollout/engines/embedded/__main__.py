@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))
+    from rlx.plugins import build_plugins
+    from rlx.train.kernels import use_matmul
+
+    matmul = use_matmul(build_plugins(), json.loads(args.kernels).get("matmul", "auto"), device,
+                        getattr(torch, dtype), fallback=True)
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         await site.start()
         print(f"rlx embedded engine ready on http://{args.host}:{args.port} (pid {os.getpid()}, "
               f"{device}, {dtype}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY "
-              f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})", flush=True)
+              f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, {matmul.name})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,167 @@
+"""Built-in kernels for the ``matmul`` op: which library runs a process's fp32 matrix products on CPU.
+
+torch runs CPU matmuls (``aten::mm``, and ``aten::addmm`` for a linear layer with a bias) through MKL. MKL picks
+its code path by CPU vendor: on AMD CPUs it does not use AVX-512, and oneDNN, which torch also ships, runs the
+same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 210 GFLOP/s through MKL, 460
+through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through oneDNN in
+the process that installs it (`install_matmul`): the trainer's megatron layers forward and backward, and the
+embedded engine's model. Products too small to gain (under `ONEDNN_MIN_MACS` multiply-adds) keep torch's own
+kernel. Both compute in fp32 with fp32 accumulation; their sums are ordered differently, so results differ in
+the last bits (about 5e-6 relative), as between any two BLAS libraries.
+
+``auto`` takes oneDNN only on a CPU where it measures at least `ONEDNN_MIN_SPEEDUP` times torch's own speed (a
+512^3 product, once per process, about 10 ms), so a CPU where MKL is at its best keeps MKL. ``model.kernels:
+{matmul: torch}`` keeps torch's kernel everywhere; ``{matmul: onednn}`` asks for oneDNN whatever it measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from rlx.hookspecs import hookimpl
+
+ONEDNN_MIN_MACS = 1 << 22  # smaller products stay with torch's kernel (oneDNN's fixed cost per call is larger)
+ONEDNN_MIN_SPEEDUP = 1.3  # auto: oneDNN must be this much faster than torch's own on this CPU
+
+_installed: dict[str, Any] = {"kernel": None, "library": None}
+
+
+def _is_cpu(device: Any) -> bool:
+    return device is None or str(device).split(":")[0] == "cpu"
+
+
+def _onednn_mm(a: Any, b: Any, bias: Any = None) -> Any:
+    import torch
+
+    # a @ b as oneDNN's linear: out = a @ weight.t() (+ bias) with weight = b.t(), a view (no copy)
+    return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
+
+
+def _use_onednn(a: Any, b: Any) -> bool:
+    import torch
+
+    return (a.dtype is torch.float32 and b.dtype is torch.float32
+            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_MIN_MACS)
+
+
+def _mm(a: Any, b: Any) -> Any:
+    return _installed["kernel"](a, b)
+
+
+def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+    kernel = _installed["kernel"]
+    if hasattr(kernel, "addmm"):
+        return kernel.addmm(bias, a, b, beta=beta, alpha=alpha)
+    out = kernel(a, b)
+    if alpha != 1:
+        out.mul_(alpha)
+    return out.add_(bias, alpha=beta)
+
+
+def _torch_mm(a: Any, b: Any) -> Any:
+    import torch
+
+    return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))  # aten::mm.out: torch's own kernel
+
+
+def install_matmul(kernel: Any) -> None:
+    """Make `kernel` (a ``matmul`` kernel: ``kernel(a, b)`` is ``a @ b``, with an optional ``addmm(bias, a, b,
+    beta=, alpha=)``) this process's CPU ``aten::mm`` and ``aten::addmm``; a kernel with ``native = True``
+    (``matmul-torch``) leaves torch's own in place, or puts it back. Autograd's backward products go through the
+    same ops, so a training step's gradients use the kernel too."""
+    import warnings
+
+    import torch
+
+    native = getattr(kernel, "native", False)
+    if not native and _installed["library"] is None:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns that a kernel for a built-in op is being replaced
+            warnings.simplefilter("ignore")
+            lib.impl("mm", _mm, "CPU")
+            lib.impl("addmm", _addmm, "CPU")
+        _installed["library"] = lib
+    elif native and _installed["library"] is not None:
+        _installed["library"]._destroy()
+        _installed["library"] = None
+    _installed["kernel"] = kernel
+
+
+def installed_matmul() -> str | None:
+    """The name of the ``matmul`` kernel this process installed (None: none was, torch's own runs)."""
+    return getattr(_installed["kernel"], "name", None)
+
+
+@functools.cache
+def onednn_speedup(n: int = 512, reps: int = 5) -> tuple[float, float]:
+    """GFLOP/s of an fp32 ``n^3`` product through torch's own kernel and through oneDNN, on this process's
+    threads (best of `reps` after a warm-up each)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+
+    def best(f: Any) -> float:
+        f()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return 2 * n ** 3 / min(times) / 1e9
+
+    return best(lambda: torch.mm(a, b, out=out)), best(lambda: _onednn_mm(a, b))
+
+
+class OneDNNMatmul:
+    name = "matmul-onednn"
+    op = "matmul"
+    priority = 10
+
+    def supports(self, device: Any = None, dtype: Any = None, measure: bool = True, **query: Any) -> str | None:
+        import torch
+
+        if not _is_cpu(device):
+            return f"runs on CPU, the model is on {device} (torch's own matmul runs there)"
+        if dtype is not None and dtype is not torch.float32:
+            return f"replaces fp32 products, the model is {dtype} (torch already runs those through oneDNN)"
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return "this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)"
+        if measure:
+            own, onednn = onednn_speedup()
+            if onednn < ONEDNN_MIN_SPEEDUP * own:
+                return (f"not {ONEDNN_MIN_SPEEDUP}x faster than torch's own on this CPU ({onednn:.0f} against "
+                        f"{own:.0f} GFLOP/s)")
+        return None
+
+    def __call__(self, a: Any, b: Any) -> Any:
+        return _onednn_mm(a, b) if _use_onednn(a, b) else _torch_mm(a, b)
+
+    def addmm(self, bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+        import torch
+
+        if (beta == 1 and alpha == 1 and bias.shape == (b.shape[1],) and bias.dtype is a.dtype
+                and _use_onednn(a, b)):
+            return _onednn_mm(a, b, bias)
+        return torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=a.new_empty((a.shape[0], b.shape[1])))
+
+
+class TorchMatmul:
+    name = "matmul-torch"
+    op = "matmul"
+    priority = 0
+    native = True  # installing it leaves torch's own aten::mm in place
+
+    def supports(self, **query: Any) -> str | None:
+        return None
+
+    def __call__(self, a: Any, b: Any) -> Any:
+        return _torch_mm(a, b)
+
+
+@hookimpl
+def register_kernels(register):
+    register(OneDNNMatmul)
+    register(TorchMatmul)
