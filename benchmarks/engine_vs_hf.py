@@ -72,7 +72,8 @@ def main() -> None:
     from rlx.plugins import build_plugins
     from rlx.train.kernels import use_matmul
 
-    matmul = use_matmul(build_plugins(), args.matmul, model.device, torch.float32).name.removeprefix("matmul-")
+    matmul = use_matmul(build_plugins(), args.matmul, model.device, torch.float32,
+                        model.config.get_text_config().hidden_size).name.removeprefix("matmul-")
 
     port = free_port()
     proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": args.threads,

@@ -1,6 +1,7 @@
 """This machine's limits, and each phase of an rlx GRPO step against the bound they set.
 
-Measures fp32 matmul GFLOP/s (torch, all threads) and memory copy GB/s, runs the `vs_trl` workload through rlx
+Measures fp32 matmul GFLOP/s (all threads; through torch's own kernel and through oneDNN, rlx's ``matmul-onednn``
+kernel, the bound taking the faster: rlx's ``auto`` takes it where it pays) and memory copy GB/s, runs the `vs_trl` workload through rlx
 (sync mode), and prints each phase's median time beside its bound:
 
 - rollout: prefill of each distinct prompt once (2 FLOPs per parameter per token) at the matmul rate, plus one
@@ -31,13 +32,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vs_trl import WORKLOADS, run_rlx  # noqa: E402
 
 
-def matmul_gflops(n: int = 2048, reps: int = 10) -> float:
+def matmul_gflops(n: int = 2048, reps: int = 10) -> tuple[float, float]:
+    """fp32 GFLOP/s of an ``n^3`` product through torch's own kernel and through oneDNN."""
+    from rlx.builtins.kernels import OneDNNMatmul, TorchMatmul, install_matmul
+
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t = time.perf_counter()
-    for _ in range(reps):
+    rates = []
+    for kernel in (TorchMatmul(), OneDNNMatmul()):
+        install_matmul(kernel)
         a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        rates.append(2 * n**3 * reps / (time.perf_counter() - t) / 1e9)
+    install_matmul(TorchMatmul())
+    return rates[0], rates[1]
 
 
 def copy_gbs(mb: int = 512, reps: int = 5) -> float:
@@ -73,9 +82,10 @@ def main() -> None:
     args = ap.parse_args()
     w = WORKLOADS[args.model]
 
-    gflops, gbs = matmul_gflops(), copy_gbs()
-    print(f"this machine: {torch.get_num_threads()} threads, fp32 matmul {gflops:.0f} GFLOP/s, memory copy "
-          f"{gbs:.1f} GB/s")
+    (own, onednn), gbs = matmul_gflops(), copy_gbs()
+    gflops = max(own, onednn)
+    print(f"this machine: {torch.get_num_threads()} threads, fp32 matmul {own:.0f} GFLOP/s through torch's own "
+          f"kernel, {onednn:.0f} through oneDNN (the bound takes {gflops:.0f}), memory copy {gbs:.1f} GB/s")
     if args.metrics:
         rows = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]
     else:

@@ -5,12 +5,16 @@ its code path by CPU vendor: on AMD CPUs it does not use AVX-512, and oneDNN, wh
 same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 210 GFLOP/s through MKL, 460
 through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through oneDNN in
 the process that installs it (`install_matmul`): the trainer's megatron layers forward and backward, and the
-embedded engine's model. Products too small to gain (under `ONEDNN_MIN_MACS` multiply-adds) keep torch's own
-kernel. Both compute in fp32 with fp32 accumulation; their sums are ordered differently, so results differ in
+embedded engine's model. oneDNN builds a primitive the first time it meets a shape (0.3-0.4 ms on this machine,
+more than a small product takes): a product of at least `ONEDNN_BIG_MACS` multiply-adds goes to oneDNN at once,
+a smaller one of at least `ONEDNN_MIN_MACS` once its shape has come `ONEDNN_REPEATS` times (a decode step's
+products at one batch size), torch's own kernel before that and for the smallest. Both compute in fp32 with fp32 accumulation; their sums are ordered differently, so results differ in
 the last bits (about 5e-6 relative), as between any two BLAS libraries.
 
-``auto`` takes oneDNN only on a CPU where it measures at least `ONEDNN_MIN_SPEEDUP` times torch's own speed (a
-512^3 product, once per process, about 10 ms), so a CPU where MKL is at its best keeps MKL. ``model.kernels:
+``auto`` takes oneDNN only where it measures at least `ONEDNN_MIN_SPEEDUP` times torch's own speed on a product
+of the model's width (``[1024, hidden] @ [hidden, hidden]``, once per process, at most about 10 ms): a CPU where
+MKL is at its best keeps MKL, and so does a model too narrow to gain (the built-in tiny one, 64 wide), which
+would only pay the replacement's dispatch on every product. ``model.kernels:
 {matmul: torch}`` keeps torch's kernel everywhere; ``{matmul: onednn}`` asks for oneDNN whatever it measures.
 """
 
@@ -23,6 +27,9 @@ from typing import Any
 from rlx.hookspecs import hookimpl
 
 ONEDNN_MIN_MACS = 1 << 22  # smaller products stay with torch's kernel (oneDNN's fixed cost per call is larger)
+ONEDNN_BIG_MACS = 1 << 26  # products this large go to oneDNN the first time: building its primitive costs less
+ONEDNN_REPEATS = 8  # a product in between goes to oneDNN once its shape has come this many times
+_SEEN_MAX = 1 << 14  # shapes counted before the count starts again (prompt lengths vary without end)
 ONEDNN_MIN_SPEEDUP = 1.3  # auto: oneDNN must be this much faster than torch's own on this CPU
 
 _installed: dict[str, Any] = {"kernel": None, "library": None}
@@ -39,11 +46,24 @@ def _onednn_mm(a: Any, b: Any, bias: Any = None) -> Any:
     return torch.ops.mkldnn._linear_pointwise(a, b.t(), bias, "none", [], "")
 
 
+_seen: dict[tuple[int, int, int], int] = {}
+
+
 def _use_onednn(a: Any, b: Any) -> bool:
     import torch
 
-    return (a.dtype is torch.float32 and b.dtype is torch.float32
-            and a.shape[0] * a.shape[1] * b.shape[1] >= ONEDNN_MIN_MACS)
+    if a.dtype is not torch.float32 or b.dtype is not torch.float32:
+        return False
+    shape = (a.shape[0], a.shape[1], b.shape[1])
+    macs = shape[0] * shape[1] * shape[2]
+    if macs >= ONEDNN_BIG_MACS:
+        return True
+    if macs < ONEDNN_MIN_MACS:
+        return False
+    if len(_seen) >= _SEEN_MAX:
+        _seen.clear()
+    n = _seen[shape] = _seen.get(shape, 0) + 1
+    return n > ONEDNN_REPEATS
 
 
 def _mm(a: Any, b: Any) -> Any:
@@ -95,13 +115,30 @@ def installed_matmul() -> str | None:
 
 
 @functools.cache
-def onednn_speedup(n: int = 512, reps: int = 5) -> tuple[float, float]:
-    """GFLOP/s of an fp32 ``n^3`` product through torch's own kernel and through oneDNN, on this process's
-    threads (best of `reps` after a warm-up each)."""
+def onednn_speedup(rows: int = 1024, hidden: int = 512, reps: int = 5) -> tuple[float, float]:
+    """GFLOP/s of an fp32 ``[rows, hidden] @ [hidden, hidden]`` product (a layer of a model `hidden` wide) through
+    torch's own kernel and through `OneDNNMatmul`, which keeps torch's for products too small to gain and pays
+    its own dispatch; on this process's threads, best of `reps` after a warm-up each.
+
+    It runs on a thread of its own that ends with it. A thread's first parallel op gives it an OpenMP team that
+    lives as long as the thread, and libgomp counts every team's threads: with more than the cores, its idle
+    threads stop spinning, and every small parallel op waits for a wake-up. Measured from the embedded engine's
+    main thread (its model runs on the scheduler's), that took the tiny model's rollout from 0.07 to 0.11 s."""
+    import threading
+
+    result: list[tuple[float, float]] = []
+    worker = threading.Thread(target=lambda: result.append(_measure(rows, hidden, reps)), name="rlx-matmul-measure")
+    worker.start()
+    worker.join()
+    return result[0]
+
+
+def _measure(rows: int, hidden: int, reps: int) -> tuple[float, float]:
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, hidden)
+    out = torch.empty(rows, hidden)
+    onednn = OneDNNMatmul()
 
     def best(f: Any) -> float:
         f()
@@ -110,9 +147,9 @@ def onednn_speedup(n: int = 512, reps: int = 5) -> tuple[float, float]:
             t = time.perf_counter()
             f()
             times.append(time.perf_counter() - t)
-        return 2 * n ** 3 / min(times) / 1e9
+        return 2 * rows * hidden * hidden / min(times) / 1e9
 
-    return best(lambda: torch.mm(a, b, out=out)), best(lambda: _onednn_mm(a, b))
+    return best(lambda: torch.mm(a, b, out=out)), best(lambda: onednn(a, b))
 
 
 class OneDNNMatmul:
@@ -120,7 +157,8 @@ class OneDNNMatmul:
     op = "matmul"
     priority = 10
 
-    def supports(self, device: Any = None, dtype: Any = None, measure: bool = True, **query: Any) -> str | None:
+    def supports(self, device: Any = None, dtype: Any = None, measure: bool = True, hidden: int = 512,
+                 **query: Any) -> str | None:
         import torch
 
         if not _is_cpu(device):
@@ -130,10 +168,10 @@ class OneDNNMatmul:
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
             return "this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)"
         if measure:
-            own, onednn = onednn_speedup()
+            own, onednn = onednn_speedup(hidden=hidden)
             if onednn < ONEDNN_MIN_SPEEDUP * own:
-                return (f"not {ONEDNN_MIN_SPEEDUP}x faster than torch's own on this CPU ({onednn:.0f} against "
-                        f"{own:.0f} GFLOP/s)")
+                return (f"not {ONEDNN_MIN_SPEEDUP}x faster than torch's own on this CPU for a layer {hidden} wide "
+                        f"({onednn:.0f} against {own:.0f} GFLOP/s)")
         return None
 
     def __call__(self, a: Any, b: Any) -> Any:

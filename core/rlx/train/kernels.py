@@ -61,22 +61,23 @@ def select(plugins: Any, op: str, choice: str = "auto", where: str = "kernels", 
     return kernel
 
 
-def use_matmul(plugins: Any, choice: str = "auto", device: Any = None, dtype: Any = None,
+def use_matmul(plugins: Any, choice: str = "auto", device: Any = None, dtype: Any = None, hidden: int = 512,
                fallback: bool = False) -> Any:
     """Select this process's ``matmul`` kernel (``model.kernels.matmul``) and install it for torch's CPU matrix
     products (`rlx.builtins.kernels.install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether
     it pays on this CPU (``measure=True`` in the query); a kernel chosen by name is taken as chosen. With
     `fallback` (an engine, whose device may not be the trainer's), a named kernel that cannot run here gives way
-    to ``auto``, saying so."""
+    to ``auto``, saying so. `hidden`: the model's width, the shape a kernel measures."""
     from rlx.builtins.kernels import install_matmul
 
     try:
         kernel = select(plugins, "matmul", choice, where="model.kernels", device=device, dtype=dtype,
-                        measure=choice == "auto")
+                        hidden=hidden, measure=choice == "auto")
     except RLXError as e:
         if choice == "auto" or not fallback:
             raise
         print(f"rlx: warning: {e}; this process uses auto", file=sys.stderr, flush=True)
-        kernel = select(plugins, "matmul", "auto", where="model.kernels", device=device, dtype=dtype, measure=True)
+        kernel = select(plugins, "matmul", "auto", where="model.kernels", device=device, dtype=dtype, hidden=hidden,
+                        measure=True)
     install_matmul(kernel)
     return kernel

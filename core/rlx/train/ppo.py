@@ -221,7 +221,8 @@ class CriticTrainer:
         self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel")
         path = resolve_model_path(tc.critic.model_path or cfg.model.path)
         self.spec = model_spec(path, plugins, cfg.model.kernels)
-        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), torch_dtype(cfg.model.dtype))
+        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), torch_dtype(cfg.model.dtype),
+                   self.spec.hidden_size)
         check_critic_model(self.spec, model_spec(resolve_model_path(cfg.model.path), plugins), path)
         self.critic = ModelRole("critic", self.spec, self.par, parallel, torch_dtype(cfg.model.dtype), value_head=True)
         self.critic.load_hf(HFCheckpoint(path))

@@ -41,7 +41,7 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model.path)
         self.spec = model_spec(self.model_path, plugins, cfg.model.kernels)
         dtype = torch_dtype(cfg.model.dtype)
-        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), dtype)
+        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
         self.actor.load_hf(HFCheckpoint(self.model_path))

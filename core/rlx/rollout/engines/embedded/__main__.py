@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlx.train.kernels import use_matmul
 
     matmul = use_matmul(build_plugins(), json.loads(args.kernels).get("matmul", "auto"), device,
-                        getattr(torch, dtype), fallback=True)
+                        getattr(torch, dtype), model.config.get_text_config().hidden_size, fallback=True)
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
