@@ -11,9 +11,10 @@ Workloads (``--model``):
 
     scripts/loopback .venv/bin/python benchmarks/vs_trl.py [--model tiny|smollm2] [--steps 12] [--warmup 3]
 
-Rows: rlx sync, async and async split; TRL as its users run it (torch's CPU matmul, MKL); and TRL with rlx's
-``matmul`` kernel installed in its process (oneDNN where it pays, `rlx.builtins.kernels`), which shows how much of
-the difference is that kernel. rlx's trainer and engines choose their kernel by ``model.kernels.matmul`` (auto).
+Rows: rlx sync, async and async split; TRL as its users run it (torch's CPU matmul, MKL); and TRL with the
+``matmul`` kernel rlx chooses for the model installed in its process (auto: oneDNN where it pays,
+`rlx.builtins.kernels`; the log says which), which shows how much of the difference is that kernel. rlx's
+trainer and engines choose their kernel by ``model.kernels.matmul`` (auto).
 
 Needs `pip install trl`. Cores used: the CPU seconds of every process of the run (driver, trainer ranks,
 engines; TRL: its one process) over the wall time of the phase.
@@ -73,11 +74,18 @@ def run_rlx(w: Workload, data: Path, out: Path, mode: str, async_cores: str = "s
 
 
 def run_trl(w: Workload, data: Path, out: Path, matmul: str = "torch") -> list[dict]:
-    """TRL in this process, with torch's own CPU matmul (MKL), as TRL users run it, or with rlx's ``matmul``
-    kernel installed for the run (``onednn``: what rlx's trainer and engine use on a CPU where it pays)."""
-    from rlx.builtins.kernels import OneDNNMatmul, TorchMatmul, install_matmul
+    """TRL in this process, with torch's own CPU matmul (MKL), as TRL users run it, or (``auto``) with the
+    ``matmul`` kernel rlx's trainer and engines choose for this model on this CPU installed for the run."""
+    import torch
+    from transformers import AutoConfig
 
-    install_matmul(OneDNNMatmul() if matmul == "onednn" else TorchMatmul())
+    from rlx.builtins.kernels import TorchMatmul, install_matmul
+    from rlx.models.tiny import resolve_model_path
+    from rlx.plugins import build_plugins
+    from rlx.train.kernels import use_matmul
+
+    hidden = AutoConfig.from_pretrained(resolve_model_path(w.model)).hidden_size
+    use_matmul(build_plugins(), matmul, "cpu", torch.float32, hidden)
     try:
         return _run_trl(w, data, out)
     finally:
@@ -164,7 +172,7 @@ def main() -> None:
             "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
             "rlx async split": lambda: run_rlx(w, data, tmp / "rlx-async-split", "async", "split"),
             "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl"),
-            "TRL + rlx matmul": lambda: run_trl(w, data, tmp / "trl-onednn", "onednn")}
+            "TRL + rlx matmul": lambda: run_trl(w, data, tmp / "trl-rlx-matmul", "auto")}
     table = {}
     for name, fn in runs.items():
         rows = fn()[w.warmup:]
