@@ -1,8 +1,8 @@
 """This machine's limits, and each phase of an rlx GRPO step against the bound they set.
 
 Measures fp32 matmul GFLOP/s (all threads; through torch's own kernel and through oneDNN, rlx's ``matmul-onednn``
-kernel, the bound taking the faster: rlx's ``auto`` takes it where it pays) and memory copy GB/s, runs the `vs_trl` workload through rlx
-(sync mode), and prints each phase's median time beside its bound:
+kernel, the bound taking the faster: rlx's ``auto`` takes it where it pays) and memory copy GB/s, runs the
+`vs_trl` workload through rlx (sync mode), and prints each phase's median time beside its bound:
 
 - rollout: prefill of each distinct prompt once (2 FLOPs per parameter per token) at the matmul rate, plus one
   decode step per new token, each bound by its FLOPs (every sample's token through the whole model) or by reading

@@ -147,8 +147,8 @@ DEEP = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
 
     def sample(sid, n):
-        return Sample(torch.randint(3, 500, (n,), generator=g).tolist(), torch.randint(3, 500, (n,), generator=g).tolist(),
-                      [1] * n, sample_id=sid)
+        prompt, response = (torch.randint(3, 500, (n,), generator=g).tolist() for _ in range(2))
+        return Sample(prompt, response, [1] * n, sample_id=sid)
 
     fill = [sample(i, 60) for i in range(fillers)]
     b = sample(-1, 20)

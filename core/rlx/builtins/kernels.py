@@ -2,20 +2,21 @@
 
 torch runs CPU matmuls (``aten::mm``, and ``aten::addmm`` for a linear layer with a bias) through MKL. MKL picks
 its code path by CPU vendor: on AMD CPUs it does not use AVX-512, and oneDNN, which torch also ships, runs the
-same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 210 GFLOP/s through MKL, 460
-through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through oneDNN in
-the process that installs it (`install_matmul`): the trainer's megatron layers forward and backward, and the
-embedded engine's model. oneDNN builds a primitive the first time it meets a shape (0.3-0.4 ms on this machine,
+same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 190-210 GFLOP/s through MKL,
+380-460 through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through
+oneDNN in the process that installs it (`install_matmul`): the trainer's megatron layers forward and backward,
+and the embedded engine's model. oneDNN builds a primitive the first time it meets a shape (0.3-0.4 ms on this machine,
 more than a small product takes): a product of at least `ONEDNN_BIG_MACS` multiply-adds goes to oneDNN at once,
 a smaller one of at least `ONEDNN_MIN_MACS` once its shape has come `ONEDNN_REPEATS` times (a decode step's
-products at one batch size), torch's own kernel before that and for the smallest. Both compute in fp32 with fp32 accumulation; their sums are ordered differently, so results differ in
-the last bits (about 5e-6 relative), as between any two BLAS libraries.
+products at one batch size), torch's own kernel before that and for the smallest. Both compute in fp32 with
+fp32 accumulation; their sums are ordered differently, so results differ in the last bits (about 5e-6
+relative), as between any two BLAS libraries.
 
 ``auto`` takes oneDNN only where it measures at least `ONEDNN_MIN_SPEEDUP` times torch's own speed on a product
 of the model's width (``[1024, hidden] @ [hidden, hidden]``, once per process, at most about 10 ms): a CPU where
 MKL is at its best keeps MKL, and so does a model too narrow to gain (the built-in tiny one, 64 wide), which
-would only pay the replacement's dispatch on every product. ``model.kernels:
-{matmul: torch}`` keeps torch's kernel everywhere; ``{matmul: onednn}`` asks for oneDNN whatever it measures.
+would only pay the replacement's dispatch on every product. ``model.kernels: {matmul: torch}`` keeps torch's
+kernel everywhere; ``{matmul: onednn}`` asks for oneDNN whatever it measures.
 """
 
 from __future__ import annotations
