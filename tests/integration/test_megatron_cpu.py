@@ -177,3 +177,42 @@ def test_a_sample_deep_in_a_long_row_gets_the_log_probs_it_gets_alone(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["packed"] < 1e-6, out
     assert out["hf"] < 1e-4, out
+
+
+TEAMS = textwrap.dedent("""
+    import json, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    from rlx.config import parse_config
+    from rlx.plugins import build_plugins
+    from rlx.train.trainer import Trainer
+    from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+    cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "train": {"threads": 2}}))
+    trainer = Trainer(cfg, build_plugins())
+    g = torch.Generator().manual_seed(0)
+    groups = [Group(p, [Sample(torch.randint(3, 500, (24,), generator=g).tolist(),
+                               torch.randint(3, 500, (16,), generator=g).tolist(), [1] * 16, [-6.0] * 16,
+                               reward=float(i % 2), status=SampleStatus.COMPLETED, sample_id=8 * p + i, group_id=p)
+                        for i in range(8)]) for p in range(4)]
+    torch.ones(10 ** 6).mul_(2)  # this thread's OpenMP team
+    before = len(os.listdir("/proc/self/task"))
+    for step in (1, 2):
+        trainer.train_step(RolloutBatch(step, groups))
+    print(json.dumps({"before": before, "after": len(os.listdir("/proc/self/task")),
+                      "threads": torch.get_num_threads()}))
+""")
+
+
+def test_a_train_step_starts_no_openmp_threads_beside_its_own(tmp_path):
+    """One data-parallel rank: megatron's parameter all-gather after the optimizer step copies the whole buffer
+    onto itself on gloo's thread, where torch starts a second OpenMP team; with more OpenMP threads than cores,
+    libgomp makes waiting threads sleep at once and every later parallel op waits for a wake-up (the tiny model's
+    step: 50 -> 37 ms without it). Counted as the process's threads, which such a team adds to."""
+    script = tmp_path / "teams.py"
+    script.write_text(TEAMS)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["threads"] == 2, out
+    assert out["after"] == out["before"], out
