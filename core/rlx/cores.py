@@ -132,8 +132,9 @@ class CoreMeter:
             except Exception:  # noqa: BLE001 - a metric: an engine that does not answer now is left out
                 return e.url, None
 
-        engines = await asyncio.gather(*(engine(e) for e in self.engines()))
-        trainers = await asyncio.to_thread(self.trainer_cpu)
+        # at once: a mark is on the step's path (the trainer's answer and an engine's take about a millisecond each)
+        trainers, *engines = await asyncio.gather(asyncio.to_thread(self.trainer_cpu),
+                                                  *(engine(e) for e in self.engines()))
         # keyed by process: a trainer rank in the driver's own process (no Ray) counts once
         out = dict([self.own_cpu(), *(trainers or [])])
         out.update({u: s for u, s in engines if s is not None})
