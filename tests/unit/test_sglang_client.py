@@ -10,11 +10,27 @@ import torch
 from rlx.config import parse_config
 from rlx.errors import RLXError
 from rlx.rollout.engines.fleet import EngineFleet
-from rlx.rollout.engines.protocol import EngineError, GenerateResult, token_versions
+from rlx.rollout.engines.protocol import EngineError, GenerateRequest, GenerateResult, token_versions
 from rlx.transport import verify as V
 from rlx.transport.group import engine_ranks
 from rlx.transport.sender import Fingerprints
 from rlx.transport.wire import WireError, _device_index
+
+
+def test_a_generate_body_names_only_what_was_asked_and_is_its_own_copy():
+    """/generate's body: SGLang's field names (checked against SGLang's GenerateReqInput in test_sglang_code);
+    ``rid`` only when given, ``return_routed_experts`` only when asked (servers before 0.5.6 refuse it); a body
+    changed afterwards (by a caller adding ``stream``) leaves the request as it was."""
+    req = GenerateRequest([5, 6], {"max_new_tokens": 3, "stop": ["\\n"]})
+    body = req.to_json()
+    assert body == {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "stop": ["\\n"]},
+                    "return_logprob": True}
+    body["input_ids"].append(7)
+    body["sampling_params"]["n"] = 2
+    assert req.input_ids == [5, 6] and req.sampling_params == {"max_new_tokens": 3, "stop": ["\\n"]}
+    both = GenerateRequest([1], {}, False, rid="s3-0", return_routed_experts=True).to_json()
+    assert both == {"input_ids": [1], "sampling_params": {}, "return_logprob": False, "rid": "s3-0",
+                    "return_routed_experts": True}
 
 
 def test_token_versions_from_sglang_spans():

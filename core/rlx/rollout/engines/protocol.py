@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -42,11 +42,13 @@ class GenerateRequest:
     return_routed_experts: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        if self.rid is None:
-            d.pop("rid")
-        if not self.return_routed_experts:  # a field older servers do not know
-            d.pop("return_routed_experts")
+        # not dataclasses.asdict: its deep copy of the ids and stop lists cost 0.1 ms a request on the driver
+        d: dict[str, Any] = {"input_ids": list(self.input_ids), "sampling_params": dict(self.sampling_params),
+                             "return_logprob": self.return_logprob}
+        if self.rid is not None:
+            d["rid"] = self.rid
+        if self.return_routed_experts:  # a field older servers do not know
+            d["return_routed_experts"] = True
         return d
 
 
