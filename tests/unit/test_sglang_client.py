@@ -161,3 +161,43 @@ def test_fingerprints_hash_heads_in_the_served_dtype():
 
     assert p.head_hashes[("a", "bfloat16")] == tensor_hash(t[:4], torch.bfloat16)
     assert p.hashes == {}  # whole tensors only for a full check
+
+
+def test_a_sender_asks_each_engine_its_dtypes_once_per_setup(monkeypatch, tmp_path):
+    """Verification needs each engine's dtype per tensor (its checksum route). That is set by how the engine was
+    launched: asked at the first push after a setup, not at every push (one HTTP round trip of the push's
+    seven); a setup (engines changed, one restarted) asks again."""
+    from types import SimpleNamespace as NS
+
+    from rlx.transport import sender
+
+    asked, seen = [], []
+
+    async def served(engines):
+        asked.append([e.url for e in engines])
+        return {e.url: {"w": "float32"} for e in engines}
+
+    async def check(engines, prints, version, dtypes, full):
+        seen.append(dict(dtypes))
+
+    async def nothing(*a):
+        pass
+
+    async def tp_sizes(engines):
+        return [1] * len(engines)
+
+    monkeypatch.setattr(sender, "_tp_sizes", tp_sizes)
+    monkeypatch.setattr(sender, "served_dtypes", served)
+    monkeypatch.setattr(sender, "verify", check)
+    s = sender.WeightSender(NS(par=NS(sender=True, pp=1, pp_rank=0, rank=0, gathers=False),
+                               hf_tensors=lambda: iter([("w", torch.ones(2))])), plugins=None, transport_spec=None)
+    monkeypatch.setattr(s, "_agree", lambda fn, *a: fn(*a))
+    monkeypatch.setattr(s, "_setup_transport", lambda: setattr(s, "transport", NS(send=nothing, commit=nothing)))
+    s.setup(["http://a", "http://b"], str(tmp_path), "127.0.0.1")
+    for version in (1, 2, 3):
+        s.push(version)
+    assert asked == [["http://a", "http://b"]]
+    assert seen == [{"http://a": {"w": "float32"}, "http://b": {"w": "float32"}}] * 3
+    s.setup(["http://a"], str(tmp_path), "127.0.0.1")  # b was taken out
+    s.push(4)
+    assert asked == [["http://a", "http://b"], ["http://a"]] and seen[-1] == {"http://a": {"w": "float32"}}

@@ -81,6 +81,9 @@ class WeightSender:
         self.pushes = 0
         self.transport: Any = None
         self.ctx: TransportContext | None = None
+        # each engine's dtype per tensor (None: it cannot say), asked at its first push after `setup`: set by how
+        # the engine was launched, so not asked again at every push (a restarted engine comes with a new setup)
+        self.served: dict[str, dict[str, str] | None] = {}
 
     @property
     def sending(self) -> bool:
@@ -92,6 +95,7 @@ class WeightSender:
         from rlx.rollout.engines.fleet import Engine
 
         engines = [Engine(url, "target", timeout_s=self.update_timeout_s) for url in engine_urls]
+        self.served = {}
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
             for e, tp in zip(engines, asyncio.run(_tp_sizes(engines)), strict=True):
                 e.tp_size = tp
@@ -127,7 +131,10 @@ class WeightSender:
 
         def plan() -> None:  # which dtype each engine holds each tensor in
             if self.verify_weights != "off" and self.sending:
-                dtypes.update(asyncio.run(served_dtypes(self.ctx.engines)))
+                new = [e for e in self.ctx.engines if e.url not in self.served]
+                if new:
+                    self.served.update(asyncio.run(served_dtypes(new)))
+                dtypes.update({e.url: self.served[e.url] for e in self.ctx.engines})
 
         self._agree(plan)
         prints = Fingerprints(plans=[d for d in dtypes.values() if d], full=full)
