@@ -20,6 +20,14 @@ threads itself:
     (the tiny test model: 0.109 s/step against 0.123 shared), or where steady per-phase timings matter.
 - ``train.threads`` (trainer ranks) and an engine group's ``server_args.num_threads`` override both.
 
+One OpenMP team per process: a torch op large enough to run in parallel starts a team of threads on the thread
+that calls it, and keeps it for that thread's life. With more OpenMP threads in a process than cores, libgomp
+makes waiting threads sleep almost at once (its throttled spin), and every parallel op then waits for its threads
+to wake: an elementwise op on 2 cores went from 75 to 115 us, the tiny model's train step from 37 to 50 ms. So
+nothing but the thread that runs the model may run large torch ops: the matmul kernel's measurement runs on a
+thread of its own that ends (`rlx.builtins.kernels`), and a trainer skips megatron's collectives over one rank,
+which gloo would run on its own thread (`rlx.train.model.skip_lone_collectives`; a test counts the threads).
+
 A node's cores are what Ray counts for it (``ray.num_cpus`` for a cluster started here), or this process's
 CPU affinity without Ray.
 
