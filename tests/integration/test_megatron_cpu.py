@@ -180,7 +180,7 @@ def test_a_sample_deep_in_a_long_row_gets_the_log_probs_it_gets_alone(tmp_path):
 
 
 TEAMS = textwrap.dedent("""
-    import json, os, sys, warnings
+    import json, os, sys, time, warnings
     warnings.filterwarnings("ignore")
     import torch
     from rlx.config import parse_config
@@ -196,6 +196,7 @@ TEAMS = textwrap.dedent("""
                                reward=float(i % 2), status=SampleStatus.COMPLETED, sample_id=8 * p + i, group_id=p)
                         for i in range(8)]) for p in range(4)]
     torch.ones(10 ** 6).mul_(2)  # this thread's OpenMP team
+    time.sleep(0.5)  # the team of the matmul kernel's measuring thread (ended) is gone
     before = len(os.listdir("/proc/self/task"))
     for step in (1, 2):
         trainer.train_step(RolloutBatch(step, groups))
@@ -215,4 +216,4 @@ def test_a_train_step_starts_no_openmp_threads_beside_its_own(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["threads"] == 2, out
-    assert out["after"] == out["before"], out
+    assert out["after"] <= out["before"], out

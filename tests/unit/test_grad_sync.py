@@ -8,8 +8,9 @@ from rlx.train.model import skip_lone_collectives
 def _ddp(size, scale=1.0, **cfg):
     """Two bucket groups (dense and expert) over a group of `size` ranks; which of megatron's calls stay."""
     group = NS(size=lambda: size)
-    groups = [NS(intra_distributed_optimizer_instance_group=group, buckets=[NS(gradient_scaling_factor=scale)],
-                 start_grad_sync="megatron's", start_param_sync="megatron's") for _ in range(2)]
+    groups = [NS(intra_distributed_optimizer_instance_group=group, data_parallel_group=group,
+                 buckets=[NS(gradient_scaling_factor=scale)], start_grad_sync="megatron's",
+                 start_param_sync="megatron's") for _ in range(2)]
     config = dict(overlap_grad_reduce=False, overlap_param_gather=False, num_distributed_optimizer_instances=1,
                   check_for_nan_in_grad=False, check_for_large_grads=False, use_distributed_optimizer=True) | cfg
     d = NS(ddp_config=NS(**config), bucket_groups=groups[:1], expert_parallel_bucket_groups=groups[1:])
@@ -37,3 +38,5 @@ def test_parameter_gathers_over_one_rank_are_skipped_and_no_others():
     assert [param for _, param in _ddp(2)] == [True, True]
     assert [param for _, param in _ddp(1, overlap_param_gather=True)] == [True, True]
     assert [param for _, param in _ddp(1, num_distributed_optimizer_instances=2)] == [True, True]
+    # without the distributed optimizer there is no gather, only the gradient all-reduce (skipped over one rank)
+    assert _ddp(1, use_distributed_optimizer=False) == [(False, True), (False, True)]

@@ -27,6 +27,7 @@ def test_a_generate_body_names_only_what_was_asked_and_is_its_own_copy():
                     "return_logprob": True}
     body["input_ids"].append(7)
     body["sampling_params"]["n"] = 2
+    body["sampling_params"]["stop"].append("x")
     assert req.input_ids == [5, 6] and req.sampling_params == {"max_new_tokens": 3, "stop": ["\\n"]}
     both = GenerateRequest([1], {}, False, rid="s3-0", return_routed_experts=True).to_json()
     assert both == {"input_ids": [1], "sampling_params": {}, "return_logprob": False, "rid": "s3-0",

@@ -362,8 +362,11 @@ class Weights:
 
     async def catch_up(self, engines: list[Any], admit: Callable[[], Any]) -> None:
         """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights and let them
-        in (`admit`) before the next train step or push can change those weights."""
+        in (`admit`) before the next train step or push can change those weights. The transport is set up
+        again even where the engines' addresses are those it points to (an engine back at its old address is a
+        new process: what the transport learned of the old one, such as its tensor dtypes, is gone)."""
         async with self.lock:
+            self.urls = None
             await self._point(engines)
             await asyncio.to_thread(self.trainer.push_weights, self.version)
             await admit()

@@ -82,7 +82,8 @@ class WeightSender:
         self.transport: Any = None
         self.ctx: TransportContext | None = None
         # each engine's dtype per tensor (None: it cannot say), asked at its first push after `setup`: set by how
-        # the engine was launched, so not asked again at every push (a restarted engine comes with a new setup)
+        # the engine was launched, so not asked again at every push (an engine restarted or back gets a new setup:
+        # `Weights.catch_up`)
         self.served: dict[str, dict[str, str] | None] = {}
 
     @property

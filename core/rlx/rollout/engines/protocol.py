@@ -42,8 +42,10 @@ class GenerateRequest:
     return_routed_experts: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        # not dataclasses.asdict: its deep copy of the ids and stop lists cost 0.1 ms a request on the driver
-        d: dict[str, Any] = {"input_ids": list(self.input_ids), "sampling_params": dict(self.sampling_params),
+        # not dataclasses.asdict (its generic deep copy cost 0.1 ms a request on the driver); still a copy: the ids,
+        # the parameters and their lists (stop strings and ids)
+        params = {k: list(v) if isinstance(v, list) else v for k, v in self.sampling_params.items()}
+        d: dict[str, Any] = {"input_ids": list(self.input_ids), "sampling_params": params,
                              "return_logprob": self.return_logprob}
         if self.rid is not None:
             d["rid"] = self.rid
