@@ -202,3 +202,42 @@ def test_a_sender_asks_each_engine_its_dtypes_once_per_setup(monkeypatch, tmp_pa
     s.setup(["http://a"], str(tmp_path), "127.0.0.1")  # b was taken out
     s.push(4)
     assert asked == [["http://a", "http://b"], ["http://a"]] and seen[-1] == {"http://a": {"w": "float32"}}
+
+
+def test_a_session_that_fails_to_open_on_one_engine_is_closed_on_the_others():
+    """`update_sessions` opens SGLang's weight-update session on every engine. If one engine fails to open
+    (it died), the sessions already open elsewhere are closed before the error goes up: a push sent again to the
+    engines that serve would otherwise meet 'a weight update session is already open' (HTTP 400)."""
+    from contextlib import asynccontextmanager
+    from types import SimpleNamespace as NS
+
+    from rlx.transport import update_sessions
+
+    calls = []
+
+    def engine(url, fails=False):
+        async def begin():
+            calls.append(("begin", url))
+            if fails:
+                raise EngineError(f"engine at {url} unreachable")
+            return True
+
+        async def end():
+            calls.append(("end", url))
+
+        @asynccontextmanager
+        async def client():
+            yield NS(begin_weight_update=begin, end_weight_update=end)
+
+        return NS(url=url, client=client)
+
+    async def push(engines):
+        async with update_sessions(engines):
+            calls.append(("send", None))
+
+    with pytest.raises(EngineError, match="b unreachable"):
+        asyncio.run(push([engine("a"), engine("b", fails=True), engine("c")]))
+    assert sorted(calls) == [("begin", "a"), ("begin", "b"), ("begin", "c"), ("end", "a"), ("end", "c")]
+    calls.clear()
+    asyncio.run(push([engine("a"), engine("c")]))
+    assert calls == [("begin", "a"), ("begin", "c"), ("send", None), ("end", "a"), ("end", "c")]

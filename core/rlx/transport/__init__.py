@@ -72,7 +72,11 @@ class update_sessions:  # noqa: N801  (used as `async with update_sessions(engin
                 if await c.begin_weight_update():
                     self.opened.append(e)
 
-        await asyncio.gather(*(begin(e) for e in self.engines))
+        results = await asyncio.gather(*(begin(e) for e in self.engines), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # `async with` does not exit what failed to enter: close the sessions that did open here
+            await self.__aexit__(type(failed[0]), failed[0], failed[0].__traceback__)
+            raise failed[0]
         return self
 
     async def __aexit__(self, *exc):
