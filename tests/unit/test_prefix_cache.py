@@ -51,6 +51,30 @@ def test_least_recently_used_entries_go_past_the_budget_and_their_nodes_with_the
     assert len(c) == 0 and c.tokens == 0 and c.match([5, 6, 7]) is None
 
 
+def nodes(c):
+    todo, n = [c.root], 0
+    while todo:
+        node = todo.pop()
+        n += 1
+        todo += node.children.values()
+    return n
+
+
+def test_sequences_that_share_a_prefix_add_a_node_each_not_one_per_token():
+    """A radix tree: 64 answers of 20 ids after one 30-id prompt are the prompt's edge and one edge each (the
+    first answer's insert splits the prompt's edge once); a lookup that leaves an edge midway still finds its
+    prefix."""
+    c = PrefixCache(10_000)
+    prompt = list(range(100, 130))
+    for i in range(64):
+        seq = prompt + [1000 + i] + list(range(19))
+        c.insert(seq, kv(seq))
+    assert len(c) == 64 and nodes(c) == 1 + 1 + 64  # the root, the prompt, an answer each
+    n, got = c.match(prompt + [1005, 0, 1, 2, 77, 78])
+    assert n == 34 and got[0][0].flatten().tolist() == prompt + [1005, 0, 1, 2]
+    assert c.match(prompt[:12] + [5, 5])[0] == 12  # leaves the prompt's edge midway
+
+
 @pytest.fixture(scope="module")
 def engine_parts(tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +147,48 @@ def test_samples_of_one_prompt_fork_its_prefill_and_a_second_turn_prefills_only_
         assert r3.cached_tokens == 0
     finally:
         s.shutdown()
+
+
+def test_prompts_that_hit_the_cache_share_one_forward_with_those_that_miss(engine_parts):
+    """RL prompts share a chat template's head, so nearly every prompt hits the cache for a few ids. Prompts of
+    ragged lengths, some with a cached prefix, one without, two samples of one of them, are prefilled in one
+    forward (a row runs again the cached ids it must to line up with the longest uncached part), and every
+    log-prob equals a plain forward pass of the whole sequence."""
+    from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+
+    model, tok = engine_parts
+    s = Scheduler(model, tok, prefix_cache_tokens=4096, seed=3)
+    s.start()
+    try:
+        params = dict(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+        head = [1, 264, 263, 201, 284, 324, 7, 8, 9, 10]
+        generate(s, [Request(head + [11], SamplingParams(**params))])
+        before = s.prefill_batches
+        prompts = [head + [40, 41, 42], head + [50], head[:4] + [60, 61, 62, 63, 64], [70, 71, 72, 73]]
+        reqs = [Request(list(p), SamplingParams(**params)) for p in prompts] + [Request(list(prompts[0]),
+                                                                                         SamplingParams(**params))]
+        generate(s, reqs)
+        assert s.prefill_batches == before + 1
+        # the longest uncached part is 5 ids (the third prompt's): the first prompt runs its last 5 and takes
+        # 8 cached ids, the second its last 5 (6 cached), the third 4 cached, the fourth none; its copy forks
+        assert [r.cached_tokens for r in reqs] == [8, 6, 4, 0, 13]
+        for r in reqs:
+            assert r.logprobs == pytest.approx(forward_logprobs(model, r.input_ids, r.output_ids), abs=1e-4)
+    finally:
+        s.shutdown()
+
+
+def test_prompts_whose_uncached_parts_differ_a_lot_take_separate_forwards():
+    from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, _chunks, _Prompt
+
+    def prompt(n, cached=0):
+        return _Prompt([Request(list(range(n)), SamplingParams())], cached)
+
+    same = [prompt(10), prompt(9, 1), prompt(12, 3), prompt(8)]
+    assert _chunks(same) == [same]  # arrival order kept
+    long, short = prompt(100), [prompt(20, 10) for _ in range(3)]
+    chunks = _chunks([short[0], long, short[1], short[2]])
+    assert chunks == [[long], short]  # with one short prompt, 200 ids computed for 110 needed
 
 
 def test_without_the_cache_nothing_is_reused_but_forks(engine_parts):

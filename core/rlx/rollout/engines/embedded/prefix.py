@@ -26,23 +26,26 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [1, k
 
 
 class _Node:
-    __slots__ = ("children", "entry")
+    __slots__ = ("children", "label", "entry")
 
-    def __init__(self, entry: int | None):
-        self.children: dict[int, _Node] = {}
+    def __init__(self, label: tuple[int, ...], entry: int | None):
+        self.children: dict[int, _Node] = {}  # by the first id of the child's label
+        self.label = label  # the ids on the edge into this node
         self.entry = entry  # the id of a cached sequence that passes through this node (the newest)
 
 
 class PrefixCache:
-    """Sequences' KV by their ids, found through a token trie: a lookup walks the request's ids once (a dict
-    lookup per id), whatever the number of entries. Nodes name entries by a small integer, never by the
-    sequence itself: hashing a 60k-token tuple at every node of a 60k-token path would take minutes."""
+    """Sequences' KV by their ids, found through a radix tree of token ids (an edge holds a run of ids that no
+    held sequence branches in): a lookup compares the request's ids against the edges once, whatever the number
+    of entries, and an insert adds one node for the ids no held sequence shares (and splits one edge where the
+    new ids leave it). Nodes name entries by a small integer, never by the sequence itself: hashing a 60k-token
+    tuple at every node of a 60k-token path would take minutes."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self._entries: OrderedDict[int, tuple[tuple[int, ...], KV]] = OrderedDict()  # least recently used first
         self._next = 0
-        self.root = _Node(None)
+        self.root = _Node((), None)
         self.tokens = 0
 
     def __len__(self) -> int:
@@ -53,25 +56,35 @@ class PrefixCache:
         """The cached sequences, least recently used first."""
         return [seq for seq, _ in self._entries.values()]
 
-    def _walk(self, ids: list[int] | tuple[int, ...]) -> list[_Node]:
-        """The nodes along `ids` that exist, root first."""
-        path, node = [self.root], self.root
-        for t in ids:
-            node = node.children.get(t)
-            if node is None:
+    def _walk(self, ids: tuple[int, ...]) -> tuple[list[_Node], int, int]:
+        """Follow `ids` down the tree: (the nodes entered, root first; how many ids matched; how many ids of the
+        last node's label matched, which is all of it unless `ids` leave the tree inside that edge)."""
+        path, node, n, into = [self.root], self.root, 0, 0
+        while n < len(ids):
+            child = node.children.get(ids[n])
+            if child is None:
                 break
-            path.append(node)
-        return path
+            label = child.label
+            path.append(child)
+            if ids[n:n + len(label)] == label:
+                n += len(label)
+                node, into = child, len(label)
+                continue
+            into = 1  # the first id matched (it is the child's key); find where the rest leaves the edge
+            while into < len(label) and n + into < len(ids) and ids[n + into] == label[into]:
+                into += 1
+            n += into
+            break
+        return path, n, into
 
     def match(self, ids: list[int]) -> tuple[int, KV] | None:
         """The longest cached prefix of `ids` that leaves at least one id to run: (its length, its KV views)."""
         if not self._entries or len(ids) < 2:
             return None
-        path = self._walk(ids[:-1])
-        n = len(path) - 1
+        path, n, _ = self._walk(tuple(ids[:-1]))
         if n == 0:
             return None
-        eid = path[-1].entry
+        eid = path[-1].entry  # its sequence runs through the whole last edge, so through these n ids
         self._entries.move_to_end(eid)
         return n, [(k[:, :, :n], v[:, :, :n]) for k, v in self._entries[eid][1]]
 
@@ -81,19 +94,24 @@ class PrefixCache:
         if not ids or len(ids) > self.max_tokens:
             return
         key = tuple(ids)
-        path = self._walk(key)
-        if len(path) - 1 == len(key):  # already held, as itself or inside a longer sequence
+        path, n, into = self._walk(key)
+        if n == len(key):  # already held, as itself or inside a longer sequence
             self._entries.move_to_end(path[-1].entry)
             return
         eid, self._next = self._next, self._next + 1
-        node = path[-1]
-        for t in key[len(path) - 1:]:
-            node.children[t] = _Node(eid)
-            node = node.children[t]
+        last = path[-1]
+        if into < len(last.label):  # `key` leaves inside this edge: split it where it does
+            parent = path[-2]
+            head = _Node(last.label[:into], last.entry)
+            last.label = last.label[into:]
+            head.children[last.label[0]] = last
+            parent.children[head.label[0]] = head
+            path[-1] = last = head
+        last.children[key[n]] = _Node(key[n:], eid)
         passing = set()
-        for n in path[1:]:
-            passing.add(n.entry)
-            n.entry = eid
+        for node in path[1:]:
+            passing.add(node.entry)
+            node.entry = eid
         for old in passing:  # held sequences that `key` extends are now redundant
             seq = self._entries[old][0] if old in self._entries else None
             if seq is not None and len(seq) <= len(key) and key[:len(seq)] == seq:
@@ -110,17 +128,17 @@ class PrefixCache:
 
     def evict(self, ids: tuple[int, ...] | list[int]) -> None:
         """Drop the entry holding exactly `ids`."""
-        path = self._walk(ids)
-        eid = path[-1].entry if len(path) - 1 == len(ids) else None
+        path, n, into = self._walk(tuple(ids))
+        eid = path[-1].entry if n == len(ids) and into == len(path[-1].label) else None
         if eid is None or self._entries[eid][0] != tuple(ids):
             raise KeyError(f"no cached sequence of {len(ids)} ids like that")
         self._evict(eid)
 
     def _evict(self, eid: int) -> None:
-        """Drop an entry and the trie nodes only it used; nodes it shares point at another entry."""
+        """Drop an entry and the nodes only it used; nodes it shares point at another entry."""
         key = self._entries[eid][0]
         self._forget(eid)
-        path = self._walk(key)
+        path, _, _ = self._walk(key)
         for depth in range(len(path) - 1, 0, -1):
             node = path[depth]
             if node.entry != eid:
@@ -128,9 +146,9 @@ class PrefixCache:
             if node.children:
                 node.entry = next(iter(node.children.values())).entry
             else:
-                del path[depth - 1].children[key[depth - 1]]
+                del path[depth - 1].children[node.label[0]]
 
     def clear(self) -> None:
         self._entries.clear()
-        self.root = _Node(None)
+        self.root = _Node((), None)
         self.tokens = 0

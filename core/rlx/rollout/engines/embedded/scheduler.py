@@ -7,6 +7,9 @@ Choices:
 * Requests that arrive while others decode are prefilled together, then merged into the running batch
   by left-padding the two caches to a common length; finished rows are dropped by index, and leading
   columns that no row uses any more are trimmed, so padding does not accumulate.
+* A prompt runs only the ids after the longest prefix the prefix cache holds for it, in the same forward as
+  the other new prompts (RL prompts share a chat template's head: nearly all of them hit the cache for a few
+  ids); prompts whose uncached parts differ much in length take separate forwards.
 * Sampling is vectorised over rows, each row with its own temperature, top-p, top-k and min-p.
   The logprob reported for a token is ``log_softmax(logits / temperature)`` at that token, before top-k
   or top-p truncation (SGLang's default), and the plain ``log_softmax(logits)`` when greedy; with
@@ -70,6 +73,48 @@ class Request:
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens this request did not prefill (prefix cache or a forked prompt)
     kv_epoch: int = 0  # the prefix cache's epoch when it was prefilled (its KV is from that epoch's weights)
+
+
+@dataclass
+class _Prompt:
+    """The requests with one prompt, prefilled together, and the longest prefix of it the cache holds."""
+
+    requests: list[Request]
+    cached: int = 0  # ids the cache holds
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # their KV, [1, heads, >= cached, d]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.requests[0].input_ids
+
+    @property
+    def todo(self) -> int:
+        return len(self.ids) - self.cached
+
+
+# A forward computes every row as long as its longest. Prompts share one while the ids it computes beyond those
+# they need (padding, and cached ids run again) are at most this fraction of those they need, or this many ids:
+# a forward's fixed cost on CPU is about that of a dozen ids of a 135M model.
+PREFILL_SLACK = 0.25
+PREFILL_SLACK_IDS = 16
+
+
+def _chunks(prompts: list[_Prompt]) -> list[list[_Prompt]]:
+    """Group prompts into forwards by the length of their uncached parts, longest first; each group keeps the
+    prompts' arrival order."""
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].todo)
+    groups: list[list[int]] = []
+    need = 0
+    for i in order:
+        todo = prompts[i].todo
+        if groups and ((len(groups[-1]) + 1) * prompts[groups[-1][0]].todo - (need + todo)
+                       <= max(PREFILL_SLACK * (need + todo), PREFILL_SLACK_IDS)):
+            groups[-1].append(i)
+            need += todo
+        else:
+            groups.append([i])
+            need = todo
+    return [[prompts[i] for i in sorted(g)] for g in groups]
 
 
 def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
@@ -298,51 +343,80 @@ class Scheduler:
         self._last = self._last.index_select(0, idx)
 
     def _prefill(self, new: list[Request]) -> None:
-        """Prefill requests that start with a cached prefix from it (once per distinct prompt), the others in one
-        batch."""
-        rest: list[Request] = []
-        hits: dict[tuple[int, ...], tuple[list[Request], Any]] = {}  # ids -> (their requests, the cached prefix)
+        """Prefill new requests in as few forwards as padding allows. Each distinct prompt runs only the ids after
+        the longest prefix the cache holds for it, and the n samples of a prompt fork one prompt's KV and logits.
+        Prompts whose uncached parts have similar lengths share a forward (`_chunks`)."""
+        by_ids: dict[tuple[int, ...], list[Request]] = {}
         for r in new:
             r.kv_epoch = self.kv_epoch
             self.prompt_tokens += len(r.input_ids)
-            if r.return_routed_experts:  # its prompt's routing must be computed: no cache, forks in the batch only
-                rest.append(r)
-                continue
-            key = tuple(r.input_ids)
-            if key in hits:
-                hits[key][0].append(r)
-                continue
-            hit = None if self.prefix is None else self.prefix.match(r.input_ids)
-            if hit is None:
-                rest.append(r)
-            else:
-                hits[key] = ([r], hit)
-        for same, (cached, kv) in hits.values():
-            self._prefill_from(same, cached, kv)
-        if rest:
-            self._prefill_batch(rest)
+            by_ids.setdefault(tuple(r.input_ids), []).append(r)
+        prompts: list[_Prompt] = []
+        for same in by_ids.values():
+            # a request that wants its prompt's routing has the whole prompt run
+            hit = (None if self.prefix is None or any(r.return_routed_experts for r in same)
+                   else self.prefix.match(same[0].input_ids))
+            prompts.append(_Prompt(same, *(hit or (0, []))))
+        for chunk in _chunks(prompts):
+            self._prefill_chunk(chunk)
 
-    def _prefill_from(self, same: list[Request], cached: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Run only the ids after the cached prefix (KV `kv` of the first `cached` ids) of requests with the same
-        ids, once, and fork the result to each."""
+    def _prefill_chunk(self, prompts: list[_Prompt]) -> None:
+        """One forward over the prompts' last `run` ids each, `run` the longest uncached part among them, from the
+        cached KV of the ids before (a prompt with a shorter uncached part runs again a few ids it has cached,
+        rather than leaving a gap in its row). Rows are left-padded as everywhere in the running batch."""
         self.prefill_batches += 1
-        r0, n, total = same[0], len(same), len(same[0].input_ids)
-        for i, r in enumerate(same):
-            r.cached_tokens = cached if i == 0 else total
-            self.cached_tokens += r.cached_tokens
-        ids = torch.tensor([r0.input_ids[cached:]], device=self.device)
-        pos = torch.arange(cached, total, device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self._make_cache(kv), use_cache=True,
-                         logits_to_keep=1)
-        self._remember(r0.input_ids, out.past_key_values, 0, total)
+        n, run = len(prompts), max(p.todo for p in prompts)
+        past = [max(len(p.ids) - run, 0) for p in prompts]  # cached ids each row takes, at most what it has
+        width = max(past)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((n, run), pad, dtype=torch.long, device=self.device)
+        pos = torch.zeros((n, run), dtype=torch.long, device=self.device)
+        mask = torch.zeros((n, width + run), dtype=torch.long, device=self.device)
+        for i, (p, k) in enumerate(zip(prompts, past, strict=True)):
+            m = len(p.ids) - k
+            ids[i, run - m:] = torch.tensor(p.ids[k:], device=self.device)
+            pos[i, run - m:] = torch.arange(k, len(p.ids), device=self.device)
+            mask[i, width + run - len(p.ids):] = 1
+            for j, r in enumerate(p.requests):
+                r.cached_tokens = k if j == 0 else len(p.ids)
+                self.cached_tokens += r.cached_tokens
+        cache = self._make_cache(self._left_padded(prompts, past, width) if width else [])
+        routed = self._routing([r for p in prompts for r in p.requests])
+        out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
+                         position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for i, p in enumerate(prompts):
+            self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
-        if n > 1:
-            cache = self._make_cache([(k.expand(n, *k.shape[1:]).contiguous(), v.expand(n, *v.shape[1:]).contiguous())
+        taken = self.experts.take(n, run) if routed else None
+        which = [i for i, p in enumerate(prompts) for _ in p.requests]
+        if len(which) > n:  # fork each prompt's row to its requests
+            idx = torch.tensor(which, device=self.device)
+            cache = self._make_cache([(k.index_select(0, idx), v.index_select(0, idx))
                                       for k, v in self._layers(cache)])
-            logits = logits.expand(n, -1)
-        mask = torch.ones((n, total), dtype=torch.long, device=self.device)
-        self._merge(same, cache, mask, torch.full((n,), total, device=self.device))
-        self._emit(logits, list(range(len(self.rows) - n, len(self.rows))))
+            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
+            taken = taken.index_select(0, idx) if taken is not None else None
+        every = [r for p in prompts for r in p.requests]
+        if taken is not None:
+            for i, r in enumerate(every):
+                if r.return_routed_experts:  # its prompt ran whole: no cached ids
+                    r.routed.append(taken[i, run - len(r.input_ids):])
+        self._merge(every, cache, mask, mask.sum(-1))
+        offset = len(self.rows) - len(every)
+        self._emit(logits, list(range(offset, len(self.rows))))
+
+    def _left_padded(self, prompts: list[_Prompt], past: list[int], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the rows' first `past[i]` cached keys and values, left-padded to `width` columns."""
+        layers = []
+        for layer in range(len(next(p.kv for p in prompts if p.kv))):
+            k0, v0 = next(p.kv[layer] for p in prompts if p.kv)
+            k = k0.new_zeros((len(prompts), k0.shape[1], width, k0.shape[3]))
+            v = v0.new_zeros((len(prompts), v0.shape[1], width, v0.shape[3]))
+            for i, (p, c) in enumerate(zip(prompts, past, strict=True)):
+                if c:
+                    k[i, :, width - c:] = p.kv[layer][0][0, :, :c]
+                    v[i, :, width - c:] = p.kv[layer][1][0, :, :c]
+            layers.append((k, v))
+        return layers
 
     def clear_prefix_cache(self) -> None:
         """Forget cached KV, and keep requests running now from adding theirs (computed partly before)."""
@@ -367,50 +441,6 @@ class Scheduler:
     def _cacheable(cache: Any) -> bool:
         """Full-attention layers only: a sliding-window or recurrent layer's state is not a per-token KV."""
         return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
-
-    def _prefill_batch(self, new: list[Request]) -> None:
-        """One forward over the distinct prompts; requests with the same ids (the n samples of a prompt) fork its
-        KV and logits instead of computing them again."""
-        self.prefill_batches += 1
-        first: dict[tuple[int, ...], int] = {}
-        which = [first.setdefault(tuple(r.input_ids), len(first)) for r in new]
-        distinct = [new[which.index(j)] for j in range(len(first))]
-        for r, j in zip(new, which, strict=True):
-            if r is not distinct[j]:
-                r.cached_tokens = len(r.input_ids)
-                self.cached_tokens += len(r.input_ids)
-        every, new = new, distinct
-        n, length = len(new), max(len(r.input_ids) for r in new)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((n, length), pad, dtype=torch.long, device=self.device)
-        mask = torch.zeros((n, length), dtype=torch.long, device=self.device)
-        for i, r in enumerate(new):
-            ids[i, length - len(r.input_ids):] = torch.tensor(r.input_ids, device=self.device)
-            mask[i, length - len(r.input_ids):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._make_cache([])
-        padded = bool((mask[:, 0] == 0).any())
-        routed = self._routing(new)
-        out = self.model(input_ids=ids, attention_mask=mask if padded else None, position_ids=pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for i, r in enumerate(new):
-            self._remember(r.input_ids, out.past_key_values, i, len(r.input_ids))
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
-        taken = self.experts.take(n, length) if routed else None
-        if len(every) > n:  # fork each distinct prompt's rows to its requests
-            idx = torch.tensor(which, device=self.device)
-            cache = self._make_cache([(k.index_select(0, idx), v.index_select(0, idx))
-                                      for k, v in self._layers(cache)])
-            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
-            taken = taken.index_select(0, idx) if taken is not None else None
-            new, n = every, len(every)
-        if taken is not None:
-            for i, r in enumerate(new):
-                if r.return_routed_experts:
-                    r.routed.append(taken[i, length - len(r.input_ids):])
-        self._merge(new, cache, mask, mask.sum(-1))
-        offset = len(self.rows) - n
-        self._emit(logits, list(range(offset, offset + n)))
 
     def _merge(self, new: list[Request], cache: Any, mask: torch.Tensor, pos: torch.Tensor) -> None:
         self._sampling = None
