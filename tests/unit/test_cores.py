@@ -95,11 +95,9 @@ def test_cores_per_phase_sum_every_process_over_the_phase():
 
 def test_a_trainer_rank_in_the_drivers_process_counts_once():
     """Without Ray the trainer runs in the driver: the same process reported twice is one process."""
-    from rlx.cores import process_cpu
-
     wall = iter([0.0, 1.0])
     cpu = iter([5.0, 5.0, 6.5, 6.5])  # each mark reads it twice: as the driver and as the trainer rank
-    me = process_cpu()[0]
+    me = "h:9"
     meter = CoreMeter(lambda: [(me, next(cpu))], lambda: [], clock=lambda: next(wall),
                       own_cpu=lambda: (me, next(cpu)))
 
@@ -109,3 +107,54 @@ def test_a_trainer_rank_in_the_drivers_process_counts_once():
 
     asyncio.run(run())
     assert meter.cores(["train"]) == {"cores/train": pytest.approx(1.5)}
+
+
+def test_later_marks_read_the_cpu_clocks_of_processes_beside_the_driver_instead_of_asking():
+    """The first mark asks the trainer ranks and engines; when all run on this machine (same kernel and PID
+    namespace), later marks read their CPU clocks from the kernel, which counts what they really used. A rank
+    on another machine keeps every mark asking."""
+    import subprocess
+    import sys
+    import time
+
+    from rlx.cores import cpu_clock, process_identity
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\ntime.sleep(30)"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        asked = []
+
+        def trainer():
+            asked.append("trainer")
+            return [(process_identity(busy.pid), 0.0)]
+
+        class Engine(_Engine):
+            def identity(self):
+                return process_identity(idle.pid)
+
+            def client(self, timeout_s=None):
+                asked.append("engine")
+                return _Client(0.0)
+
+        meter = CoreMeter(trainer, lambda: [Engine("e1", 0.0)])
+        time.sleep(0.1)  # the spinner has started
+
+        async def run():
+            await meter.mark()
+            time.sleep(0.3)
+            await meter.mark()
+
+        asyncio.run(run())
+        assert asked == ["trainer", "engine"]  # once, at the first mark
+        used = meter.cores(["train"])["cores/train"]
+        assert 0.7 < used < 1.3, used  # the spinner's core (the first mark's zeros are not counted)
+
+        assert cpu_clock(process_identity(busy.pid)) is not None and cpu_clock("h:1") is None
+        elsewhere = CoreMeter(lambda: [("h:1@another-kernel/1", 1.0)], lambda: [])
+        asyncio.run(elsewhere.mark())
+        assert elsewhere.clocks is None
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()

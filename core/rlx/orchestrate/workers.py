@@ -680,6 +680,9 @@ class EngineHost:
     def pid(self) -> int | None:
         return self.process.pid
 
+    def identity(self) -> str | None:
+        return self.process.identity()
+
     def log_tail(self, n: int = 20) -> str:
         return self.process.log_tail(n)
 
@@ -693,6 +696,7 @@ class RayProcess:
     def __init__(self, host: Any, log_path: Path):
         self.host = host
         self.log_path = log_path
+        self._identity: str | None = None
 
     def _get(self, ref: Any) -> Any:
         import ray
@@ -715,6 +719,12 @@ class RayProcess:
     @property
     def pid(self) -> int | None:
         return self._get(self.host.pid.remote())
+
+    def identity(self) -> str | None:
+        """The engine process's `rlx.cores.process_identity`, asked of its host once."""
+        if self._identity is None:
+            self._identity = self._get(self.host.identity.remote())
+        return self._identity
 
     def log_tail(self, n: int = 20) -> str:
         try:

@@ -49,6 +49,10 @@ class Engine:
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s=timeout_s or self.timeout_s)
 
+    def identity(self) -> str | None:
+        """The engine process's `rlx.cores.process_identity`, when rlx started it (None: attached)."""
+        return self.process.identity() if hasattr(self.process, "identity") else None
+
 
 class EngineFleet:
     def __init__(self, cfg: Config, log_dir: Path, spawn=None, engine_args: Any = None):

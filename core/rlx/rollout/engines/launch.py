@@ -87,6 +87,12 @@ class ManagedProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def identity(self) -> str | None:
+        """The process as `rlx.cores.process_identity` names it (it runs beside this one)."""
+        from rlx.cores import process_identity
+
+        return process_identity(self.pid) if self.proc else None
+
     @property
     def returncode(self) -> int | None:
         return self.proc.poll() if self.proc else None
