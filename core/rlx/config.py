@@ -165,6 +165,8 @@ class RolloutConfig(Section):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
     weight_update_timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
     max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
+    coalesce_requests: bool = True  # identical generate requests issued together (a group's samples) go as one
+    #   request with n = their count (SGLang's parallel sampling: one prefill, n continuations)
     reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
     #   (process: from when a worker starts it, and the worker is killed; thread: from the call)
     reward_isolation: Literal["process", "thread"] = "process"  # where sync rewards run: worker processes (a

@@ -6,12 +6,18 @@ A generator is a component registered through ``register_generators``: a class w
 returns the finished sample, or several when it branches (subagents, compaction). It must keep
 token-in-token-out: ``response_ids`` are the engine's ids, appended, never re-encoded from text.
 Rewards are scored by the manager afterwards unless the generator has already set ``sample.reward``.
+
+Identical requests issued together (the samples of a group, each asking for the same prompt with the same
+sampling parameters in the same turn of the event loop) go to the engine as one request with ``n`` set to
+their count (``rollout.coalesce_requests``): SGLang prefills the prompt once and samples n continuations, and
+the HTTP work is a group's, not a sample's. Each caller still gets its own result, as if it had asked alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +69,9 @@ class GenerateContext:
     context_length: int | None = None  # the engines' context length, when they report one
     health: Any = None  # the fleet's FleetHealth (rollout.fault_tolerance): failed requests are sent again
     routed_experts: bool = False  # ask engines for the experts each token was routed to (routing replay)
+    coalesce: bool = False  # identical requests issued together go as one with n (rollout.coalesce_requests)
     _rids: Any = field(default_factory=itertools.count)
+    _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
         """SGLang sampling_params from config, with `already` tokens deducted from the budget."""
@@ -93,16 +101,68 @@ class GenerateContext:
                                       temperature=float(params.get("temperature", 1.0)))
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
-        async with self.gate:
-            res = await self._send(GenerateRequest(input_ids, params, True, rid, self.routed_experts))
+        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts)
+        if self.coalesce and params.get("n", 1) == 1:
+            res = await self._join(req)
+        else:
+            async with self.gate:
+                res = (await self._send(req))[0]
         res.temperature = float(params.get("temperature", 1.0))
         return res
 
-    async def _send(self, req: GenerateRequest) -> GenerateResult:
-        """Send `req`; with fault tolerance, send it again (from the same tokens: nothing of a failed request
-        is kept) when its engine failed, once an engine serves, at most ``max_resends`` times."""
+    async def _join(self, req: GenerateRequest) -> GenerateResult:
+        """`req`'s result, from one request with the identical requests issued in this turn of the event loop."""
+        key = (tuple(req.input_ids), json.dumps(req.sampling_params, sort_keys=True))
+        batch = self._together.get(key)
+        if batch is None:
+            loop = asyncio.get_running_loop()
+            batch = self._together[key] = _Together(loop.create_future())
+            loop.call_soon(self._launch, key)  # after the callers already scheduled in this turn have asked
+        i = len(batch.requests)
+        batch.requests.append(req)
+        batch.waiting += 1
+        try:
+            return (await asyncio.shield(batch.results))[i]
+        except asyncio.CancelledError:
+            batch.waiting -= 1
+            if not batch.waiting and batch.task is not None:  # nobody wants it any more: free the engine
+                batch.task.cancel()
+            raise
+
+    def _launch(self, key: Any) -> None:
+        batch = self._together.pop(key)
+        if batch.waiting:
+            batch.task = asyncio.ensure_future(self._send_together(batch))
+        else:
+            batch.results.cancel()
+
+    async def _send_together(self, batch: _Together) -> None:
+        reqs = batch.requests
+        one = reqs[0] if len(reqs) == 1 else GenerateRequest(
+            reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts)
+        try:
+            async with self.gate:
+                results = await self._send(one)
+            if len(results) != len(reqs):
+                raise EngineError(f"asked for {len(reqs)} samples of one prompt (n), the engine answered "
+                                  f"{len(results)}")
+        except asyncio.CancelledError:
+            batch.results.cancel()
+            raise
+        except Exception as e:  # each caller gets it
+            if not batch.results.done():
+                batch.results.set_exception(e)
+                batch.results.exception()  # read: callers that went away leave no "never retrieved" warning
+            return
+        if not batch.results.done():
+            batch.results.set_result(results)
+
+    async def _send(self, req: GenerateRequest) -> list[GenerateResult]:
+        """Send `req` (one result per sample); with fault tolerance, send it again (from the same tokens:
+        nothing of a failed request is kept) when its engine failed, once an engine serves, at most
+        ``max_resends`` times."""
         if self.health is None:
-            return (await self.client.generate(req, retries=self.retries))[0]
+            return await self.client.generate(req, retries=self.retries)
         resends = 0
         while True:
             await self.health.wait_serving()
@@ -125,7 +185,7 @@ class GenerateContext:
                 error = EngineError("an attached engine was taken out while the request was in flight")
             else:
                 try:
-                    return call.result()[0]
+                    return call.result()
                 except EngineError as e:
                     if not resendable(e):
                         raise
@@ -146,6 +206,16 @@ class GenerateContext:
             await self.health.fleet.for_each(lambda c: c.abort(rid))
         except EngineError:
             pass  # best effort: an engine that cannot be reached is not running it either
+
+
+@dataclass
+class _Together:
+    """Identical generate requests sent as one: their callers (in order), and the engine's results."""
+
+    results: asyncio.Future
+    requests: list[GenerateRequest] = field(default_factory=list)
+    waiting: int = 0  # callers still waiting
+    task: asyncio.Task | None = None
 
 
 def append_model_tokens(sample: Sample, res: GenerateResult) -> None:

@@ -1,0 +1,120 @@
+"""GenerateContext: identical requests issued together go to the engine as one request with n."""
+
+import asyncio
+
+import pytest
+
+from rlx.config import SamplingConfig
+from rlx.rollout.context import GenerateContext
+from rlx.rollout.engines.protocol import EngineError, GenerateResult
+
+
+class Client:
+    """An engine client that answers each request with one result per sample, the sample's ids telling which
+    request and which sample it was; `hold` keeps requests waiting until set."""
+
+    def __init__(self, error: Exception | None = None, short: bool = False):
+        self.requests, self.error, self.short = [], error, short
+        self.hold: asyncio.Event | None = None
+        self.cancelled = 0
+
+    async def generate(self, req, *, retries=0):
+        self.requests.append(req)
+        k = len(self.requests)
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.error is not None:
+            raise self.error
+        n = req.sampling_params.get("n", 1) - (1 if self.short else 0)
+        return [GenerateResult(text="", output_ids=[k, i], output_logprobs=[-0.1, -0.2], finish_reason="length",
+                               matched_stop=None, weight_version="1", token_weight_versions=[],
+                               prompt_tokens=len(req.input_ids), rid=req.rid, raw={}) for i in range(n)]
+
+
+def ctx(client, coalesce=True):
+    return GenerateContext(client, None, SamplingConfig(max_new_tokens=2), coalesce=coalesce)  # type: ignore[arg-type]
+
+
+P = {"max_new_tokens": 2, "temperature": 1.0}
+
+
+def test_identical_requests_issued_together_go_as_one_request_with_n():
+    """Three samples of one prompt, one of another prompt, one of the first prompt at another temperature: three
+    requests. The three go as one with n=3 and no rid (SGLang gives each of n samples its own), each caller gets
+    its own sample, in order; a lone request keeps its rid. A request issued later is not joined."""
+    c = Client()
+    g = ctx(c)
+
+    async def run():
+        together = await asyncio.gather(*(g.generate([5, 6, 7], dict(P), f"s{i}-{i}") for i in range(3)),
+                                        g.generate([5, 6, 8], dict(P), "s3-3"),
+                                        g.generate([5, 6, 7], {**P, "temperature": 0.5}, "s4-4"))
+        later = await g.generate([5, 6, 7], dict(P), "s5-5")
+        return together, later
+
+    together, later = asyncio.run(run())
+    first, second, third = c.requests[:3]
+    assert first.input_ids == [5, 6, 7] and first.sampling_params == {**P, "n": 3} and first.rid is None
+    assert second.sampling_params == P and second.rid == "s3-3"
+    assert third.sampling_params == {**P, "temperature": 0.5} and third.rid == "s4-4"
+    assert [r.output_ids for r in together] == [[1, 0], [1, 1], [1, 2], [2, 0], [3, 0]]
+    assert [r.temperature for r in together] == [1.0, 1.0, 1.0, 1.0, 0.5]
+    assert len(c.requests) == 4 and c.requests[3].rid == "s5-5" and later.output_ids == [4, 0]
+    assert g._together == {}
+
+
+def test_without_coalescing_every_call_is_its_own_request():
+    c = Client()
+    g = ctx(c, coalesce=False)
+
+    async def run():
+        return await asyncio.gather(*(g.generate([5, 6, 7], dict(P), f"s{i}-{i}") for i in range(3)))
+
+    asyncio.run(run())
+    assert [r.rid for r in c.requests] == ["s0-0", "s1-1", "s2-2"] and all("n" not in r.sampling_params
+                                                                         for r in c.requests)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_failed_joint_request_fails_every_caller(short):
+    """An engine error, or fewer samples than asked, reaches each caller of the joint request."""
+    c = Client(error=None if short else EngineError("HTTP 500: boom", 500), short=short)
+    g = ctx(c)
+
+    async def run():
+        return await asyncio.gather(*(g.generate([5, 6], dict(P)) for _ in range(3)), return_exceptions=True)
+
+    out = asyncio.run(run())
+    assert len(c.requests) == 1 and all(isinstance(e, EngineError) for e in out)
+    assert ("asked for 3 samples of one prompt (n), the engine answered 2" if short else "boom") in str(out[0])
+
+
+def test_the_joint_request_goes_on_while_one_caller_waits_and_stops_when_none_does():
+    c = Client()
+    g = ctx(c)
+
+    async def run():
+        c.hold = asyncio.Event()
+        calls = [asyncio.ensure_future(g.generate([5, 6], dict(P))) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        calls[0].cancel()
+        await asyncio.sleep(0.01)
+        assert c.cancelled == 0  # two still wait
+        c.hold.set()
+        done = await asyncio.gather(*calls[1:])
+        assert [r.output_ids for r in done] == [[1, 1], [1, 2]]
+
+        c.hold = asyncio.Event()
+        calls = [asyncio.ensure_future(g.generate([7, 8], dict(P))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        for t in calls:
+            t.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert c.cancelled == 1  # nobody waits: the request to the engine is cancelled
+
+    asyncio.run(run())
