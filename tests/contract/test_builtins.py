@@ -176,7 +176,7 @@ def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_the
     from rlx.transport import TransportContext
     from rlx.transport.wire import deserialize_named_tensors
 
-    got = []
+    got, versions = [], []
 
     class Client:
         async def __aenter__(self):
@@ -188,10 +188,14 @@ def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_the
         async def begin_weight_update(self):
             return False
 
-        async def update_weights_from_tensor(self, payloads):
+        async def update_weights_from_tensor(self, payloads, weight_version=None):
             if len(payloads[0]) < 5000:  # handles, not bytes
                 raise EngineError("Failed to update weights: shared-memory segment ... is not on this engine's host")
             got.append(deserialize_named_tensors(payloads[0]))
+            versions.append(weight_version)
+
+        async def update_weight_version(self, version):
+            versions.append(f"commit {version}")
 
     class Engine:
         url = "http://127.0.0.1:1"
@@ -207,8 +211,11 @@ def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_the
         await t.setup(ctx)
         assert t.local == {Engine.url}
         await t.send(iter(named), 1, ctx)
+        await t.commit(1, ctx)
         await t.close()
 
     asyncio.run(push())
     assert t.local == set() and [[(n, v[0].item()) for n, v in b] for b in got] == [[("w0", 0.0)], [("w1", 1.0)],
                                                                                      [("w2", 2.0)]]
+    # the only sender sets the version with its last bucket, and the commit then has nothing left to do
+    assert versions == [None, None, "1"]

@@ -32,6 +32,19 @@ async def _set_version(engines, version: int) -> None:
     await asyncio.gather(*(one(e) for e in engines))
 
 
+def _with_last(items):
+    """(item, whether it is the last) for each of `items`, taken lazily."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
 class TensorTransport:
     """Tensors through the engines' ``/update_weights_from_tensor``: CUDA IPC handles on GPU; on CPU, handles
     into a shared-memory segment for engines on this host (`rlx.transport.shm`) and bytes by value (pickled,
@@ -46,6 +59,7 @@ class TensorTransport:
         self.config = config
         self.segment = None
         self.local: set[str] = set()  # urls of the engines that read the segment
+        self.versioned: int | None = None  # the version the last send set on every engine (sole sender)
 
     async def setup(self, ctx) -> None:
         from urllib.parse import urlsplit
@@ -66,8 +80,12 @@ class TensorTransport:
         from rlx.transport import buckets
         from rlx.transport.wire import serialize_named_tensors
 
+        # the only sender sets the version with its last bucket, which is then the commit (one call fewer)
+        self.versioned = None
+        sole = ctx.senders == 1
         async with update_sessions(ctx.engines):
-            for bucket in buckets(named, self.config.bucket_mb << 20):
+            for bucket, last in _with_last(buckets(named, self.config.bucket_mb << 20)):
+                stamp = str(version) if sole and last else None
                 payloads = {}
                 if self.local:
                     payloads[True] = serialize_named_tensors(bucket, self.segment)
@@ -79,7 +97,7 @@ class TensorTransport:
                     tp = getattr(e, "tp_size", 1)  # every TP rank of the engine reads its own element
                     async with e.client() as c:
                         try:
-                            await c.update_weights_from_tensor([payloads[local]] * tp)
+                            await c.update_weights_from_tensor([payloads[local]] * tp, weight_version=stamp)
                             return
                         except EngineError as err:
                             if not local:
@@ -90,12 +108,14 @@ class TensorTransport:
                                   f"sending it tensors by value", flush=True)
                             self.local.discard(e.url)
                         await c.update_weights_from_tensor([payloads.get(False) or serialize_named_tensors(bucket)]
-                                                           * tp)
+                                                           * tp, weight_version=stamp)
 
                 await asyncio.gather(*(one(e) for e in ctx.engines))
+        self.versioned = version if sole else None
 
     async def commit(self, version: int, ctx) -> None:
-        await _set_version(ctx.engines, version)
+        if self.versioned != version:
+            await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
         if self.segment is not None:

@@ -85,6 +85,9 @@ class WeightSender:
         # the engine was launched, so not asked again at every push (an engine restarted or back gets a new setup:
         # `Weights.catch_up`)
         self.served: dict[str, dict[str, str] | None] = {}
+        # one event loop for every call to the engines, and one kept-open client per engine on it: a push's calls
+        # reuse their connections instead of opening one each (and a loop each)
+        self.loop = asyncio.new_event_loop()
 
     @property
     def sending(self) -> bool:
@@ -95,10 +98,11 @@ class WeightSender:
         again when the engines change (one taken out, or back in), it closes the old transport first."""
         from rlx.rollout.engines.fleet import Engine
 
-        engines = [Engine(url, "target", timeout_s=self.update_timeout_s) for url in engine_urls]
+        self._close_clients()  # those of the engines it pointed to before
+        engines = [Engine(url, "target", timeout_s=self.update_timeout_s, keep_clients=True) for url in engine_urls]
         self.served = {}
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
-            for e, tp in zip(engines, asyncio.run(_tp_sizes(engines)), strict=True):
+            for e, tp in zip(engines, self.run(_tp_sizes(engines)), strict=True):
                 e.tp_size = tp
         self.ctx = TransportContext(engines=engines, output_dir=Path(output_dir), sender=self.par.pp_rank,
                                     senders=self.par.pp, host=host)
@@ -108,15 +112,19 @@ class WeightSender:
             else:
                 self._agree(lambda: None)
 
+    def run(self, coro: Any) -> Any:
+        """Run `coro` on the sender's event loop (every call to the engines goes through it)."""
+        return self.loop.run_until_complete(coro)
+
     def _setup_transport(self) -> None:
         if self.transport is not None:
             old, self.transport = self.transport, None
             try:
-                asyncio.run(old.close())
+                self.run(old.close())
             except Exception as e:  # noqa: BLE001 - its engines may be the ones that died
                 print(f"rlx: closing the previous weight transport: {e}", flush=True)
         self.transport = self.plugins.build("transports", self.spec)
-        asyncio.run(self.transport.setup(self.ctx))
+        self.run(self.transport.setup(self.ctx))
 
     def push(self, version: int) -> None:
         """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify.
@@ -134,7 +142,7 @@ class WeightSender:
             if self.verify_weights != "off" and self.sending:
                 new = [e for e in self.ctx.engines if e.url not in self.served]
                 if new:
-                    self.served.update(asyncio.run(served_dtypes(new)))
+                    self.served.update(self.run(served_dtypes(new)))
                 dtypes.update({e.url: self.served[e.url] for e in self.ctx.engines})
 
         self._agree(plan)
@@ -144,16 +152,16 @@ class WeightSender:
                 self._agree(self._send_stage, version, prints)
             else:
                 self._agree(lambda: None)
-        self._agree(lambda: asyncio.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
+        self._agree(lambda: self.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
         if self.verify_weights != "off":
             check = verify(self.ctx.engines, prints, version, dtypes, full) if self.sending else None
-            self._agree(lambda: asyncio.run(check) if check is not None else None)
+            self._agree(lambda: self.run(check) if check is not None else None)
 
     def _send_stage(self, version: int, prints: Fingerprints) -> None:
         named = self.trainer.hf_tensors()
         try:
             if self.sending:
-                asyncio.run(self.transport.send(prints.watch(named), version, self.ctx))
+                self.run(self.transport.send(prints.watch(named), version, self.ctx))
         finally:
             if self.par.gathers:
                 for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure
@@ -169,6 +177,10 @@ class WeightSender:
             fn(*args)
         except Exception as e:  # re-raised below, on this rank as itself
             error = e
+        if self.par.world == 1:  # no other rank to tell
+            if error is not None:
+                raise error
+            return
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         dist.all_reduce(flag)
         if error is not None:
@@ -219,5 +231,16 @@ class WeightSender:
         self._agree(index)
 
     def close(self) -> None:
-        if self.transport is not None:
-            asyncio.run(self.transport.close())
+        try:
+            if self.transport is not None:
+                self.run(self.transport.close())
+        finally:
+            self._close_clients()
+            self.loop.close()
+
+    def _close_clients(self) -> None:
+        async def close(engines: list[Any]) -> None:
+            await asyncio.gather(*(e.close_clients() for e in engines), return_exceptions=True)
+
+        if self.ctx is not None:
+            self.run(close(self.ctx.engines))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,23 @@ class Engine:
     state: str = "serving"  # serving | down | restarting | joining | retired (see rlx.rollout.engines.health)
     restarts: int = 0
     launch: Any = None  # (group config, log path): how to start it again
+    # one client per timeout, kept open across calls (their connections reused), for an owner that makes every
+    # call from one event loop and closes them (`close_clients`); else a fresh client per call
+    keep_clients: bool = False
+    _clients: dict[float, EngineClient] = field(default_factory=dict, repr=False)
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
-        return EngineClient(self.url, timeout_s=timeout_s or self.timeout_s)
+        timeout_s = timeout_s or self.timeout_s
+        if not self.keep_clients:
+            return EngineClient(self.url, timeout_s=timeout_s)
+        if timeout_s not in self._clients:
+            self._clients[timeout_s] = EngineClient(self.url, timeout_s=timeout_s, keep_open=True)
+        return self._clients[timeout_s]
+
+    async def close_clients(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.close()
 
     def identity(self) -> str | None:
         """The engine process's `rlx.cores.process_identity`, when rlx started it (None: attached)."""

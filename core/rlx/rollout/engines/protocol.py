@@ -116,16 +116,21 @@ def token_versions(spans: Any, n: int) -> list[str]:
 class EngineClient:
     """SGLang's native API at one base URL (an engine or a router)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 keep_open: bool = False):
+        """`keep_open`: ``async with`` leaves the client (and its connections) open for the next caller; its
+        owner calls `close`."""
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self.keep_open = keep_open
 
     async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+        if not self.keep_open:
+            await self.close()
 
     async def close(self) -> None:
         if self._session is not None:
