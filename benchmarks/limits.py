@@ -91,8 +91,9 @@ def main() -> None:
     else:
         from rlx.data.tasks import arithmetic, write_jsonl
 
-        tmp = Path(tempfile.mkdtemp(prefix="rlx-limits-"))
-        rows = run_rlx(w, write_jsonl(arithmetic(512), tmp / "data.jsonl"), tmp / "run", "sync")
+        with tempfile.TemporaryDirectory(prefix="rlx-limits-") as folder:  # the run's checkpoint: GBs for SmolLM2
+            tmp = Path(folder)
+            rows = run_rlx(w, write_jsonl(arithmetic(512), tmp / "data.jsonl"), tmp / "run", "sync")
     rows = rows[w.warmup:]
     body, head, nbytes = model_sizes(w.model)
     samples = statistics.median(r["samples"] for r in rows)

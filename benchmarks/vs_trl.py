@@ -163,24 +163,8 @@ def main() -> None:
     w = WORKLOADS[args.model]
     w.steps = args.steps or w.steps
     w.warmup = args.warmup if args.warmup is not None else w.warmup
-
-    from rlx.data.tasks import arithmetic, write_jsonl
-
-    tmp = Path(tempfile.mkdtemp(prefix="rlx-vs-trl-"))
-    data = write_jsonl(arithmetic(512), tmp / "data.jsonl")
-    runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),
-            "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
-            "rlx async split": lambda: run_rlx(w, data, tmp / "rlx-async-split", "async", "split"),
-            "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl"),
-            "TRL + rlx matmul": lambda: run_trl(w, data, tmp / "trl-rlx-matmul", "auto")}
-    table = {}
-    for name, fn in runs.items():
-        rows = fn()[w.warmup:]
-        for r in rows:
-            r.setdefault("cores/step", rlx_cores(r))
-        table[name] = {k: median(rows, k) for k in ("time/step_s", "time/rollout_s", "time/train_s",
-                                                      "time/weight_sync_s", "cores/rollout", "cores/train",
-                                                      "cores/step")}
+    with tempfile.TemporaryDirectory(prefix="rlx-vs-trl-") as folder:  # runs write checkpoints: GBs for SmolLM2
+        table = measure(w, Path(folder))
     print(f"GRPO on CPU: {w.model}, {w.prompts} prompts x {w.group} completions x {w.tokens} tokens per step, "
           f"lr {w.lr:g}; median of {w.steps - w.warmup} steps after {w.warmup} warm-up")
 
@@ -195,6 +179,27 @@ def main() -> None:
         print(f"| {name:<16} | {m['time/step_s']:.3f} | {cell(m['time/rollout_s'], '.3f')} | "
               f"{cell(m['time/train_s'], '.3f')} | {cell(m['time/weight_sync_s'], '.3f')} | {cores} | "
               f"{m['time/step_s'] / trl:.2f}x |")
+
+
+def measure(w: Workload, tmp: Path) -> dict[str, dict[str, float | None]]:
+    """Each framework's medians over the timed steps, runs in `tmp`."""
+    from rlx.data.tasks import arithmetic, write_jsonl
+
+    data = write_jsonl(arithmetic(512), tmp / "data.jsonl")
+    runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),
+            "rlx async": lambda: run_rlx(w, data, tmp / "rlx-async", "async"),
+            "rlx async split": lambda: run_rlx(w, data, tmp / "rlx-async-split", "async", "split"),
+            "TRL GRPOTrainer": lambda: run_trl(w, data, tmp / "trl"),
+            "TRL + rlx matmul": lambda: run_trl(w, data, tmp / "trl-rlx-matmul", "auto")}
+    table = {}
+    for name, fn in runs.items():
+        rows = fn()[w.warmup:]
+        for r in rows:
+            r.setdefault("cores/step", rlx_cores(r))
+        table[name] = {k: median(rows, k) for k in ("time/step_s", "time/rollout_s", "time/train_s",
+                                                      "time/weight_sync_s", "cores/rollout", "cores/train",
+                                                      "cores/step")}
+    return table
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ threads itself:
   - ``split``: each process keeps what it reserved, ``ray.cpus_per_trainer`` and ``ray.cpus_per_engine``
     (at least one thread), which divide the machine. Better where ops are too small to use several threads
     (the tiny test model: 0.109 s/step against 0.123 shared), or where steady per-phase timings matter.
+- An embedded engine of a model under a million parameters (a test model) decodes on one thread in either mode
+  (`engine_threads`): its ops are too small to split, and a second thread spinning between them takes the core
+  that the engine's HTTP thread and the driver need while it generates.
 - ``train.threads`` (trainer ranks) and an engine group's ``server_args.num_threads`` override both.
 
 One OpenMP team per process: a torch op large enough to run in parallel starts a team of threads on the thread
@@ -82,6 +85,39 @@ def local_plan(mode: str, engines: int, cpus_per_trainer: float = 1, cpus_per_en
     """The plan without Ray: one trainer rank (this process) and `engines` engines, all on this machine."""
     return plan_threads(mode, {"here": local_cores()}, ["here"], ["here"] * engines, cpus_per_trainer=cpus_per_trainer,
                         cpus_per_engine=cpus_per_engine, trainer_threads=trainer_threads, async_cores=async_cores)
+
+
+# Models smaller than this decode on one thread (`engine_threads`).
+SMALL_MODEL_PARAMETERS = 1_000_000
+
+
+def approx_parameters(model_path: str) -> int | None:
+    """About how many parameters the HF checkpoint at `model_path` has, from its config (12 h^2 a layer, the
+    embedding and output layer); None when its config cannot be read."""
+    import json
+    from pathlib import Path
+
+    from rlx.models.tiny import resolve_model_path
+
+    try:
+        c = json.loads((Path(resolve_model_path(model_path)) / "config.json").read_text())
+        c = c.get("text_config", c)
+        h, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return 12 * layers * h * h + (1 if c.get("tie_word_embeddings") else 2) * vocab * h
+
+
+def engine_threads(planned: int, model_path: str, server_args: dict[str, Any]) -> int:
+    """An embedded engine's CPU threads: its group's ``server_args.num_threads``, else the plan's, but one for a
+    model of fewer than `SMALL_MODEL_PARAMETERS`: its ops are too small to split, and a second thread, spinning
+    between them, takes the core the engine's HTTP thread and the driver need during the rollout (the tiny model,
+    sync mode: a decode step alone took 0.74 ms on 2 threads against 0.87 on 1, but the rollout 0.042-0.046 s
+    against 0.036; benchmarks/RESULTS.md, 2026-11-24)."""
+    if server_args.get("num_threads"):
+        return int(server_args["num_threads"])
+    size = approx_parameters(model_path)
+    return 1 if size is not None and size < SMALL_MODEL_PARAMETERS else planned
 
 
 def process_env(mode: str, async_cores: str) -> dict[str, str]:

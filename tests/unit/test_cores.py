@@ -158,3 +158,27 @@ def test_later_marks_read_the_cpu_clocks_of_processes_beside_the_driver_instead_
         for p in (busy, idle):
             p.kill()
             p.wait()
+
+
+def test_an_engine_of_a_model_too_small_to_split_its_ops_runs_on_one_thread(tmp_path):
+    """Fewer than a million parameters (12 h^2 a layer, embedding and output layer): one thread, whatever the plan;
+    a larger model the plan's threads; the group's own num_threads over both; a model whose config cannot be read
+    the plan's."""
+    import json
+
+    from rlx.cores import SMALL_MODEL_PARAMETERS, approx_parameters, engine_threads
+
+    def model(name, hidden, layers, vocab, tied):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_hidden_layers": layers,
+                                                   "vocab_size": vocab, "tie_word_embeddings": tied}))
+        return str(d)
+
+    tiny = model("tiny", 64, 2, 512, True)  # the built-in tiny model's shape
+    small = model("small", 256, 4, 1000, False)
+    assert approx_parameters(tiny) == 12 * 2 * 64 * 64 + 512 * 64 == 131_072
+    assert approx_parameters(small) == 12 * 4 * 256 * 256 + 2 * 1000 * 256 > SMALL_MODEL_PARAMETERS
+    assert engine_threads(2, tiny, {}) == 1 and engine_threads(2, small, {}) == 2
+    assert engine_threads(2, tiny, {"num_threads": 2}) == 2 and engine_threads(1, small, {"num_threads": 4}) == 4
+    assert approx_parameters(str(tmp_path / "nowhere")) is None and engine_threads(2, str(tmp_path / "nowhere"), {}) == 2

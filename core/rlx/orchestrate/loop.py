@@ -505,7 +505,7 @@ def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
 
 def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
     """Each trainer rank's torch threads (`rlx.cores`); logged once."""
-    from rlx.cores import local_plan, process_env, waits_sleep_here
+    from rlx.cores import engine_threads, local_plan, process_env, waits_sleep_here
     from rlx.orchestrate.workers import launched_engines
 
     engines = launched_engines(cfg)
@@ -527,7 +527,7 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
         for _ in range(g.num_engines):
             t = next(planned)
             if g.backend == "embedded":
-                threads.append(g.server_args.get("num_threads") or t)
+                threads.append(engine_threads(t, g.model_path or cfg.model.path, g.server_args))
     engines_text = f", engines {threads}" if threads else ""
     mode = cfg.train.mode
     if mode == "async":  # how the two phases share a node's cores, and whether waiting threads sleep in each

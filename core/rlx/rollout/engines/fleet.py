@@ -102,8 +102,10 @@ class EngineFleet:
             if g.worker_type != "regular":
                 raise RLXError(f"engine group {g.name!r}: the embedded engine has no {g.worker_type} mode; "
                                f"use backend: sglang for prefill/decode disaggregation")
+            from rlx.cores import engine_threads
+
             args = dict(g.server_args)
-            args.setdefault("num_threads", threads or self._local_threads())
+            args["num_threads"] = engine_threads(threads or self._local_threads(), path, g.server_args)
             if g.tp_size != 1:
                 raise RLXError(f"engine group {g.name!r}: the embedded engine runs one device (tp_size: 1)")
             if self.cfg.model.dtype != "auto":
