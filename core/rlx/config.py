@@ -165,8 +165,9 @@ class RolloutConfig(Section):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
     weight_update_timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
     max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
-    coalesce_requests: bool = True  # identical generate requests issued together (a group's samples) go as one
-    #   request with n = their count (SGLang's parallel sampling: one prefill, n continuations)
+    coalesce_requests: bool | None = None  # identical generate requests issued together (a group's samples) go
+    #   as one request with n = their count (SGLang's parallel sampling: one prefill, n continuations); None: on,
+    #   except with prefill/decode workers, whose parallel sampling SGLang has had bugs in (shared bootstrap rooms)
     reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
     #   (process: from when a worker starts it, and the worker is killed; thread: from the call)
     reward_isolation: Literal["process", "thread"] = "process"  # where sync rewards run: worker processes (a
@@ -202,6 +203,23 @@ class RolloutConfig(Section):
     @classmethod
     def _unique_rewards(cls, v: Any) -> Any:
         return unique_rewards(v)
+
+    @model_validator(mode="after")
+    def _coalesce(self) -> RolloutConfig:
+        if self.coalesce_requests and self.disaggregated:
+            raise ValueError("coalesce_requests: with prefill/decode workers (rollout.engines[*].worker_type) a "
+                             "group's samples go as separate requests: SGLang's parallel sampling (n) has given "
+                             "all n samples one bootstrap room there; leave it unset or false")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(g.worker_type != "regular" for g in self.engines)
+
+    @property
+    def coalesces(self) -> bool:
+        """Whether a group's identical requests go as one with n (`coalesce_requests`, by default on)."""
+        return self.coalesce_requests is not False and not self.disaggregated
 
 
 class ParallelConfig(Section):

@@ -218,3 +218,14 @@ def test_eval_datasets_are_checked_like_the_rest_of_the_tree(tmp_path):
     assert "dataset names must be unique" in str(e.value) and "['a']" in str(e.value)
     p.write_text("model: {path: m}\neval: {datasets: [{name: a, path: sub/a.jsonl}]}\n")
     assert load_config(p).eval.datasets[0].path == str(tmp_path / "sub" / "a.jsonl")
+
+
+def test_a_group_goes_as_one_request_unless_prefill_decode_workers_serve_it():
+    """rollout.coalesce_requests: on by default; off (and refused when asked for) with prefill/decode workers."""
+    regular = parse_config("model: {path: /m}")
+    assert regular.rollout.coalesce_requests is None and regular.rollout.coalesces
+    assert not parse_config("model: {path: /m}\nrollout: {coalesce_requests: false}").rollout.coalesces
+    pd = "model: {path: /m}\nrollout:\n  engines: [{name: p, worker_type: prefill}, {name: d, worker_type: decode}]\n"
+    assert not parse_config(pd).rollout.coalesces
+    with pytest.raises(ConfigError, match="coalesce_requests: with prefill/decode workers"):
+        parse_config(pd + "  coalesce_requests: true\n")

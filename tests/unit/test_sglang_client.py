@@ -241,3 +241,64 @@ def test_a_session_that_fails_to_open_on_one_engine_is_closed_on_the_others():
     calls.clear()
     asyncio.run(push([engine("a"), engine("c")]))
     assert calls == [("begin", "a"), ("begin", "c"), ("send", None), ("end", "a"), ("end", "c")]
+
+
+def test_the_senders_loop_leaves_nothing_of_a_failed_call_running_and_closes_old_engines_clients(tmp_path):
+    """The weight sender keeps one event loop (and kept-open clients on it). As asyncio.run would, each call
+    cancels what it left running (another engine's upload of a gather that failed on one), so nothing of a failed
+    push runs on at the next call. A new setup closes the old transport first, then the clients of the engines it
+    pointed to, those the old transport's close opened included."""
+    from types import SimpleNamespace as NS
+
+    from rlx.transport import sender
+
+    s = sender.WeightSender(NS(par=NS(sender=False, pp=1, pp_rank=0, rank=0, world=1, gathers=False)),
+                            plugins=None, transport_spec=None)
+    slow_done = []
+
+    async def slow():
+        await asyncio.sleep(0.2)
+        slow_done.append(1)
+
+    async def failing():
+        async def boom():
+            raise EngineError("HTTP 500 from one engine", 500)
+
+        await asyncio.gather(slow(), boom())
+
+    with pytest.raises(EngineError):
+        s.run(failing())
+    s.run(asyncio.sleep(0.3))
+    assert slow_done == [] and not asyncio.all_tasks(s.loop)
+
+    events = []
+
+    class Transport:
+        def __init__(self, ctx=None):
+            self.ctx = ctx
+
+        async def setup(self, ctx):
+            self.ctx = ctx
+
+        async def close(self):
+            for e in self.ctx.engines:
+                e.client()  # a transport that tells its engines goodbye
+            events.append("transport closed")
+
+    s.par.sender = True
+    s.plugins = NS(build=lambda kind, spec: Transport())
+    s._agree = lambda fn, *a: fn(*a)
+
+    async def tp_sizes(engines):
+        return [1] * len(engines)
+
+    sender._tp_sizes, real = tp_sizes, sender._tp_sizes
+    try:
+        s.setup(["http://a"], str(tmp_path), "127.0.0.1")
+        old = s.ctx.engines[0]
+        s.setup(["http://b"], str(tmp_path), "127.0.0.1")
+        assert events == ["transport closed"] and old._clients == {}
+        s.close()
+        assert s.loop.is_closed() and s.ctx.engines[0]._clients == {}
+    finally:
+        sender._tp_sizes = real

@@ -199,7 +199,8 @@ class GenerateContext:
             await self.health.settle()
 
     async def _abort_everywhere(self, rid: str | None) -> None:
-        """Abort `rid` on every serving engine (the one that has it, if any, frees its slot)."""
+        """Abort `rid` on every serving engine (the one that has it, if any, frees its slot). A joint request
+        (n > 1) has no rid to abort: SGLang names its samples itself."""
         if rid is None:
             return
         try:

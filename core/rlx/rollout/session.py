@@ -63,7 +63,7 @@ class RolloutSession:
         await self.fleet.start()
         self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries,
                                    health=self.fleet.health, routed_experts=records_routing(self.cfg),
-                                   coalesce=self.cfg.rollout.coalesce_requests)
+                                   coalesce=self.cfg.rollout.coalesces)
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
         self.ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:

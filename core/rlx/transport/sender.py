@@ -98,7 +98,7 @@ class WeightSender:
         again when the engines change (one taken out, or back in), it closes the old transport first."""
         from rlx.rollout.engines.fleet import Engine
 
-        self._close_clients()  # those of the engines it pointed to before
+        before = self.ctx.engines if self.ctx is not None else []
         engines = [Engine(url, "target", timeout_s=self.update_timeout_s, keep_clients=True) for url in engine_urls]
         self.served = {}
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
@@ -106,15 +106,27 @@ class WeightSender:
                 e.tp_size = tp
         self.ctx = TransportContext(engines=engines, output_dir=Path(output_dir), sender=self.par.pp_rank,
                                     senders=self.par.pp, host=host)
-        for stage in range(self.par.pp):
-            if self.sending and self.par.pp_rank == stage:
-                self._agree(self._setup_transport)
-            else:
-                self._agree(lambda: None)
+        try:
+            for stage in range(self.par.pp):
+                if self.sending and self.par.pp_rank == stage:
+                    self._agree(self._setup_transport)
+                else:
+                    self._agree(lambda: None)
+        finally:
+            self._close_clients(before)  # after the old transport closed (its close may call its engines)
 
     def run(self, coro: Any) -> Any:
-        """Run `coro` on the sender's event loop (every call to the engines goes through it)."""
-        return self.loop.run_until_complete(coro)
+        """Run `coro` on the sender's event loop (every call to the engines goes through it). As `asyncio.run`,
+        it cancels what `coro` left running (the other engines' calls of a gather that failed on one), so that
+        nothing of a failed push runs on at the next call."""
+        try:
+            return self.loop.run_until_complete(coro)
+        finally:
+            left = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:
+                self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
     def _setup_transport(self) -> None:
         if self.transport is not None:
@@ -235,12 +247,14 @@ class WeightSender:
             if self.transport is not None:
                 self.run(self.transport.close())
         finally:
-            self._close_clients()
+            self._close_clients(self.ctx.engines if self.ctx is not None else [])
+            self.run(self.loop.shutdown_asyncgens())
+            self.run(self.loop.shutdown_default_executor())
             self.loop.close()
 
-    def _close_clients(self) -> None:
-        async def close(engines: list[Any]) -> None:
+    def _close_clients(self, engines: list[Any]) -> None:
+        async def close() -> None:
             await asyncio.gather(*(e.close_clients() for e in engines), return_exceptions=True)
 
-        if self.ctx is not None:
-            self.run(close(self.ctx.engines))
+        if engines:
+            self.run(close())

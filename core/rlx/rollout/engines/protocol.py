@@ -143,8 +143,11 @@ class EngineClient:
         if self._session is not None and self._session._loop is not asyncio.get_running_loop():
             self._session = None
         if self._session is None or self._session.closed:
+            # a kept-open client holds idle connections for less than servers keep them (uvicorn, SGLang's
+            # server: 5 s), so that its next request never goes out on one the server has just closed
+            keep = {"keepalive_timeout": 4.0} if self.keep_open else {}
             self._session = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
+                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False, **keep)
             )
         return self._session
 
