@@ -15,6 +15,7 @@ Choices:
 from __future__ import annotations
 
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -99,7 +100,9 @@ class EngineGroupConfig(Section):
     """One group of identical engine servers; several groups make a topology."""
 
     name: str = "default"  # used in logs and metrics
-    backend: Literal["embedded", "sglang"] = "embedded"  # sglang needs a GPU; embedded runs anywhere
+    backend: Literal["embedded", "sglang"] = "embedded"  # sglang: on a GPU, or on a CPU (scripts/sglang-cpu-env)
+    python: str | None = None  # sglang: the interpreter that runs its servers (None: rlx's own), e.g. the one
+    #   scripts/sglang-cpu-env makes; relative to the config file
     num_engines: int = Field(1, ge=1)  # servers in this group
     model_path: str | None = None  # defaults to model.path
     tp_size: int = Field(1, ge=1)  # tensor parallel size of each server (sglang)
@@ -107,6 +110,13 @@ class EngineGroupConfig(Section):
     worker_type: Literal["regular", "prefill", "decode"] = "regular"  # prefill/decode: PD disaggregation
     update_weights: bool = True  # whether this group receives the trainer's weights
     server_args: dict[str, Any] = Field(default_factory=dict)  # passed through as --key value
+
+    @model_validator(mode="after")
+    def _python(self) -> EngineGroupConfig:
+        if self.python is not None and self.backend != "sglang":
+            raise ValueError("python: names the interpreter of SGLang servers; the embedded engine runs in rlx's "
+                             "own (set backend: sglang, or leave python out)")
+        return self
 
 
 class RouterConfig(Section):
@@ -579,6 +589,8 @@ def resolve_paths(cfg: Config, base: Path) -> None:
     for g in cfg.rollout.engines:
         if g.model_path and "://" not in g.model_path:
             g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
+        if g.python and "/" in g.python:  # a bare name is looked up on PATH when the engine starts
+            g.python = os.path.normpath(base.absolute() / Path(g.python).expanduser())  # a venv's python is a link
 
 
 def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:

@@ -94,14 +94,10 @@ SMALL_MODEL_PARAMETERS = 1_000_000
 def approx_parameters(model_path: str) -> int | None:
     """About how many parameters the HF checkpoint at `model_path` has, from its config (12 h^2 a layer, the
     embedding and output layer); None when its config cannot be read."""
-    import json
-    from pathlib import Path
-
-    from rlx.models.tiny import resolve_model_path
+    from rlx.models.tiny import model_config
 
     try:
-        c = json.loads((Path(resolve_model_path(model_path)) / "config.json").read_text())
-        c = c.get("text_config", c)
+        c = model_config(model_path)
         h, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
     except (OSError, KeyError, TypeError, ValueError):
         return None

@@ -1,6 +1,7 @@
 """Command lines rlx builds for SGLang, the embedded engine and sglang-router, from config."""
 
 import asyncio
+import json
 import sys
 
 import pytest
@@ -22,6 +23,7 @@ def test_flags_pass_through_server_args():
 def test_sglang_command_from_a_topology_group(tmp_path):
     cfg = parse_config("""
 model: {path: /models/qwen}
+ray: {gpus_per_engine: 1}  # engines placed on GPUs: no CPU flags
 rollout:
   engines:
     - {name: p, backend: sglang, tp_size: 2, mem_fraction_static: 0.7, worker_type: prefill,
@@ -40,6 +42,67 @@ rollout:
     # an engine placed on another host binds that host's address
     cmd = fleet._command(d, "10.1.2.3", 30003)
     assert cmd[cmd.index("--host") + 1] == "10.1.2.3"
+
+
+def _model_folder(tmp_path, **config):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "m")
+
+
+def test_sglang_on_a_cpu_gets_its_flags_a_bounded_kv_pool_and_its_own_interpreter(tmp_path, monkeypatch):
+    path = _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         hidden_size=32, max_position_embeddings=4096)  # head_dim 8: 2*2*2*8*4 = 256 B a token
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "run.yaml").write_text(f"""
+model: {{path: {path}}}
+ray: {{enabled: false}}
+rollout:
+  n_prompts: 8
+  n_samples_per_prompt: 4
+  sampling: {{max_new_tokens: 64}}
+  engines: [{{backend: sglang, python: ../sglang/bin/python}}, {{name: b, backend: sglang}}]
+""")
+    from rlx.config import load_config
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    cfg = load_config(tmp_path / "cfg" / "run.yaml")
+    a, b = cfg.rollout.engines
+    assert a.python == str(tmp_path / "sglang" / "bin" / "python")  # relative to the config file, link kept
+    fleet = EngineFleet(cfg, tmp_path)
+    cmd = fleet._command(a, "127.0.0.1", 1)
+    assert cmd[0] == a.python and fleet._command(b, "127.0.0.1", 1)[0] == sys.executable
+    arg = lambda k: cmd[cmd.index(k) + 1]  # noqa: E731
+    # 32 requests over 2 engines: 16 x (512 + 64) = 9216 tokens, more than the 4096 context
+    assert arg("--device") == "cpu" and "--disable-overlap-schedule" in cmd and arg("--max-total-tokens") == "9216"
+    assert arg("--dtype") == "float32"  # as the trainer on a CPU
+    assert fleet._env(a)["SGLANG_USE_CPU_ENGINE"] == "1"
+    # a quarter of the free memory, over 2 engines, at 256 B a token: 1000 tokens, raised to the 1024 floor
+    monkeypatch.setattr("rlx.rollout.engines.launch._mem_available", lambda: 4 * 2 * 256 * 1000)
+    cmd = fleet._command(a, "127.0.0.1", 1)
+    assert arg("--max-total-tokens") == "1024"
+    monkeypatch.setattr("rlx.rollout.engines.launch._mem_available", lambda: 4 * 2 * 256 * 3000)
+    cmd = fleet._command(a, "127.0.0.1", 1)
+    assert arg("--max-total-tokens") == "3000"
+    # placed by Ray on bundles without GPUs, it is on a CPU too
+    cfg.ray.enabled = True
+    assert "--device" in fleet._command(b, "127.0.0.1", 1)
+    cfg.ray.enabled = False
+    # a group's own server_args win; a GPU machine gets none of this
+    cfg.rollout.engines[0].server_args = {"max_total_tokens": 500}
+    cmd = fleet._command(a, "127.0.0.1", 1)
+    assert arg("--max-total-tokens") == "500"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    cmd = fleet._command(b, "127.0.0.1", 1)
+    assert "--device" not in cmd and "--max-total-tokens" not in cmd and "--dtype" not in cmd
+    assert "SGLANG_USE_CPU_ENGINE" not in fleet._env(b)
+
+
+def test_an_interpreter_for_the_embedded_engine_is_refused():
+    from rlx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="python: names the interpreter of SGLang servers"):
+        parse_config("model: {path: /m}\nrollout: {engines: [{python: /usr/bin/python3}]}")
 
 
 def test_sglang_servers_get_what_the_model_family_needs(tmp_path, tiny_model_path, monkeypatch):

@@ -60,7 +60,7 @@ def test_payload_devices_named_by_uuid_map_to_a_local_gpu_or_fail_clearly():
 
 
 def test_offloading_sglang_engines_get_the_memory_saver(tmp_path):
-    text = "model: {path: /m}\nrollout: {engines: [{backend: sglang}], offload_during_train: %s}"
+    text = "model: {path: /m}\nray: {gpus_per_engine: 1}\nrollout: {engines: [{backend: sglang}], offload_during_train: %s}"
     on = EngineFleet(parse_config(text % "true"), tmp_path)._command(parse_config(text % "true").rollout.engines[0],
                                                                     "127.0.0.1", 1)
     off_cfg = parse_config(text % "false")

@@ -100,6 +100,15 @@ def resolve_model_path(path: str) -> str:
     return str(target)
 
 
+def model_config(path: str) -> dict:
+    """The language model's part of the HF config at `path` (a built-in is built first): ``text_config`` where
+    the checkpoint nests one (multimodal families), else the whole ``config.json``."""
+    import json
+
+    c = json.loads((Path(resolve_model_path(path)) / "config.json").read_text())
+    return c.get("text_config", c)
+
+
 def plugin_builders() -> dict:
     """Tiny models that installed plugins offer, by name: entry points in the ``rlx.builtin_models`` group, each a
     function ``build(folder)`` that writes an HF checkpoint there (a model plugin's tiny random model)."""

@@ -19,7 +19,8 @@ from typing import Any
 from rlx.config import Config, EngineGroupConfig, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, sglang_command, wait_healthy
+from rlx.rollout.engines.launch import (HOST, ManagedProcess, embedded_command, free_port, sglang_command,
+                                        sglang_cpu_args, wait_healthy)
 from rlx.rollout.engines.protocol import EngineClient, EngineError
 from rlx.rollout.router import Router
 
@@ -31,6 +32,19 @@ def offloads(cfg: Config) -> bool:
     if offload is None:
         offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
     return bool(offload) and not cfg.rollout.external_engines
+
+
+def sglang_on_cpu(cfg: Config, g: EngineGroupConfig) -> bool:
+    """Whether a group's SGLang servers run on CPUs: its ``server_args.device``, else where they are placed
+    (Ray: whether the engines' bundles hold GPUs; one host: whether this machine has one)."""
+    if "device" in g.server_args:
+        return g.server_args["device"] == "cpu"
+    if cfg.ray.enabled:
+        colocated = cfg.ray.placement == "colocated"
+        return not (cfg.ray.gpus_per_trainer if colocated else cfg.ray.gpus_per_engine)
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 @dataclass
@@ -122,8 +136,19 @@ class EngineFleet:
             args.setdefault("enable_return_routed_experts", True)
         if offloads(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
             args.setdefault("enable_memory_saver", True)
+        dtype = self.cfg.model.dtype
+        if sglang_on_cpu(self.cfg, g):
+            rc = self.rc
+            requests = min(rc.max_concurrency, round(rc.n_prompts * rc.n_samples_per_prompt * rc.over_sampling))
+            n = sum(x.num_engines for x in rc.engines)
+            for k, v in sglang_cpu_args(path, requests=-(-requests // n), new_tokens=rc.sampling.max_new_tokens,
+                                        engines=n).items():
+                args.setdefault(k, v)
+            dtype = "float32" if dtype == "auto" else dtype  # as the trainer on a CPU
+        if dtype != "auto":  # the trainer's precision, so that their log-probs compare
+            args.setdefault("dtype", dtype)
         return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,
-                              worker_type=g.worker_type, server_args=args, host=host)
+                              worker_type=g.worker_type, server_args=args, host=host, python=g.python)
 
     def _local_threads(self) -> int:
         from rlx.cores import local_plan
@@ -132,10 +157,13 @@ class EngineFleet:
         return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine,
                           async_cores=self.cfg.train.async_cores).engine[0]
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, g: EngineGroupConfig) -> dict[str, str]:
         from rlx.cores import process_env
 
-        return process_env(self.cfg.train.mode, self.cfg.train.async_cores)
+        env = process_env(self.cfg.train.mode, self.cfg.train.async_cores)
+        if g.backend == "sglang" and sglang_on_cpu(self.cfg, g):
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        return env
 
     async def start(self) -> None:
         try:
@@ -152,7 +180,7 @@ class EngineFleet:
             for g in self.rc.engines:
                 for i in range(g.num_engines):
                     log_path = self.log_dir / f"engine-{g.name}-{i}.log"
-                    proc, url = self.spawn(functools.partial(self._command, g), log_path, self._env())
+                    proc, url = self.spawn(functools.partial(self._command, g), log_path, self._env(g))
                     self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size,
                                                process=proc, timeout_s=timeout, launch=(g, log_path)))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
@@ -211,7 +239,7 @@ class EngineFleet:
     def respawn(self, e: Engine) -> None:
         """Start a launched engine again where it was (its old process is gone): a new process and URL."""
         g, log_path = e.launch
-        e.process, e.url = self.spawn(functools.partial(self._command, g), log_path, self._env())
+        e.process, e.url = self.spawn(functools.partial(self._command, g), log_path, self._env(g))
 
     async def stop(self) -> None:
         if self.health is not None:

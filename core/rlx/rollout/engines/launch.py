@@ -28,7 +28,8 @@ from typing import Any
 from rlx.net import LOOPBACK, free_port
 from rlx.rollout.engines.protocol import EngineClient, EngineError
 
-__all__ = ["HOST", "ManagedProcess", "embedded_command", "flags", "free_port", "sglang_command", "wait_healthy"]
+__all__ = ["HOST", "ManagedProcess", "embedded_command", "flags", "free_port", "sglang_command", "sglang_cpu_args",
+           "wait_healthy"]
 
 HOST = LOOPBACK
 
@@ -51,14 +52,45 @@ def flags(args: dict[str, Any]) -> list[str]:
 
 def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction_static: float | None = None,
                    worker_type: str = "regular", server_args: dict[str, Any] | None = None,
-                   host: str = HOST) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+                   host: str = HOST, python: str | None = None) -> list[str]:
+    """`python`: the interpreter of SGLang's environment (default: this one)."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
            "--port", str(port), "--tp-size", str(tp_size)]
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
     if worker_type in ("prefill", "decode"):
         cmd += ["--disaggregation-mode", worker_type]
     return cmd + flags(server_args or {})
+
+
+def sglang_cpu_args(model_path: str, *, requests: int, new_tokens: int, engines: int) -> dict[str, Any]:
+    """What SGLang needs to serve on a CPU beside ``--device cpu`` (and ``SGLANG_USE_CPU_ENGINE=1`` in its
+    environment): its scheduler without the overlap thread, and a KV pool bounded by what the run asks of it, as
+    SGLang would otherwise size it from the machine's whole memory (13 GB for a tiny model, measured). The pool
+    holds the model's full context and `requests` requests of `new_tokens` after a 512-token prompt, at most a
+    quarter of the memory free now, shared by `engines` engines; fp32 KV (SGLang's CPU default here)."""
+    from rlx.models.tiny import model_config
+
+    model = model_config(model_path)
+    heads = model.get("num_key_value_heads") or model["num_attention_heads"]
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    per_token = 2 * model["num_hidden_layers"] * heads * head_dim * 4
+    context = int(model.get("max_position_embeddings") or 4096)
+    want = max(context, requests * (512 + new_tokens))
+    budget = _mem_available() // 4 // max(engines, 1) // per_token
+    return {"device": "cpu", "disable_overlap_schedule": True, "max_total_tokens": max(1024, min(want, budget))}
+
+
+def _mem_available() -> int:
+    """Bytes of memory free for new work now (/proc/meminfo's MemAvailable; 8 GiB where that is unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
 
 
 def embedded_command(model_path: str, port: int, *, server_args: dict[str, Any] | None = None,
