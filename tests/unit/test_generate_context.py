@@ -118,3 +118,15 @@ def test_the_joint_request_goes_on_while_one_caller_waits_and_stops_when_none_do
         assert c.cancelled == 1  # nobody waits: the request to the engine is cancelled
 
     asyncio.run(run())
+
+
+def test_an_id_outside_the_vocabulary_is_never_sent():
+    """SGLang 0.5.23 dies whole on one (an IndexError in its embedding): the context refuses it, naming where."""
+    c = Client()
+    g = GenerateContext(c, None, SamplingConfig(max_new_tokens=2), vocab_size=10)  # type: ignore[arg-type]
+    for ids, where in (([1, 10, 2], r"input_ids\[1\] = 10"), ([-1], r"input_ids\[0\] = -1")):
+        with pytest.raises(ValueError, match=rf"{where} is outside the model's vocabulary \[0, 10\)"):
+            asyncio.run(g.generate(ids, dict(P)))
+    assert not c.requests
+    asyncio.run(g.generate([0, 9], dict(P)))
+    assert len(c.requests) == 1

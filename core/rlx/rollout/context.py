@@ -70,6 +70,7 @@ class GenerateContext:
     health: Any = None  # the fleet's FleetHealth (rollout.fault_tolerance): failed requests are sent again
     routed_experts: bool = False  # ask engines for the experts each token was routed to (routing replay)
     coalesce: bool = False  # identical requests issued together go as one with n (rollout.coalesce_requests)
+    vocab_size: int | None = None  # the model's embedding rows: an id outside them is never sent (SGLang dies)
     _rids: Any = field(default_factory=itertools.count)
     _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop
 
@@ -90,7 +91,13 @@ class GenerateContext:
         """One generation. Within the context length: SGLang refuses (400) a prompt that fills the context
         and a ``max_new_tokens`` that would run past it, so the budget is cut to what fits, and a prompt with
         no room left finishes at once with ``length`` and no tokens (a multi-turn sample that grew to the
-        limit), as the rest of rlx expects of a truncated sample."""
+        limit), as the rest of rlx expects of a truncated sample. An id outside the vocabulary is a ValueError
+        here: SGLang 0.5.23's whole server dies on one (an IndexError in its embedding)."""
+        if self.vocab_size is not None:
+            bad = next((i for i, t in enumerate(input_ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"input_ids[{bad}] = {input_ids[bad]} is outside the model's vocabulary "
+                                 f"[0, {self.vocab_size}); not sent to the engine")
         if self.context_length is not None:
             # one token short of the limit: SGLang 0.5.5 refuses prompt + max_new_tokens == context, 0.5.23 not
             room = self.context_length - len(input_ids) - 1

@@ -31,6 +31,16 @@ def load_tokenizer(cfg: Config) -> Any:
         raise RLXError(f"model.tokenizer: cannot load a tokenizer from {path}: {e}") from e
 
 
+def vocab_size(model_path: str) -> int | None:
+    """The model's embedding rows, from its config (None when it cannot be read: nothing is then checked)."""
+    from rlx.models.tiny import model_config
+
+    try:
+        return int(model_config(model_path)["vocab_size"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
 def family_engine_args(model_path: str, plugins: Any) -> dict[str, Any]:
     """What the model's family needs from SGLang servers rlx launches: its bridge's ``engine_args`` (none
     when no installed bridge claims the model: generation alone needs no bridge)."""
@@ -63,7 +73,7 @@ class RolloutSession:
         await self.fleet.start()
         self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries,
                                    health=self.fleet.health, routed_experts=records_routing(self.cfg),
-                                   coalesce=self.cfg.rollout.coalesces)
+                                   coalesce=self.cfg.rollout.coalesces, vocab_size=vocab_size(self.cfg.model.path))
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
         self.ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:
