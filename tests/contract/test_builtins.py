@@ -111,14 +111,35 @@ class TestTensorTransportByValue(TransportContract):
 
 
 def test_tensor_transport_uses_shared_memory_only_for_engines_on_its_host(tmp_path):
-    """Engines on loopback or the sender's own address read the segment; others get bytes by value."""
+    """Embedded engines on loopback or the sender's own address read the segment; others get bytes by value,
+    SGLang on this host too (its loader refuses the handles, and its scheduler dies of them)."""
     import asyncio
-    from types import SimpleNamespace
 
     from rlx.plugins import build_plugins
     from rlx.transport import TransportContext
 
-    engines = [SimpleNamespace(url=u) for u in ("http://127.0.0.1:1", "http://10.0.0.5:2", "http://10.0.0.9:3")]
+    class Engine:
+        def __init__(self, url, info):
+            self.url, self.info = url, info
+
+        def client(self, timeout_s=None):
+            engine = self
+
+            class Client:
+                async def __aenter__(self):
+                    return self
+
+                async def __aexit__(self, *exc):
+                    return None
+
+                async def server_info(self):
+                    return engine.info
+
+            return Client()
+
+    embedded, sglang = {"engine": "rlx-embedded", "version": "rlx-embedded-0"}, {"version": "0.5.23"}
+    engines = [Engine("http://127.0.0.1:1", embedded), Engine("http://10.0.0.5:2", embedded),
+               Engine("http://10.0.0.9:3", embedded), Engine("http://127.0.0.1:4", sglang)]
     plugins = build_plugins(entry_points=False)
     for args, local in (({}, {"http://127.0.0.1:1", "http://10.0.0.5:2"}), ({"shared_memory": False}, set())):
         t = plugins.build("transports", {"name": "tensor", "args": args})
@@ -196,6 +217,9 @@ def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_the
 
         async def update_weight_version(self, version):
             versions.append(f"commit {version}")
+
+        async def server_info(self):
+            return {"engine": "rlx-embedded"}
 
     class Engine:
         url = "http://127.0.0.1:1"

@@ -45,6 +45,13 @@ def _with_last(items):
     yield prev, True
 
 
+async def _reads_segments(engine) -> bool:
+    """Whether an engine takes rlx's shared-memory handles: only rlx's embedded engine does. SGLang's loader
+    refuses the handle's class, and its scheduler dies of it (0.5.23, seen live): SGLang gets bytes by value."""
+    async with engine.client(timeout_s=60) as c:
+        return (await c.server_info()).get("engine") == "rlx-embedded"
+
+
 class TensorTransport:
     """Tensors through the engines' ``/update_weights_from_tensor``: CUDA IPC handles on GPU; on CPU, handles
     into a shared-memory segment for engines on this host (`rlx.transport.shm`) and bytes by value (pickled,
@@ -67,8 +74,9 @@ class TensorTransport:
         from rlx.transport.shm import Segment
 
         here = {"127.0.0.1", "localhost", "::1", ctx.host}
-        self.local = {e.url for e in ctx.engines if urlsplit(e.url).hostname in here} if self.config.shared_memory \
-            else set()
+        near = [e for e in ctx.engines if urlsplit(e.url).hostname in here] if self.config.shared_memory else []
+        readers = await asyncio.gather(*(_reads_segments(e) for e in near))
+        self.local = {e.url for e, reads in zip(near, readers, strict=True) if reads}
         if self.local and self.segment is None:
             self.segment = Segment()
         far = len(ctx.engines) - len(self.local)
