@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -91,7 +92,6 @@ class EngineServer:
         r.add_route("*", "/weights_checker", self.weights_checker)
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/weights_checksum", self.weights_checksum)
-        r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/release_memory_occupation", self.release_memory)
         r.add_post("/resume_memory_occupation", self.resume_memory)
@@ -108,6 +108,9 @@ class EngineServer:
             resp = web.json_response({"success": False, "message": str(e)}, status=400)
         except json.JSONDecodeError as e:
             resp = _error(400, f"body is not valid JSON: {e}")
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:  # as SGLang's FastAPI words them
+            resp = web.json_response({"detail": "Not Found" if e.status == 404 else "Method Not Allowed"},
+                                     status=e.status)
         except web.HTTPException:
             raise
         except (TypeError, ValueError, KeyError) as e:
@@ -141,23 +144,32 @@ class EngineServer:
         p = SamplingParams(**{k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None})
         if isinstance(p.stop, str):
             p.stop = [p.stop]
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.n < 1:
-            raise BadRequest("need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1 and n >= 1")
+        # SGLang 0.5.23's checks and words (SamplingParams.verify)
+        if not math.isfinite(p.temperature) or p.temperature < 0:
+            raise BadRequest(f"temperature must be a non-negative finite number, got {p.temperature}.")
+        if not 0 < p.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {p.top_p}.")
+        if not 0 <= p.min_p <= 1:
+            raise BadRequest(f"min_p must be in [0, 1], got {p.min_p}.")
+        if p.n < 1:
+            raise BadRequest(f"n must be at least 1, got {p.n}.")
         if p.max_new_tokens is None or p.max_new_tokens < 0:
-            raise BadRequest("max_new_tokens must be >= 0")
+            raise BadRequest(f"max_new_tokens must be at least 0, got {p.max_new_tokens}.")
         return p
 
     def _prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool]:
         if body.get("input_ids") is not None:
             ids = body["input_ids"]
-            single = bool(ids) and isinstance(ids[0], int)
+            if not ids:
+                raise BadRequest("input_ids cannot be empty.")
+            single = isinstance(ids[0], int)
             batch = [ids] if single else ids
         elif body.get("text") is not None:
             text = body["text"]
             single = isinstance(text, str)
             batch = [self.s.tokenizer.encode(t, add_special_tokens=False) for t in ([text] if single else text)]
         else:
-            raise BadRequest("either text or input_ids must be given")
+            raise BadRequest("Either text, input_ids or input_embeds should be provided.")
         vocab = self.s.model.config.vocab_size
         for ids in batch:
             if not ids:
@@ -192,8 +204,12 @@ class EngineServer:
             "reasoning_tokens": 0,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,
+            # SGLang reports where cached tokens came from when there were any (no host-memory tier here)
+            "cached_tokens_details": {"device": r.cached_tokens, "host": 0} if r.cached_tokens else None,
+            "dp_rank": None,
         }
         if r.finish_reason is not None:
+            meta["response_sent_to_client_ts"] = time.time()
             spans = weight_version_spans(list(r.versions), self.s.weight_version)
             meta["weight_versions"] = spans
             meta["weight_version"] = spans[-1]["version"]
@@ -204,6 +220,7 @@ class EngineServer:
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
+            meta["output_token_logprobs_length"] = len(r.logprobs)
         out = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -219,6 +236,12 @@ class EngineServer:
             self._check_length(ids, params.max_new_tokens)
         rid = body.get("rid")
         return_logprob = bool(body.get("return_logprob", False))
+        if return_logprob and (body.get("top_logprobs_num") or 0) > 0:
+            raise BadRequest("top_logprobs_num: the embedded engine returns the sampled tokens' log-probs only "
+                             "(SGLang computes top log-probs)")
+        if return_logprob and (body.get("logprob_start_len") if body.get("logprob_start_len") is not None
+                               else -1) >= 0:
+            raise BadRequest("logprob_start_len: the embedded engine returns no prompt log-probs (SGLang does)")
         routed, start = bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0)
         if routed:
             for ids in prompts:  # SGLang's checks (0.5.23)
@@ -273,6 +296,11 @@ class EngineServer:
 
         async def send(r: Request, n: int) -> None:
             out = self._output(r, return_logprob, n, index[id(r)] if indexed else None)
+            # SGLang stamps a stream's first chunk with the time it went out, and no later one
+            if id(r) in sent:
+                out["meta_info"].pop("response_sent_to_client_ts", None)
+            else:
+                out["meta_info"]["response_sent_to_client_ts"] = time.time()
             sent[id(r)] = out["meta_info"]["completion_tokens"]
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())
 
@@ -341,7 +369,7 @@ class EngineServer:
         """OpenAI's model list as SGLang serves it; ``max_model_len`` is the context length."""
         return web.json_response({"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
-            "root": self.model_path, "max_model_len": self.s.max_context}]})
+            "root": self.model_path, "parent": None, "max_model_len": self.s.max_context}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text, as SGLang serves it with ``--enable-metrics`` (its names where it has them), plus the
@@ -387,9 +415,6 @@ class EngineServer:
                 "generated_tokens": self.s.generated_tokens,
             }],
         })
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.s.weight_version})
 
     # -- control ---------------------------------------------------------------------------------
 

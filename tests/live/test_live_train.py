@@ -1,0 +1,165 @@
+"""`rl train` through live SGLang 0.5.23 servers on the CPU: the quickstart learns as it does through the embedded
+engine; every weight transport SGLang can receive here leaves SGLang serving exactly the trainer's weights, by
+SGLang's own checksum; a server killed or frozen mid-run is taken out, restarted or waited for, and no sample
+is lost or trained twice."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlx.rollout.engines.protocol import EngineClient
+from rlx.testing.processes import processes_tagged, wait_gone
+from rlx.testing.runs import small_run_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.live]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rl_train(cfg: Path, *args: str, tag: str | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    tag = tag or uuid.uuid4().hex
+    env = {**os.environ, "RLX_TEST_TAG": tag}
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), *args], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert wait_gone(tag) == [], "rl train left processes behind"
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_quickstart_learns_through_live_sglang(sglang_py, tiny_model_path, tmp_path):
+    out = tmp_path / "run"
+    r = rl_train(ROOT / "examples" / "quickstart.yaml", "--set", f"run.output_dir={out}",
+                 "--set", "rollout.engines.0.backend=sglang", "--set", f"rollout.engines.0.python={sglang_py}",
+                 "--set", "eval.interval=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(out)
+    first = sum(r["reward/mean"] for r in rows[:5]) / 5
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    diff = max(r["train_rollout_logprob_diff"] for r in rows)
+    print(f"quickstart through live SGLang: reward {first:.3f} -> {last:.3f}, "
+          f"{sum(r['time/step_s'] for r in rows) / len(rows):.2f} s/step, largest log-prob diff {diff:.2e}")
+    assert last - first > 0.15
+    assert diff < 1e-3  # fp32 on both sides
+
+
+@pytest.fixture(scope="module")
+def attached(sglang_py, sglang_starter, tiny_model_path, tmp_path_factory):
+    """A live SGLang server started by hand (as a user would), for runs that attach to it by address."""
+    proc, url = sglang_starter(sglang_py, tiny_model_path, tmp_path_factory.mktemp("attached") / "server.log")
+    try:
+        yield url
+    finally:
+        proc.stop()
+
+
+def checksum(url: str, load: Path | None = None) -> str:
+    async def run():
+        async with EngineClient(url, timeout_s=300) as c:
+            if load is not None:
+                await c.update_weights_from_disk(str(load))
+            return (await c.weights_checker())["per_engine_checksum"]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("transport", ["disk", "tensor", "broadcast", "delta"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_transport_leaves_sglang_serving_the_trainers_weights(attached, transport, mode, tiny_model_path,
+                                                                    tmp_path):
+    """20 steps, a push after each, into a server rlx attached to; then SGLang's checksum of what it serves
+    equals its checksum of the trainer's exported weights loaded from disk: bit for bit, in SGLang's own
+    (fused) layout."""
+    cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [attached]},
+                           train={"num_steps": 20, "mode": mode, "transport": transport,
+                                  "checkpoint": {"interval": 0}})
+    r = rl_train(cfg, "--save-hf", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [x["weight_version"] for x in rows][-1] == 20
+    served = checksum(attached)
+    assert checksum(attached, load=tmp_path / "hf") == served
+    assert checksum(attached, load=Path(tiny_model_path)) != served  # the pushes changed it (and it starts over)
+
+
+def test_a_killed_and_a_frozen_server_loses_no_sample(sglang_py, tmp_path):
+    """Two launched SGLang servers behind sglang-router; one is killed (-9) after the first step, then the other
+    frozen (SIGSTOP) until it is taken out: the run completes every step with every sample id once."""
+    steps = 30
+    cfg = small_run_config(
+        tmp_path, "run", seed=5,
+        rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 24, "ignore_eos": True},
+                 "engines": [{"backend": "sglang", "python": sglang_py, "num_engines": 2}],
+                 "router": {"policy": "round_robin"},
+                 "fault_tolerance": {"probe_interval_s": 0.5, "probe_timeout_s": 2, "failures": 2}},
+        train={"num_steps": steps, "checkpoint": {"interval": 0}},
+        ray={"cpus_per_trainer": 0.5, "cpus_per_engine": 0.5})
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)],
+                         env={**os.environ, "RLX_TEST_TAG": tag}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    run = tmp_path / "run"
+    frozen: list[int] = []
+    try:
+        def servers() -> list[int]:
+            out = []
+            for pid in processes_tagged(tag):
+                try:
+                    if b"sglang.launch_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        out.append(pid)
+                except OSError:
+                    pass
+            return sorted(out)
+
+        def wait_for(cond, what, limit=600):
+            deadline = time.monotonic() + limit
+            while not cond():
+                assert p.poll() is None, p.stderr.read()[-3000:]
+                assert time.monotonic() < deadline, what
+                time.sleep(0.1)
+
+        wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip(),
+                 "no first step")
+        first = servers()
+        os.kill(first[0], signal.SIGKILL)
+        wait_for(lambda: any(r.get("engines/restarts", 0) for r in metrics(run)), "the killed server never came back")
+        os.kill(first[1], signal.SIGSTOP)
+        frozen.append(first[1])
+        wait_for(lambda: any(r.get("engines/taken_out", 0) >= 2 for r in metrics(run)) or p.poll() is not None,
+                 "the frozen server was never taken out")
+        _, err = p.communicate(timeout=900)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    assert wait_gone(tag) == [], "rl train left processes behind"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    last = rows[-1]
+    print(f"live SGLang faults: taken out {last['engines/taken_out']}, restarted {last['engines/restarts']}, "
+          f"back {last['engines/rejoined']}, requests sent again {sum(r['rollout/resent_requests'] for r in rows)}")
+    assert last["engines/taken_out"] == 2 and last["engines/restarts"] >= 1
+    trained = [i for line in (run / "samples.jsonl").read_text().splitlines() for i in json.loads(line)["sample_ids"]]
+    assert len(trained) == len(set(trained)) == steps * 3 * 2
