@@ -215,7 +215,9 @@ def test_bad_requests_get_400_in_sglang_error_shape(fleet):
         async with EngineClient(fleet.engines[0].url) as c:
             return await c.request("POST", "/generate", body)
 
-    for body, text in [({"sampling_params": {}}, "text or input_ids"),
+    for body, text in [({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
+                       ({"input_ids": [], "sampling_params": {}}, "input_ids cannot be empty."),
+                       ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p must be in (0, 1], got 0."),
                        ({"input_ids": [1, 2], "sampling_params": {"temperatur": 1}}, "temperatur"),
                        ({"input_ids": [10**9]}, "input_ids")]:
         with pytest.raises(EngineError) as e:

@@ -51,13 +51,9 @@ def start_sglang(python: str, model_path: str, log: Path, **server_args) -> tupl
 
 
 @pytest.fixture(scope="session")
-def sglang_starter():
-    return start_sglang
-
-
-@pytest.fixture(scope="module")
 def sglang_server(sglang_py, tiny_model_path, tmp_path_factory):
-    """One live SGLang server on the tiny model, for a module's tests; stopped (its process group) after them."""
+    """One live SGLang server on the tiny model for the tier (a start costs 20-30 s), stopped (its process
+    group) after it; a test that changes its weights loads the tiny model's back before it ends."""
     proc, url = start_sglang(sglang_py, tiny_model_path, tmp_path_factory.mktemp("sglang") / "server.log")
     try:
         yield url

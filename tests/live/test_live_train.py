@@ -59,14 +59,11 @@ def test_the_quickstart_learns_through_live_sglang(sglang_py, tiny_model_path, t
     assert diff < 1e-3  # fp32 on both sides
 
 
-@pytest.fixture(scope="module")
-def attached(sglang_py, sglang_starter, tiny_model_path, tmp_path_factory):
-    """A live SGLang server started by hand (as a user would), for runs that attach to it by address."""
-    proc, url = sglang_starter(sglang_py, tiny_model_path, tmp_path_factory.mktemp("attached") / "server.log")
-    try:
-        yield url
-    finally:
-        proc.stop()
+@pytest.fixture
+def attached(sglang_server):
+    """The tier's live SGLang server, started by hand as a user would (tests/live/conftest.py), for runs that attach
+    to it by address."""
+    return sglang_server
 
 
 def checksum(url: str, load: Path | None = None) -> str:
@@ -99,13 +96,15 @@ def test_every_transport_leaves_sglang_serving_the_trainers_weights(attached, tr
 
 
 def test_a_killed_and_a_frozen_server_loses_no_sample(sglang_py, tmp_path):
-    """Two launched SGLang servers behind sglang-router; one is killed (-9) after the first step, then the other
-    frozen (SIGSTOP) until it is taken out: the run completes every step with every sample id once."""
+    """Two groups of one launched SGLang server each, behind sglang-router; one server is killed (-9) after the
+    first step, then the other frozen (SIGSTOP) until it is taken out: the run completes every step with every
+    sample id once."""
     steps = 30
     cfg = small_run_config(
         tmp_path, "run", seed=5,
         rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 24, "ignore_eos": True},
-                 "engines": [{"backend": "sglang", "python": sglang_py, "num_engines": 2}],
+                 "engines": [{"name": "a", "backend": "sglang", "python": sglang_py},  # a topology of two groups
+                             {"name": "b", "backend": "sglang", "python": sglang_py}],
                  "router": {"policy": "round_robin"},
                  "fault_tolerance": {"probe_interval_s": 0.5, "probe_timeout_s": 2, "failures": 2}},
         train={"num_steps": steps, "checkpoint": {"interval": 0}},

@@ -75,6 +75,7 @@ rollout:
     arg = lambda k: cmd[cmd.index(k) + 1]  # noqa: E731
     # 32 requests over 2 engines: 16 x (512 + 64) = 9216 tokens, more than the 4096 context
     assert arg("--device") == "cpu" and "--disable-overlap-schedule" in cmd and arg("--max-total-tokens") == "9216"
+    assert "--sleep-on-idle" in cmd
     assert arg("--dtype") == "float32"  # as the trainer on a CPU
     assert fleet._env(a)["SGLANG_USE_CPU_ENGINE"] == "1"
     # a quarter of the free memory, over 2 engines, at 256 B a token: 1000 tokens, raised to the 1024 floor

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
+
+
+def pytest_configure(config):
+    """Processes the tests start get default signal dispositions: an ignored signal is inherited through exec,
+    and a shell ignores SIGINT and SIGQUIT for the jobs it puts in the background (SIGHUP under nohup), so a
+    suite run that way would start `rl serve` deaf to the Ctrl-C its tests send. Handled signals reset on exec."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
