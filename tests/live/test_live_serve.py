@@ -3,54 +3,27 @@ it through rlx's adapter, a second turn is served from SGLang's prefix cache, a 
 Code, unmodified, in its sandbox) finishes a one-turn task, and Ctrl-C stops everything."""
 
 import asyncio
-import contextlib
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
-import uuid
 
 import anthropic
 import openai
 import pytest
 
-from rlx.rollout.engines.launch import free_port
-from rlx.testing.processes import processes_tagged, wait_gone
+from rlx.testing.processes import rl_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.live]
 
 
-@contextlib.contextmanager
-def rl_serve(folder, model: str, sglang_py: str, *args: str):
-    """`rl serve` on `model` with one launched SGLang server; yields its base URL; Ctrl-C at the end, which
-    must stop everything it started."""
+def rl_serve_on_sglang(folder, model: str, sglang_py: str, *args: str):
     cfg = folder / "serve.yaml"
     cfg.write_text(f"run: {{name: policy, output_dir: {folder / 'out'}}}\nmodel: {{path: {model}}}\n"
                    f"rollout:\n  sampling: {{max_new_tokens: 8}}\n"
                    f"  engines: [{{backend: sglang, python: {sglang_py}}}]\n")
-    tag = uuid.uuid4().hex
-    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "serve", str(cfg), "--port", str(free_port()),
-                          "--api-key", "k1", *args], env={**os.environ, "RLX_TEST_TAG": tag},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        deadline = time.monotonic() + 300
-        while "base_url" not in line:
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-3000:]
-            line = p.stdout.readline()
-        yield re.search(r"base_url (\S+)", line).group(1)
-    finally:
-        p.send_signal(signal.SIGINT)
-        p.wait(60)
-    assert p.returncode == 0, p.stderr.read()[-3000:]
-    assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"
+    return rl_serve(cfg, *args)
 
 
 def test_rl_serve_on_sglang_answers_both_sdks_then_stops_cleanly(sglang_py, tiny_model_path, tmp_path):
-    with rl_serve(tmp_path, "builtin://tiny-qwen3", sglang_py) as base:
+    with rl_serve_on_sglang(tmp_path, "builtin://tiny-qwen3", sglang_py) as base:
         client = openai.OpenAI(base_url=base, api_key="k1")
         turn = [{"role": "user", "content": "1 + 1"}]
         r = client.chat.completions.create(model="tiny", messages=turn, max_tokens=5)
@@ -79,7 +52,7 @@ def test_claude_code_finishes_a_task_against_rl_serve_on_sglang(sglang_py, tiny_
             "metadata": {"files": {"calc.py": "def add(a, b):\n    return a - b\n",
                                    "test_calc.py": "from calc import add\nassert add(2, 3) == 5\n"},
                          "test": "python3 test_calc.py"}}
-    with rl_serve(tmp_path, "builtin://tiny-qwen3-code", sglang_py, "--max-output-tokens", "16") as base:
+    with rl_serve_on_sglang(tmp_path, "builtin://tiny-qwen3-code", sglang_py, "--max-output-tokens", "16") as base:
         ran, tests = asyncio.run(ClaudeCode(ClaudeCode.Config(time_limit_s=240)).attempt(base[:-3], "k1", task))
     assert ran.ok, (ran.returncode, ran.timed_out, ran.stdout[-2000:], ran.stderr[-3000:])
     out = json.loads(ran.stdout)

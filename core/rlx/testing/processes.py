@@ -1,8 +1,17 @@
-"""Finding the processes a test started, by an environment tag they inherit, to check none is left."""
+"""Finding the processes a test started, by an environment tag they inherit, to check none is left; `rl serve`
+started and stopped as a user would."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -31,3 +40,34 @@ def wait_gone(tag: str, timeout: float = 20, var: str = "RLX_TEST_TAG") -> list[
     while (left := processes_tagged(tag, var)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+@contextlib.contextmanager
+def rl_serve(config: Path, *args: str, start_timeout: float = 300) -> Iterator[str]:
+    """``rl serve CONFIG --port <free> --api-key k1 ARGS``: yields its OpenAI base URL (``.../v1``) once it serves,
+    then stops it with Ctrl-C (SIGINT), which must end it, and everything it started, within a minute."""
+    from rlx.net import free_port
+
+    tag = uuid.uuid4().hex
+    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "serve", str(config), "--port", str(free_port()),
+                          "--api-key", "k1", *args], env={**os.environ, "RLX_TEST_TAG": tag},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line, deadline = "", time.monotonic() + start_timeout
+        while "base_url" not in line:
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-3000:]
+            line = p.stdout.readline()
+        yield re.search(r"base_url (\S+)", line).group(1)
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(60)
+        finally:
+            if p.poll() is None:  # it did not stop: the test fails below, and leaves nothing behind
+                p.kill()
+                p.wait()
+                for pid in processes_tagged(tag):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+    assert p.returncode == 0, p.stderr.read()[-3000:]
+    assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"

@@ -8,13 +8,8 @@ inside the sandbox, and applies the fix the model "wrote". The integration tests
 
 import asyncio
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import time
-import uuid
 from collections import deque
 from pathlib import Path
 
@@ -183,27 +178,14 @@ def installed(cli):
 @pytest.fixture(scope="module")
 def served(tiny_model_path, tmp_path_factory):
     """`rl serve` on builtin://tiny-qwen3-code (the harnesses' prompts are ~10-22k tokens)."""
-    from rlx.rollout.engines.launch import free_port
-    from rlx.testing.processes import processes_tagged, wait_gone
+    from rlx.testing.processes import rl_serve
 
     folder = tmp_path_factory.mktemp("serve")
     cfg = folder / "serve.yaml"
     cfg.write_text(f"run: {{name: policy, output_dir: {folder / 'out'}}}\nmodel: {{path: builtin://tiny-qwen3-code}}\n"
                    "rollout:\n  engines: [{name: main}]\n")
-    tag, port = uuid.uuid4().hex, free_port()
-    p = subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "serve", str(cfg), "--port", str(port),
-                          "--api-key", "k1", "--max-output-tokens", "16"], env={**os.environ, "RLX_TEST_TAG": tag},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line, deadline = "", time.monotonic() + 300
-        while "base_url" not in line:
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-3000:]
-            line = p.stdout.readline()
-        yield re.search(r"base_url (\S+)/v1", line).group(1)
-    finally:
-        p.send_signal(signal.SIGINT)
-        p.wait(60)
-        assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"
+    with rl_serve(cfg, "--max-output-tokens", "16") as base:
+        yield base[:-3]
 
 
 # each CLI's own shell tool, called as the tiny model's chat template (hermes) writes a call
