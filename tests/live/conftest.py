@@ -51,6 +51,12 @@ def start_sglang(python: str, model_path: str, log: Path, **server_args) -> tupl
 
 
 @pytest.fixture(scope="session")
+def sglang_launcher():
+    """`start_sglang`, for a test that needs a server of its own (another model); the test stops it."""
+    return start_sglang
+
+
+@pytest.fixture(scope="session")
 def sglang_server(sglang_py, tiny_model_path, tmp_path_factory):
     """One live SGLang server on the tiny model for the tier (a start costs 20-30 s), stopped (its process
     group) after it; a test that changes its weights loads the tiny model's back before it ends."""

@@ -101,3 +101,21 @@ def test_weights_from_disk_change_what_sglang_serves_and_its_checksum(sglang_ser
     assert version == "7" and after["per_engine_checksum"] != before["per_engine_checksum"]
     version, back = call(sglang_server, lambda c: load(c, tiny_model_path, "8"))
     assert version == "8" and back["per_engine_checksum"] == before["per_engine_checksum"]
+
+
+def test_a_mixture_of_experts_model_serves_and_its_log_probs_match(sglang_py, sglang_launcher, tmp_path):
+    """The tiny Qwen3-MoE (rlx-model-qwen) on SGLang's CPU kernels; routing replay cannot run there (rlx refuses it
+    at launch: tests/unit/test_launch.py)."""
+    from rlx.models.tiny import resolve_model_path
+
+    path = resolve_model_path("builtin://tiny-qwen3-moe")
+    proc, url = sglang_launcher(sglang_py, path, tmp_path / "moe.log")
+    try:
+        prompt = [5, 17, 42, 9]
+        (res,) = call(url, lambda c: c.generate(GenerateRequest(prompt, {"max_new_tokens": 16, "ignore_eos": True})))
+    finally:
+        proc.stop()
+    ref = hf_logprobs(path, prompt, res.output_ids)
+    diff = max(abs(a - b) for a, b in zip(res.output_logprobs, ref, strict=True))
+    print(f"live SGLang, tiny Qwen3-MoE (fp32, CPU) against transformers' fp32 forward: max |log-prob diff| {diff:.2e}")
+    assert len(res.output_ids) == 16 and diff < 1e-3

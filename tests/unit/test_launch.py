@@ -99,6 +99,15 @@ rollout:
     assert "SGLANG_USE_CPU_ENGINE" not in fleet._env(b)
 
 
+def test_routing_replay_on_sglang_on_a_cpu_is_refused_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    path = _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
+    cfg = parse_config(f"model: {{path: {path}}}\nray: {{enabled: false}}\n"
+                       "rollout: {routed_experts: true, engines: [{backend: sglang}]}")
+    with pytest.raises(RLXError, match=r"routing replay .* cannot run on SGLang on a CPU: .* pins through CUDA"):
+        EngineFleet(cfg, tmp_path)._command(cfg.rollout.engines[0], "127.0.0.1", 1)
+
+
 def test_an_interpreter_for_the_embedded_engine_is_refused():
     from rlx.errors import ConfigError
 

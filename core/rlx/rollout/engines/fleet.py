@@ -138,6 +138,11 @@ class EngineFleet:
             args.setdefault("enable_memory_saver", True)
         dtype = self.cfg.model.dtype
         if sglang_on_cpu(self.cfg, g):
+            if records_routing(self.cfg):
+                raise RLXError(f"engine group {g.name!r}: routing replay (rollout.routed_experts) cannot run on SGLang "
+                               f"on a CPU: SGLang 0.5.23 records routed experts into host memory it pins through "
+                               f"CUDA (torch.cuda.cudart), which fails without a GPU; use backend: embedded for "
+                               f"routing replay on a CPU")
             rc = self.rc
             requests = min(rc.max_concurrency, round(rc.n_prompts * rc.n_samples_per_prompt * rc.over_sampling))
             n = sum(x.num_engines for x in rc.engines)
