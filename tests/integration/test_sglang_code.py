@@ -1,6 +1,6 @@
 """rlx against SGLang's own code, for the oldest and newest SGLang versions rlx supports (0.5.5, 0.5.23).
 
-SGLang needs a GPU to serve, but what rlx must agree with is plain Python in the sglang package, installed
+Live SGLang is tested on the CPU in tests/live; here, what rlx must agree with is plain Python in the sglang package, installed
 here without its GPU dependencies (scripts/setup; rlx.testing.sglang_code). Each test runs SGLang's side in
 a subprocess (tests/integration/sglang_side.py) and rlx's side here:
 
