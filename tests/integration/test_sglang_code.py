@@ -1,8 +1,8 @@
 """rlx against SGLang's own code, for the oldest and newest SGLang versions rlx supports (0.5.5, 0.5.23).
 
 Live SGLang servers are tested on the CPU in tests/live; here, what rlx must agree with is plain Python in the
-sglang package, installed here without its GPU dependencies (scripts/setup; rlx.testing.sglang_code). Each test runs SGLang's side in
-a subprocess (tests/integration/sglang_side.py) and rlx's side here:
+sglang package, installed here without its GPU dependencies (scripts/setup; rlx.testing.sglang_code). Each test
+runs SGLang's side in a subprocess (tests/integration/sglang_side.py) and rlx's side here:
 
 * every request rlx's client sends to an engine, checked with SGLang's request types, and every answer of
   the embedded engine decoded with SGLang's API types (sglang.api.v1);
