@@ -65,8 +65,9 @@ def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction
 
 def sglang_cpu_args(model_path: str, *, requests: int, new_tokens: int, engines: int) -> dict[str, Any]:
     """What SGLang needs to serve on a CPU beside ``--device cpu`` (and ``SGLANG_USE_CPU_ENGINE=1`` in its
-    environment): its scheduler without the overlap thread and asleep when idle, and a KV pool bounded by what the run asks of it, as
-    SGLang would otherwise size it from the machine's whole memory (13 GB for a tiny model, measured). The pool
+    environment): its scheduler without the overlap thread and asleep when idle, and a KV pool bounded by what
+    the run asks of it, as SGLang would otherwise size it from the machine's whole memory (13 GB for a tiny model,
+    measured). The pool
     holds the model's full context and `requests` requests of `new_tokens` after a 512-token prompt, at most a
     quarter of the memory free now, shared by `engines` engines; fp32 KV (SGLang's CPU default here)."""
     from rlx.models.tiny import model_config
