@@ -359,6 +359,9 @@ class TrainConfig(Section):
     verify_full_interval: int = Field(10, ge=1)
     logprob_diff_threshold: float = Field(0.5, gt=0)  # probe: count tokens whose trainer and engine log-probs
     #                                                   differ by more than this
+    # colocated offload: the trainer moves its GPU memory to the host while engines on its GPU generate, and keeps
+    # only the model at work resident (rlx.train.offload; None: as rollout.offload_during_train)
+    offload: bool | None = None
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -606,6 +609,9 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         if cfg.rollout.offload_during_train:
             problems.append((("rollout", "offload_during_train"), "async mode generates while it trains, so "
                              "engines cannot release their memory"))
+        if cfg.train.offload:
+            problems.append((("train", "offload"), "async mode trains while the engines generate, so the trainer "
+                             "cannot give its memory to them"))
         if cfg.rollout.over_sampling != 1.0:
             problems.append((("rollout", "over_sampling"), "applies to sync partial rollout; in async mode "
                              "train.async.max_staleness sets how many groups run ahead"))
@@ -613,6 +619,10 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
             problems.append((("train", "async", "max_staleness"), f"must be at least train.update_interval "
                              f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))
+    if cfg.train.offload and cfg.rollout.offload_during_train is False:
+        problems.append((("train", "offload"), "the trainer takes its memory back to train, which the engines must "
+                         "then have released: leave rollout.offload_during_train on (or both unset: on when "
+                         "colocated on GPUs)"))
     if cfg.train.critic.placement != "shared" and cfg.train.critic.parallel is None:
         problems.append((("train", "critic", "placement"), "places a critic with processes of its own: set "
                          "train.critic.parallel too (without it the critic lives in the actor's processes)"))
@@ -815,3 +825,20 @@ def records_routing(cfg: Config) -> bool:
     """Whether engines are asked for the experts they routed each token to (``rollout.routed_experts``, or
     routing replay, which needs them)."""
     return cfg.rollout.routed_experts or cfg.train.objective.routing_replay
+
+
+def engines_offload(cfg: Config) -> bool:
+    """Whether engines give their GPU memory back while the trainer trains (``rollout.offload_during_train``;
+    by default when colocated with GPU trainers); never for attached engines, which are not rlx's."""
+    offload = cfg.rollout.offload_during_train
+    if offload is None:
+        offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+    return bool(offload) and not cfg.rollout.external_engines
+
+
+def trainer_offloads(cfg: Config) -> bool:
+    """``train.offload``, its default decided as the engines' (`engines_offload`), in sync mode: the memory the
+    trainer gives back is what the engines sized their cache by (rlx.train.offload)."""
+    if cfg.train.offload is not None:
+        return cfg.train.offload
+    return cfg.train.mode == "sync" and engines_offload(cfg)

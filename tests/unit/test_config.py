@@ -175,6 +175,21 @@ def test_settings_of_the_other_training_mode_are_errors():
     assert "train.async.max_staleness: must be at least train.update_interval (2)" in str(e.value)
 
 
+def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():
+    from rlx.config import trainer_offloads
+
+    colocated = "model: {path: /m}\nray: {placement: colocated, gpus_per_trainer: 1}\n"
+    assert trainer_offloads(parse_config(colocated)) and not trainer_offloads(parse_config("model: {path: /m}\n"))
+    assert not trainer_offloads(parse_config(colocated + "rollout: {offload_during_train: false}\n"))
+    assert trainer_offloads(parse_config("model: {path: /m}\ntrain: {offload: true}\n"))
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\ntrain: {mode: async, offload: true}\n")
+    assert "<config>:2: train.offload: async mode trains while the engines generate" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        parse_config("model: {path: /m}\nrollout: {offload_during_train: false}\ntrain: {offload: true}\n")
+    assert "train.offload: the trainer takes its memory back to train, which the engines must then have" in str(e.value)
+
+
 def test_keys_that_moved_into_sections_name_their_new_place():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain:\n  lr: 0.1\n  tp: 2\n  save_interval: 5\n"

@@ -31,10 +31,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rlx.config import Config
+from rlx.config import Config, engines_offload
 from rlx.errors import RLXError
 from rlx.rollout.manager import RolloutManager
-from rlx.rollout.engines.fleet import offloads
 from rlx.types import Group, RolloutBatch
 
 Push = Callable[[], Awaitable[Any]]
@@ -60,7 +59,7 @@ class SyncBatches:
     def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
         self.manager = manager
         self.fleet = fleet
-        self.offload = offloads(cfg)
+        self.offload = engines_offload(cfg)
         self.released: list[Any] = []  # engines whose memory was released for this train step
 
     def start(self) -> None:

@@ -19,6 +19,7 @@ whatever ``loss_norm`` the policy uses. Values, advantages and returns exist onl
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,11 +182,20 @@ class CriticStep:
         metrics["critic/warmup"] = 0.0
         return metrics
 
-    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
-            step_index: int) -> dict[str, float | None]:
-        """Critic, then (after the warm-up) actor, in the same ranks; global metrics."""
-        tb = self.prepare(batch, actor, reference)
-        return {**self.train_critic(tb), **self.train_actor(tb, actor, reference, step_index)}
+    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None, step_index: int,
+            hold_actor: Callable[[], None], hold_critic: Callable[[], None]) -> dict[str, float | None]:
+        """Critic, then (after the warm-up) actor, in the same ranks; global metrics. `hold_actor` and
+        `hold_critic` make one side resident on the device (`rlx.train.offload`) before it works."""
+        samples = scored(batch)
+        hold_critic()
+        values = self.values(samples)
+        if self.obj.kl_in_reward:
+            hold_actor()  # the actor's and the reference model's log-probs go into the reward
+        tb = self.prepare(batch, actor, reference, values)
+        hold_critic()
+        critic = self.train_critic(tb)
+        hold_actor()
+        return {**critic, **self.train_actor(tb, actor, reference, step_index)}
 
 
 def check_critic_model(critic: Any, actor: Any, path: Any) -> None:
@@ -209,8 +219,10 @@ class CriticTrainer:
     the actor's. The group calls `values`, then (with the actor's returns) `train`."""
 
     def __init__(self, cfg: Any, plugins: Any, master_addr: str = "127.0.0.1"):
+        from rlx.config import trainer_offloads
         from rlx.models.tiny import resolve_model_path
         from rlx.train.kernels import use_matmul
+        from rlx.train.offload import Residency
         from rlx.train.model import device, init_distributed
         from rlx.train.spec import HFCheckpoint, model_spec
         from rlx.train.step import RLStep
@@ -229,8 +241,11 @@ class CriticTrainer:
         self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
         step = RLStep(tc, None, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.step_fn = CriticStep(tc, None, step, self.critic, "token")
+        self.memory = Residency(trainer_offloads(cfg), {"critic": self.critic}, device())
+        self.memory.hold()
 
     def values(self, batch: RolloutBatch) -> dict[int, torch.Tensor]:
+        self.memory.hold(critic="all")  # resident from here to the end of `train`: the actor's ranks prepare
         return self.step_fn.values(scored(batch))
 
     def train(self, batch: RolloutBatch, returns: dict[int, torch.Tensor],
@@ -238,10 +253,18 @@ class CriticTrainer:
         samples = [s for s in scored(batch) if s.sample_id in returns]
         groups = [g for g in batch.groups if any(s.sample_id in returns for s in g.trainable)]
         tb = TrainBatch(batch.step, groups, samples, advantages={}, weights={}, returns=returns, values=values)
-        return self.step_fn.train_critic(tb)
+        self.memory.hold(critic="all")
+        try:
+            return self.step_fn.train_critic(tb)
+        finally:
+            self.memory.hold()
 
     def save(self, folder: Path) -> None:
+        self.memory.hold(critic="all")
         self.critic.save(folder)
+        self.memory.hold()
 
     def load(self, folder: Path) -> None:
+        self.memory.hold(critic="all")
         self.critic.load(folder)
+        self.memory.hold()

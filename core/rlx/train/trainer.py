@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from rlx.config import Config
+from rlx.config import Config, trainer_offloads
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.train.kernels import use_matmul
 from rlx.train.model import ModelRole, ParallelState, device, init_distributed
+from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model
 from rlx.train.spec import HFCheckpoint, model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
@@ -70,6 +71,9 @@ class Trainer:
             self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
             self.critic_step = CriticStep(tc, self.estimator, self.step_fn, self.critic, self.loss_norm)
         self.step = 0
+        self.memory = Residency(trainer_offloads(cfg), {"actor": self.actor, "reference": self.reference,
+                                                        "critic": self.critic}, device())
+        self.memory.hold()  # the engines' turn first: they size their cache by the memory they find
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on every trainable sample of the batch; returns global metrics."""
@@ -77,23 +81,33 @@ class Trainer:
             raise RLXError("the critic has ranks of its own (train.critic.parallel): the trainer group runs the "
                            "step (ppo_prepare, the critic's update, ppo_train_actor)")
         if self.critic_step is not None:
-            metrics = self.critic_step.run(batch, self.actor, self.reference, self.step)
+            metrics = self.critic_step.run(batch, self.actor, self.reference, self.step, self._hold_actor,
+                                           lambda: self.memory.hold(critic="all"))
         else:
             tb = prepare(batch, self.estimator, self.loss_norm)
+            self._hold_actor()
             metrics = self.step_fn.run(tb, self.actor, self.reference)
+        self.memory.hold()
         self.step += 1
         return metrics
+
+    def _hold_actor(self) -> None:
+        self.memory.hold(actor="all", **({"reference": "weights"} if self.reference is not None else {}))
 
     def ppo_prepare(self, batch: RolloutBatch, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """With a critic in ranks of its own: advantages from its `values`, kept for `ppo_train_actor`; returns
         the critic's targets."""
+        self._hold_actor()
         self._pending = self.critic_step.prepare(batch, self.actor, self.reference, values)
+        self.memory.hold()  # the critic's ranks train next (on the same GPUs when colocated)
         return self._pending.returns
 
     def ppo_train_actor(self) -> dict[str, float | None]:
         """The actor's part of the step `ppo_prepare` began (nothing but metrics during the critic's warm-up)."""
         tb, self._pending = self._pending, None
+        self._hold_actor()
         metrics = self.critic_step.train_actor(tb, self.actor, self.reference, self.step)
+        self.memory.hold()
         self.step += 1
         return metrics
 
@@ -101,20 +115,28 @@ class Trainer:
         """The actor's HF tensors of this rank's pipeline stage, one at a time. Every rank of the stage's
         tensor-parallel group must drain it (gathers are collective); ranks of other data-parallel
         replicas need not, unless experts are split over ranks (every rank with ``par.gathers`` drains it)."""
-        return self.actor.hf_tensors()
+        self.memory.hold(actor="weights")
+        try:
+            yield from self.actor.hf_tensors()
+        finally:
+            self.memory.hold()
 
     def save(self, folder: Path) -> None:
         import torch.distributed as dist
 
         for role in self.trained_roles():
+            self.memory.hold(**{role.name: "all"})
             role.save(folder)
+        self.memory.hold()
         if self.par.rank == 0:
             torch.save({"step": self.step}, folder / "trainer.pt")
         dist.barrier()
 
     def load(self, folder: Path) -> None:
         for role in self.trained_roles():
+            self.memory.hold(**{role.name: "all"})
             role.load(folder)
+        self.memory.hold()
         self.step = torch.load(folder / "trainer.pt", weights_only=False)["step"]
 
     def trained_roles(self) -> list[ModelRole]:

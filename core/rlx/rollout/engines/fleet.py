@@ -16,22 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlx.config import Config, EngineGroupConfig, records_routing
+from rlx.config import Config, EngineGroupConfig, engines_offload, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.launch import (HOST, ManagedProcess, embedded_command, free_port, sglang_command,
                                         sglang_cpu_args, wait_healthy)
 from rlx.rollout.engines.protocol import EngineClient, EngineError
 from rlx.rollout.router import Router
-
-
-def offloads(cfg: Config) -> bool:
-    """Whether engines give their GPU memory back while the trainer trains (``rollout.offload_during_train``;
-    by default when colocated with GPU trainers); never for attached engines, which are not rlx's."""
-    offload = cfg.rollout.offload_during_train
-    if offload is None:
-        offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
-    return bool(offload) and not cfg.rollout.external_engines
 
 
 def sglang_on_cpu(cfg: Config, g: EngineGroupConfig) -> bool:
@@ -134,7 +125,7 @@ class EngineFleet:
         args = {**self.engine_args(path), **g.server_args}
         if records_routing(self.cfg):
             args.setdefault("enable_return_routed_experts", True)
-        if offloads(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
+        if engines_offload(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
             args.setdefault("enable_memory_saver", True)
         dtype = self.cfg.model.dtype
         if sglang_on_cpu(self.cfg, g):
