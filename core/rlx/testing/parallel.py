@@ -97,7 +97,8 @@ WORKER = textwrap.dedent("""
 
 
 def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
-        noise: float = 0.25, timeout_s: float = 600) -> dict[str, Any]:
+        noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU)."""
     from rlx.net import free_port
 
     folder = Path(folder)
@@ -108,7 +109,7 @@ def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep:
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                         f"--master-port={free_port('127.0.0.1')}", "--master-addr=127.0.0.1", str(script),
                         json.dumps(args)],
-                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     if r.returncode != 0:
         raise AssertionError(f"{nproc} processes, tp={tp} pp={pp} ep={ep} replay={replay}:\n{r.stderr[-4000:]}")
     return json.loads(out.read_text())

@@ -149,6 +149,15 @@ class Residency:
             self.state[name] = target
         self.history.append({k: v for k, v in want.items() if v is not None})
 
+    def held_bytes(self) -> int:
+        """Bytes of device storage the roles hold now (weights, gradients, optimizer state)."""
+        sizes = {}
+        for mem in self.memory.values():
+            for part in ("weights", "state"):
+                sizes.update({_key(t): t.untyped_storage().nbytes() for t, _ in mem._tensors(part)
+                              if t.device.type == mem.device.type})
+        return sum(sizes.values())
+
     def _move(self, name: str, part: str, away: bool) -> None:
         if not self.moves:
             return

@@ -2,7 +2,7 @@
 transformers' own torch reference (forward and gradients), with grouped value heads, ragged lengths, initial and
 final states, and packed sequences (each equal to running alone; without cu_seqlens they provably leak state).
 Kernel selection: auto on CPU, a named kernel that cannot run is an error saying why, FlashQLA's device/dtype rules
-decided without importing it."""
+decided without importing it. The GPU kernels against the torch one: the gdn check of scripts/gpu-check."""
 
 import sys
 
@@ -197,26 +197,3 @@ def test_flashqla_decides_from_device_and_dtype_before_importing(monkeypatch, ca
     assert got is None if reason is None else reason in got
     assert "on CUDA devices" in plugin.FlashQLAGDN().supports(device="cpu", dtype=dtype)
     assert "flash_qla" not in sys.modules
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["flashqla", "fla"])
-def test_gpu_kernel_bf16_against_the_fp32_torch_reference(name):
-    """Each GPU kernel by name (skipped, saying why, where it cannot run), on packed sequences, bf16 against the
-    fp32 recurrence."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the GPU kernels run on a machine with an NVIDIA GPU (scripts/gpu-check)")
-    from rlx.plugins import build_plugins
-    from rlx.train.kernels import candidates
-
-    kernel = next(k for k in candidates(build_plugins(), "gdn") if k.name == f"gdn-{name}")
-    reason = kernel.supports(device="cuda", dtype=torch.bfloat16)
-    if reason is not None:
-        pytest.skip(f"gdn-{name} cannot run here: {reason}")
-    xs = [x.detach().cuda() for x in inputs(1, 1000, 4, 8, 128, 128, unit_keys=True)]
-    cu = torch.tensor([0, 300, 1000], device="cuda")
-    want = recurrent_gated_delta_rule(*xs, cu_seqlens=cu)[0]
-    got = kernel(*(x.to(torch.bfloat16) if x.dim() == 4 else x for x in xs), cu_seqlens=cu)[0]
-    err = (got.float() - want).abs().max().item()
-    print(f"gdn-{name} bf16 vs torch fp32: max abs error {err:.3e}")
-    assert err < 0.05
