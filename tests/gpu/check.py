@@ -12,7 +12,7 @@ What is checked (the pass rule of each is in its function's docstring):
 
 * environment: every package the checks import imports, at versions that satisfy the bundle's requirements;
 * trainer: megatron in bf16 on the GPU against the fp32 CPU trainer, two GRPO steps: dense Qwen3, Qwen3-MoE and
-  GLM-4.5 with rollout routing replay, DeepSeek-V3 (latent attention);
+  GLM-4.5 with rollout routing replay, DeepSeek-V3 (latent attention), Qwen3-Next (GDN);
 * engine: the embedded engine on the GPU: its sampled tokens' log-probs against the trainer's forward;
 * transport: a trained step pushed by the ``tensor`` transport (CUDA IPC handles) into that engine, every tensor
   verified bit for bit, then its log-probs against the trainer's again;
@@ -137,12 +137,13 @@ def check_environment(ctx: Ctx) -> None:
 
 
 TRAINER_MODELS = [("dense", DENSE, "none"), ("qwen3_moe_r3", MOE, "on"), ("glm4_moe_r3", "builtin://tiny-glm4-moe", "on"),
-                  ("deepseek_v3_mla", "builtin://tiny-deepseek-v3", "none")]
+                  ("deepseek_v3_mla", "builtin://tiny-deepseek-v3", "none"),
+                  ("qwen3_next_gdn", "builtin://tiny-qwen3-next", "none")]
 
 
 def check_trainer(ctx: Ctx) -> None:
     """Pass, for each model (dense Qwen3; Qwen3-MoE and GLM-4.5 with rollout routing replay; DeepSeek-V3 with
-    latent attention): each of two GRPO steps' loss, KL and entropy within 5% (relative) of the fp32 CPU
+    latent attention; Qwen3-Next, whose GDN layers take the GPU kernel ``auto`` picks): each of two GRPO steps' loss, KL and entropy within 5% (relative) of the fp32 CPU
     trainer's, and with replay every token routed as the engine routed it (agreement 1). A model that fails
     does not stop the others."""
     from rlx.testing.parallel import run
@@ -289,7 +290,11 @@ def check_gdn(ctx: Ctx) -> None:
         ((o.float() * w).sum() + state.float().sum()).backward()
         return [o.detach().float(), state.detach().float(), *(x.grad.float() for x in xs)]
 
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
     ref = go(torch_gdn, inputs(torch.float32))
+    torch.cuda.synchronize()
+    ctx.fig(torch_fp32_fwd_bwd_s=time.monotonic() - t0)
     names = ["output", "final_state", "dq", "dk", "dv", "dg", "dbeta"]
     ran = []
     for kernel in candidates(build_plugins(), "gdn"):
@@ -638,7 +643,7 @@ def check_sglang_offload(ctx: Ctx) -> None:
 PLAN = [  # in order of what matters most, should the budget run out
     Check("environment", 45, check_environment, "imports, and the bundle's requirements against installed versions",
           on_cpu=True),
-    Check("trainer", 150, check_trainer, "megatron bf16 on the GPU vs fp32 on the CPU: dense, MoE with R3, MLA"),
+    Check("trainer", 180, check_trainer, "megatron bf16 on the GPU vs fp32 on the CPU: dense, MoE+R3, MLA, GDN"),
     Check("engine", 50, check_engine, "embedded engine on the GPU: log-probs vs the trainer's forward", on_cpu=True),
     Check("transport", 60, check_transport, "tensor transport (CUDA IPC) into the engine, bit-exact", on_cpu=True),
     Check("rl-train", 120, check_rl_train, "rl train 10 steps on the GPU, without and with offload", on_cpu=True),
