@@ -74,6 +74,9 @@ class Check:
     run: Callable[[Ctx], None]
     what: str
     on_cpu: bool = False  # --cpu runs it on the CPU
+    # torch.compile as megatron uses it on a GPU (jit_fuser); off where the check is about values or memory, so
+    # that compile times of unknown length cannot eat its limit (TORCHDYNAMO_DISABLE, torch's own switch)
+    compile: bool = False
     needs: tuple[str, ...] = ()  # modules without which it is skipped, saying so
 
 
@@ -87,8 +90,9 @@ def run_async(coro: Any) -> Any:
 
 
 def check_environment(ctx: Ctx) -> None:
-    """Pass: every module the checks import imports, and the installed version of every package a bundle wheel
-    requires satisfies it (the image's unrecorded versions, assumed by tests/test_gpu_bundle.py, checked here)."""
+    """Pass: every module the checks import imports, and every requirement of rlx (as scripts/gpu-bundle reads them)
+    and of each bundle wheel is installed at a version that satisfies it: the image's versions its package list
+    does not record, which tests/test_gpu_bundle.py assumes, checked on the machine."""
     import importlib
     import importlib.metadata as md
 
@@ -106,30 +110,28 @@ def check_environment(ctx: Ctx) -> None:
     for dist in ("megatron-core", "transformers", "flash-linear-attention"):
         with contextlib.suppress(md.PackageNotFoundError):
             ctx.fig(**{dist: md.version(dist)})
-    conflicts = []
-    from packaging.requirements import Requirement
+    # rlx's declared requirements and each bundle wheel's, evaluated for this machine as the bundle was made for it
+    from importlib.machinery import SourceFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
 
-    absent = []
-    for wheel in sorted((ROOT / ".whl").glob("*.whl")):
+    spec = spec_from_loader("gpu_bundle", SourceFileLoader("gpu_bundle", str(ROOT / "scripts" / "gpu-bundle")))
+    bundle = module_from_spec(spec)
+    spec.loader.exec_module(bundle)
+    wheels = sorted(bundle.BUNDLE.glob("*.whl"))
+    reqs = [("rlx", r) for r in bundle.declared()]
+    reqs += [(bundle.wheel_name(w), r) for w in wheels for r in bundle.wheel_requirements(w)]
+    conflicts, absent = [], []
+    for by, req in reqs:
         try:
-            meta = md.distribution(wheel.name.split("-")[0])
+            have = md.version(req.name)
         except md.PackageNotFoundError:
-            absent.append(wheel.name.split("-")[0])
+            absent.append(req.name)
             continue
-        for text in meta.requires or []:
-            req = Requirement(text)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-                continue
-            try:
-                have = md.version(req.name)
-            except md.PackageNotFoundError:
-                conflicts.append(f"{wheel.name.split('-')[0]} needs {req}: not installed")
-                continue
-            if not req.specifier.contains(have, prereleases=True):
-                conflicts.append(f"{wheel.name.split('-')[0]} needs {req}: {have} is installed")
-    ctx.fig(bundle_wheels=len(list((ROOT / ".whl").glob("*.whl"))), bundle_not_installed=absent or "none")
+        if not req.specifier.contains(have, prereleases=True):
+            conflicts.append(f"{by} needs {req.name}{req.specifier}: {have} is installed")
+    ctx.fig(bundle_wheels=len(wheels), not_installed=sorted(set(absent)) or "none")
     ctx.expect(not broken, "; ".join(broken))
-    ctx.expect(not absent or ctx.device == "cpu", f"bundle wheels not installed: {absent}")  # --cpu: a venv
+    ctx.expect(not absent or ctx.device == "cpu", f"not installed: {sorted(set(absent))}")  # --cpu: this venv
     ctx.expect(not conflicts, "; ".join(conflicts))
 
 
@@ -505,7 +507,9 @@ def check_throughput(ctx: Ctx) -> None:
                                                     sample_id=8 * i + j, group_id=i) for j in range(8)])
                                    for i in range(4)])
 
-    trainer.train_step(batch(1))  # warm-up
+    t = time.monotonic()
+    trainer.train_step(batch(1))  # warm-up, and megatron's torch.compile of its fused functions
+    ctx.fig(first_step_s=time.monotonic() - t)
     t = time.monotonic()
     for step in (2, 3):
         trainer.train_step(batch(step))  # returns metrics read from the device: synchronised
@@ -646,11 +650,13 @@ PLAN = [  # in order of what matters most, should the budget run out
     Check("trainer", 180, check_trainer, "megatron bf16 on the GPU vs fp32 on the CPU: dense, MoE+R3, MLA, GDN"),
     Check("engine", 50, check_engine, "embedded engine on the GPU: log-probs vs the trainer's forward", on_cpu=True),
     Check("transport", 60, check_transport, "tensor transport (CUDA IPC) into the engine, bit-exact", on_cpu=True),
-    Check("rl-train", 120, check_rl_train, "rl train 10 steps on the GPU, without and with offload", on_cpu=True),
+    Check("rl-train", 120, check_rl_train, "rl train 10 steps on the GPU, without and with offload", on_cpu=True,
+          compile=True),
     Check("offload", 80, check_offload, "colocated offload: memory between steps and peak, ~0.5B model",
           on_cpu=True),
     Check("gdn", 40, check_gdn, "flash-linear-attention GDN vs fp32 torch, forward and backward", needs=("fla",)),
-    Check("throughput", 90, check_throughput, "engine tokens/s, train step MFU, ~0.5B random model", on_cpu=True),
+    Check("throughput", 90, check_throughput, "engine tokens/s, train step MFU, ~0.5B random model", on_cpu=True,
+          compile=True),
     Check("sglang-router", 150, check_sglang_router, "two SGLang groups behind sglang-router",
           needs=("sgl_kernel", "sglang_router")),
     Check("sglang-transports", 240, check_sglang_transports, "tensor, broadcast (NCCL) and disk pushes into SGLang",
@@ -767,8 +773,9 @@ def run_child(check: Check, out: Path) -> tuple[str, dict[str, Any]]:
     result_file = out / f"{check.name}.json"
     result_file.unlink(missing_ok=True)
     with open(out / "logs" / f"{check.name}.log", "w") as log:
+        env = {**os.environ, **({} if check.compile else {"TORCHDYNAMO_DISABLE": "1"})}
         proc = subprocess.Popen([sys.executable, __file__, "--out", str(out), "--run", check.name], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             proc.wait(timeout=check.limit_s)
         except subprocess.TimeoutExpired:
