@@ -31,10 +31,23 @@ class ConfigError(RLXError):
         super().__init__(head + ":\n" + "\n".join(lines))
 
 
+class EngineError(RLXError):
+    """An engine could not be reached, or answered with an error (`status`: its HTTP status, when it answered)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
 class PluginError(RLXError):
-    """A plugin failed to load, has a misspelled hook, or clashes with another plugin."""
+    """A plugin failed to load, has a misspelled hook, or clashes with another plugin (`plugin`: its name, where
+    one plugin is at fault)."""
 
     exit_code = 2
+
+    def __init__(self, message: str, plugin: str | None = None):
+        super().__init__(message)
+        self.plugin = plugin
 
 
 class Interrupted(RLXError):

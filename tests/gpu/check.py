@@ -243,6 +243,7 @@ def check_transport(ctx: Ctx) -> None:
     GPU) leaves every engine tensor equal bit for bit to what was sent (``verify_weights: full``), and the
     engine's log-probs then match the trained trainer's as in the engine check."""
     from rlx.plugins import build_plugins
+    from rlx.orchestrate.workers import weight_target
     from rlx.transport.sender import WeightSender
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
@@ -251,7 +252,8 @@ def check_transport(ctx: Ctx) -> None:
                                    status=SampleStatus.COMPLETED, sample_id=4 * i + j, group_id=i)
                             for j in range(4)]) for i in range(2)]
         trainer.train_step(RolloutBatch(1, groups))
-        sender = WeightSender(trainer, build_plugins(), trainer.cfg.train.transport, "full", 1)
+        sender = WeightSender(trainer, build_plugins(), trainer.cfg.train.transport, "full", 1,
+                              engine_for=lambda url: weight_target(url, 600))
         sender.setup([e.url for e in fleet.engines], str(ctx.work), "127.0.0.1")
         t = time.monotonic()
         sender.push(1)  # raises if any tensor differs
@@ -578,7 +580,7 @@ def check_sglang_transports(ctx: Ctx) -> None:
     from rlx.plugins import build_plugins
     from rlx.rollout.engines.protocol import GenerateRequest
     from rlx.transport import TransportContext
-    from rlx.transport.sender import Fingerprints
+    from rlx.transport.verify import Fingerprints
     from rlx.transport.verify import verify
 
     path = resolve_model_path(DENSE)

@@ -34,7 +34,7 @@ def test_full_verification_sees_what_a_sampled_check_cannot(tiny_model_path, tmp
     from rlx.errors import RLXError
     from rlx.rollout.engines.fleet import Engine
     from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
-    from rlx.transport.sender import Fingerprints
+    from rlx.transport.verify import Fingerprints
     from rlx.transport.verify import served_dtypes, verify
     from rlx.transport.wire import serialize_named_tensors
 

@@ -11,7 +11,7 @@ from rlx.errors import RLXError
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.launch import ManagedProcess, flags, wait_healthy
 from rlx.rollout.engines.protocol import EngineError
-from rlx.rollout.router import router_command
+from rlx.rollout.engines.router import router_command
 
 
 def test_flags_pass_through_server_args():
@@ -131,9 +131,9 @@ def test_sglang_servers_get_what_the_model_family_needs(tmp_path, tiny_model_pat
         model_types = ("qwen3",)
 
         def spec(self, hf_config):
-            from rlx.builtins.models import LlamaSpec
+            from rlx.builtins.models import DecoderSpec
 
-            return type("RoutedSpec", (LlamaSpec,), {"engine_args": Spec.engine_args})(
+            return type("RoutedSpec", (DecoderSpec,), {"engine_args": Spec.engine_args})(
                 model_type="qwen3", hf_config=hf_config, num_layers=2, vocab_size=8, hidden_size=4,
                 max_positions=8, tied=True, flops=None)
 

@@ -13,7 +13,8 @@ from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.protocol import EngineError, GenerateRequest, GenerateResult, token_versions
 from rlx.transport import verify as V
 from rlx.transport.group import engine_ranks
-from rlx.transport.sender import Fingerprints
+from rlx.orchestrate.workers import weight_target
+from rlx.transport.verify import Fingerprints
 from rlx.transport.wire import WireError, _device_index
 
 
@@ -191,7 +192,8 @@ def test_a_sender_asks_each_engine_its_dtypes_once_per_setup(monkeypatch, tmp_pa
     monkeypatch.setattr(sender, "served_dtypes", served)
     monkeypatch.setattr(sender, "verify", check)
     s = sender.WeightSender(NS(par=NS(sender=True, pp=1, pp_rank=0, rank=0, gathers=False),
-                               hf_tensors=lambda: iter([("w", torch.ones(2))])), plugins=None, transport_spec=None)
+                               hf_tensors=lambda: iter([("w", torch.ones(2))])), plugins=None, transport_spec=None,
+                               engine_for=lambda url: weight_target(url, 600))
     monkeypatch.setattr(s, "_agree", lambda fn, *a: fn(*a))
     monkeypatch.setattr(s, "_setup_transport", lambda: setattr(s, "transport", NS(send=nothing, commit=nothing)))
     s.setup(["http://a", "http://b"], str(tmp_path), "127.0.0.1")
@@ -253,7 +255,7 @@ def test_the_senders_loop_leaves_nothing_of_a_failed_call_running_and_closes_old
     from rlx.transport import sender
 
     s = sender.WeightSender(NS(par=NS(sender=False, pp=1, pp_rank=0, rank=0, world=1, gathers=False)),
-                            plugins=None, transport_spec=None)
+                            plugins=None, transport_spec=None, engine_for=lambda url: weight_target(url, 600))
     slow_done = []
 
     async def slow():

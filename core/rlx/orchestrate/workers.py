@@ -17,6 +17,7 @@ Placement (``ray.placement``):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -34,6 +35,13 @@ def join_ranks(rank: int, world: int, master_addr: str, master_port: int, host: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), WORLD_SIZE=str(world),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     use_interface_of(host)
+
+
+def weight_target(url: str, timeout_s: float) -> Any:
+    """The sender's handle on an engine it pushes weights to: one kept-open client per timeout."""
+    from rlx.rollout.engines.fleet import Engine
+
+    return Engine(url, "target", timeout_s=timeout_s, keep_clients=True)
 
 
 class TrainerWorker:
@@ -62,7 +70,8 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg, plugins, master_addr)
         tc = self.cfg.train
         self.sender = WeightSender(self.trainer, plugins, tc.transport, tc.verify_weights, tc.verify_full_interval,
-                                   self.cfg.rollout.weight_update_timeout_s)
+                                   engine_for=functools.partial(weight_target,
+                                                                timeout_s=self.cfg.rollout.weight_update_timeout_s))
 
     def node(self) -> str:
         return self.host

@@ -129,6 +129,12 @@ def stage_of(spec: ModelSpec, par: ParallelState) -> Stage:
                  etp=par.etp)
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, name)
+
+
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -223,10 +223,9 @@ class CriticTrainer:
         from rlx.models.tiny import resolve_model_path
         from rlx.train.kernels import use_matmul
         from rlx.train.offload import Residency
-        from rlx.train.model import device, init_distributed
+        from rlx.train.model import device, init_distributed, torch_dtype
         from rlx.train.spec import HFCheckpoint, model_spec
         from rlx.train.step import RLStep
-        from rlx.train.trainer import torch_dtype
 
         tc = cfg.train
         parallel = tc.critic.parallel

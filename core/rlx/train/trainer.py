@@ -20,18 +20,12 @@ from rlx.config import Config, trainer_offloads
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.train.kernels import use_matmul
-from rlx.train.model import ModelRole, ParallelState, device, init_distributed
+from rlx.train.model import ModelRole, ParallelState, device, init_distributed, torch_dtype
 from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model
 from rlx.train.spec import HFCheckpoint, model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return getattr(torch, name)
 
 
 class Trainer:

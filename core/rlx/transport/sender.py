@@ -17,47 +17,9 @@ from typing import Any
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext, buckets
-from rlx.transport.verify import served_dtypes, verify
+from rlx.transport.verify import Fingerprints, served_dtypes, verify
 
 SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
-
-
-class Fingerprints:
-    """The first `values` entries of each tensor that went through a push, in order; with `plans` (each
-    engine's dtype per tensor), a hash of those first entries in every dtype an engine holds the tensor in,
-    and with `full` a hash of each whole tensor too."""
-
-    def __init__(self, values: int = 8, plans: list[dict[str, str]] | None = None, full: bool = False):
-        self.values = values
-        self.plans = plans or []
-        self.full = full
-        self.names: list[str] = []
-        self.heads: dict[str, Any] = {}
-        self.hashes: dict[tuple[str, str], str] = {}
-        self.head_hashes: dict[tuple[str, str], str] = {}
-
-    def watch(self, named: Any):
-        """Pass `named` through, remembering each tensor's first values (and hashes)."""
-        import torch
-
-        from rlx.transport.wire import tensor_hash
-
-        for name, t in named:
-            self.names.append(name)
-            head = t.detach().flatten()[: self.values]
-            self.heads[name] = head.float().cpu().clone()
-            for dtype in {plan[name] for plan in self.plans if name in plan}:
-                self.head_hashes[(name, dtype)] = tensor_hash(head, getattr(torch, dtype))
-                if self.full:
-                    self.hashes[(name, dtype)] = tensor_hash(t, getattr(torch, dtype))
-            yield name, t
-
-    def sample_names(self, k: int = 3) -> list[str]:
-        """A few tensors spread over the push (first, middle, last) to check."""
-        if not self.names:
-            return []
-        idx = sorted({0, len(self.names) // 2, len(self.names) - 1})[:k]
-        return [self.names[i] for i in idx]
 
 
 async def _tp_sizes(engines: list[Any]) -> list[int]:
@@ -70,14 +32,16 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 class WeightSender:
     def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: str = "sample",
-                 full_interval: int = 10, update_timeout_s: float = 600):
+                 full_interval: int = 10, *, engine_for: Any):
+        """`engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
+        ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`)."""
         self.trainer = trainer
         self.par = trainer.par
         self.plugins = plugins
         self.spec = transport_spec
         self.verify_weights = verify_weights  # "full", "sample" or "off"
         self.full_interval = full_interval
-        self.update_timeout_s = update_timeout_s
+        self.engine_for = engine_for
         self.pushes = 0
         self.transport: Any = None
         self.ctx: TransportContext | None = None
@@ -96,10 +60,8 @@ class WeightSender:
     def setup(self, engine_urls: list[str], output_dir: str, host: str) -> None:
         """Build the transport on each sender and set it up, one stage after another (see `push`). Called
         again when the engines change (one taken out, or back in), it closes the old transport first."""
-        from rlx.rollout.engines.fleet import Engine
-
         before = self.ctx.engines if self.ctx is not None else []
-        engines = [Engine(url, "target", timeout_s=self.update_timeout_s, keep_clients=True) for url in engine_urls]
+        engines = [self.engine_for(url) for url in engine_urls]
         self.served = {}
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
             for e, tp in zip(engines, self.run(_tp_sizes(engines)), strict=True):

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+
+class WireError(ValueError):
+    """A weight-update payload (or a shared-memory handle in one) that cannot be decoded into named tensors."""
+
 PREFIX = "rlx-weights-"
 _NAME = re.compile(rf"^{PREFIX}\d+-[0-9a-f]+$")
 ALIGN = 64  # bytes: every tensor starts on a cache line (and on its element size)
@@ -175,8 +179,6 @@ class Attachments:
         self.files: dict[str, torch.Tensor] = {}
 
     def tensor(self, file: str, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-        from rlx.transport.wire import WireError
-
         if not isinstance(file, str) or not _NAME.match(file):
             raise WireError(f"shared-memory handle names {file!r}, not a weight-sync segment")
         if file not in self.files:

@@ -1,6 +1,6 @@
 """Checking after a push that every engine reports the new version and serves the values sent.
 
-The sender keeps the first few values of every tensor it sent (`rlx.transport.sender.Fingerprints`), so
+The sender keeps the first few values of every tensor it sent (`Fingerprints`), so
 no check needs a second copy of the model. What each engine can be asked decides the check, per engine:
 
 * rlx's ``/weights_checksum`` (the embedded engine): hashes by HF name in the dtype the engine holds,
@@ -19,13 +19,48 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rlx.errors import RLXError
-from rlx.rollout.engines.protocol import EngineError
+from rlx.errors import EngineError, RLXError
 
-if TYPE_CHECKING:
-    from rlx.transport.sender import Fingerprints
+
+class Fingerprints:
+    """The first `values` entries of each tensor that went through a push, in order; with `plans` (each
+    engine's dtype per tensor), a hash of those first entries in every dtype an engine holds the tensor in,
+    and with `full` a hash of each whole tensor too."""
+
+    def __init__(self, values: int = 8, plans: list[dict[str, str]] | None = None, full: bool = False):
+        self.values = values
+        self.plans = plans or []
+        self.full = full
+        self.names: list[str] = []
+        self.heads: dict[str, Any] = {}
+        self.hashes: dict[tuple[str, str], str] = {}
+        self.head_hashes: dict[tuple[str, str], str] = {}
+
+    def watch(self, named: Any):
+        """Pass `named` through, remembering each tensor's first values (and hashes)."""
+        import torch
+
+        from rlx.transport.wire import tensor_hash
+
+        for name, t in named:
+            self.names.append(name)
+            head = t.detach().flatten()[: self.values]
+            self.heads[name] = head.float().cpu().clone()
+            for dtype in {plan[name] for plan in self.plans if name in plan}:
+                self.head_hashes[(name, dtype)] = tensor_hash(head, getattr(torch, dtype))
+                if self.full:
+                    self.hashes[(name, dtype)] = tensor_hash(t, getattr(torch, dtype))
+            yield name, t
+
+    def sample_names(self, k: int = 3) -> list[str]:
+        """A few tensors spread over the push (first, middle, last) to check."""
+        if not self.names:
+            return []
+        idx = sorted({0, len(self.names) // 2, len(self.names) - 1})[:k]
+        return [self.names[i] for i in idx]
+
 
 _WARNED: set[tuple[str, str]] = set()
 _NO_BY_NAME: set[str] = set()  # engines whose get_weights_by_name answered that it cannot

@@ -13,16 +13,9 @@ from __future__ import annotations
 
 import base64
 import pickle
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from rlx.transport.shm import Attachments, Segment
-
-
-class WireError(ValueError):
-    """A payload that cannot be decoded into named tensors."""
+from rlx.transport.shm import Attachments, Segment, WireError
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], segment: Segment | None = None) -> str:
@@ -100,8 +93,6 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     """The engine side. Shared-memory handles become views of the sender's segment, valid until the engine
     answers the request (the sender then packs its next bucket there): copy them into the model first."""
     import io
-
-    from rlx.transport.shm import Attachments
 
     try:
         named = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True)), Attachments()).load()

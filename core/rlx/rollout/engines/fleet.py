@@ -22,7 +22,7 @@ from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.launch import (HOST, ManagedProcess, embedded_command, free_port, sglang_command,
                                         sglang_cpu_args, wait_healthy)
 from rlx.rollout.engines.protocol import EngineClient, EngineError
-from rlx.rollout.router import Router
+from rlx.rollout.engines.router import Router
 
 
 def sglang_on_cpu(cfg: Config, g: EngineGroupConfig) -> bool:

@@ -20,15 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from rlx.errors import RLXError
-
-
-class EngineError(RLXError):
-    """An engine could not be reached, or answered with an error."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
+from rlx.errors import EngineError
 
 
 @dataclass
@@ -245,9 +237,6 @@ class EngineClient:
             return True
         except EngineError:
             return False
-
-    async def health_generate(self) -> None:
-        await self.request("GET", "/health_generate")
 
     async def model_info(self) -> dict[str, Any]:
         return await self._get_either("/model_info", "/get_model_info")
