@@ -79,7 +79,8 @@ def run_trl(w: Workload, data: Path, out: Path, matmul: str = "torch") -> list[d
     import torch
     from transformers import AutoConfig
 
-    from rlx.builtins.kernels import TorchMatmul, install_matmul
+    from rlx.builtins.kernels import TorchMatmul
+    from rlx.train.kernels import install_matmul
     from rlx.models.tiny import resolve_model_path
     from rlx.plugins import build_plugins
     from rlx.train.kernels import use_matmul

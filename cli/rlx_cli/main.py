@@ -46,26 +46,32 @@ def _plugins():
 def plugins_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
 ) -> None:
-    """List loaded plugins and what each registers."""
-    infos = _plugins().infos
+    """List the plugins and what each registers; one that fails to load is listed with its error (exit status 2)."""
+    from rlx.plugins import build_plugins
+
+    infos = build_plugins(keep_going=True).infos
+    failed = [i for i in infos if i.error]
     if as_json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
-        return
-    table = Table(title="rlx plugins")
-    for col in ("name", "distribution", "version", "registers"):
-        table.add_column(col)
-    for i in infos:
-        regs = "\n".join(f"{k}: {', '.join(v)}" for k, v in i.registers.items()) or "(hooks only)"
-        table.add_row(i.name, i.distribution, i.version, regs)
-    out.print(table)
+    else:
+        table = Table(title="rlx plugins")
+        for col in ("name", "distribution", "version", "registers"):
+            table.add_column(col)
+        for i in infos:
+            regs = "\n".join(f"{k}: {', '.join(v)}" for k, v in i.registers.items()) or "(hooks only)"
+            table.add_row(i.name, i.distribution, i.version, f"[red]failed: {i.error}[/red]" if i.error else regs)
+        out.print(table)
+    if failed:
+        raise typer.Exit(2)
 
 
 @config_app.command("validate")
 def config_validate(file: ConfigArg, set_: SetOpt = None) -> None:
     """Check a config: types, unknown keys, required fields, component names and their args."""
     from rlx.config import load_config
+    from rlx.preflight import config_checks
 
-    load_config(file, set_ or [], plugins=_plugins(), preflight=True)
+    load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
     out.print(f"[green]ok[/green] {file}")
 
 
@@ -73,8 +79,9 @@ def config_validate(file: ConfigArg, set_: SetOpt = None) -> None:
 def config_show(file: ConfigArg, set_: SetOpt = None) -> None:
     """Print the resolved config, defaults included, as YAML."""
     from rlx.config import load_config
+    from rlx.preflight import config_checks
 
-    cfg = load_config(file, set_ or [], plugins=_plugins())
+    cfg = load_config(file, set_ or [], checks=config_checks(_plugins()))
     print(cfg.to_yaml(), end="")
 
 
@@ -88,9 +95,10 @@ def rollout_cmd(
     import asyncio
 
     from rlx.config import load_config
+    from rlx.preflight import config_checks
     from rlx.rollout.session import rollout_only
 
-    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
+    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
 
     def progress(step, batch):
         m = batch.metrics
@@ -120,9 +128,10 @@ def serve_cmd(
 
     from rlx.agent.server import AgentAdapter, serve_forever
     from rlx.config import load_config
+    from rlx.preflight import config_checks
     from rlx.rollout.session import RolloutSession
 
-    cfg = load_config(file, set_ or [], plugins=_plugins())
+    cfg = load_config(file, set_ or [], checks=config_checks(_plugins()))
 
     async def main() -> None:
         async with RolloutSession(cfg, _plugins(), with_data=False) as session:
@@ -155,9 +164,10 @@ def train_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlx.config import load_config
+    from rlx.preflight import config_checks
     from rlx.orchestrate.loop import train
 
-    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
+    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
     err.print(f"logs (Ray, engines, trainers): {Path(cfg.run.output_dir) / 'logs'}", highlight=False,
               soft_wrap=True)
     with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -193,10 +203,11 @@ def eval_cmd(
     import asyncio
 
     from rlx.config import load_config
+    from rlx.preflight import config_checks
     from rlx.orchestrate.evaluation import evaluate
     from rlx.rollout.evaluate import table
 
-    cfg = load_config(file, set_ or [], plugins=_plugins(), preflight=True)
+    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
     err.print(f"logs (engines): {Path(cfg.run.output_dir) / 'logs'}", highlight=False, soft_wrap=True)
     metrics, path = asyncio.run(evaluate(cfg, _plugins(), checkpoint))
     out.print(table(metrics, [d.name for d in cfg.eval.datasets]), highlight=False, soft_wrap=True)
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             _plugins().add_commands(app)
         except RLXError:
             pass  # reported below by whichever command builds the plugins again
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # typer.Exit(n) in a command: click returns n
     except Interrupted as e:  # a signal stopped a run: what was saved, not an error
         err.print(Text(f"rlx: {e}"), soft_wrap=True)
         return e.exit_code
@@ -247,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             err.print("interrupted")
             return 130
         raise
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import difflib
 import os
 import types
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,9 +26,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlx.errors import ConfigError
-
-if typing.TYPE_CHECKING:
-    from rlx.plugins import Plugins
 
 
 class Section(BaseModel):
@@ -500,28 +498,31 @@ PATH_FIELDS: list[tuple[str, ...]] = [
 # -- loading -----------------------------------------------------------------------------------
 
 
+# A check beyond the schema (`rlx.preflight.config_checks`: the installed plugins, the files named): the problems
+# it finds in a validated config, each (key path, message)
+Check = Callable[["Config"], list[tuple[tuple[Any, ...], str]]]
+
+
 def load_config(
     path: str | Path,
     overrides: list[str] = (),  # type: ignore[assignment]
-    plugins: Plugins | None = None,
-    preflight: bool = False,
+    checks: Sequence[Check] = (),
 ) -> Config:
-    """Read, override and validate a config; raise one `ConfigError` listing every problem. With
-    `preflight`, also check the files it names (`rlx.preflight`: model folder and shape, prompt files)."""
+    """Read, override and validate a config; raise one `ConfigError` listing every problem. Then each of
+    `checks` in turn (`rlx.preflight.config_checks`), each raising with all it found."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise ConfigError([(str(path), f"cannot read: {e.strerror}")]) from None
-    return parse_config(text, source=path, overrides=overrides, plugins=plugins, preflight=preflight)
+    return parse_config(text, source=path, overrides=overrides, checks=checks)
 
 
 def parse_config(
     text: str,
     source: Path | None = None,
     overrides: list[str] = (),  # type: ignore[assignment]
-    plugins: Plugins | None = None,
-    preflight: bool = False,
+    checks: Sequence[Check] = (),
 ) -> Config:
     where = str(source) if source else "<config>"
     try:
@@ -559,18 +560,14 @@ def parse_config(
     except ValidationError as e:
         for err in e.errors():
             loc = tuple(err["loc"])
-            problems.append((locate(loc), _describe(err, loc)))
+            problems.append((locate(loc), describe_error(err, loc)))
     if cfg is not None:
         problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
-    if cfg is not None and plugins is not None:
-        problems += [(locate(loc), msg) for loc, msg in check_components(cfg, plugins)]
     if problems:
         raise ConfigError(problems, source=where)
     assert cfg is not None
     resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
-    if preflight:
-        from rlx.preflight import check
-
+    for check in checks:
         problems = [(locate(loc), msg) for loc, msg in check(cfg)]
         if problems:
             raise ConfigError(problems, source=where)
@@ -636,70 +633,6 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     return problems
 
 
-def check_components(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
-    """Every component name exists, and its args validate against the component's ``Config``."""
-    from rlx.plugins import unknown_component_message
-
-    problems: list[tuple[tuple[Any, ...], str]] = []
-    fields: list[tuple[tuple[Any, ...], str, Any]] = []
-    for path, kind in COMPONENT_FIELDS:
-        value: Any = cfg
-        for key in path:
-            value = getattr(value, key)
-        fields.append((path, kind, value))
-    fields += [(("eval", "datasets", i, "rewards"), "rewards", d.rewards)
-               for i, d in enumerate(cfg.eval.datasets) if d.rewards is not None]
-    for path, kind, value in fields:
-        specs = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-        for i, spec in specs:
-            base = path + ((i,) if i is not None else ())
-            if spec.name not in plugins.components[kind]:
-                problems.append((base + ("name",), unknown_component_message(kind, spec.name, plugins.names(kind))))
-                continue
-            try:
-                component_config(plugins.get(kind, spec.name), spec.args)
-            except ValidationError as e:
-                for err in e.errors():
-                    loc = base + ("args",) + tuple(err["loc"])
-                    problems.append((loc, _describe(err, loc)))
-    return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
-
-
-def _check_kernels(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
-    """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
-    from rlx.train.kernels import candidates
-
-    problems: list[tuple[tuple[Any, ...], str]] = []
-    for op, choice in cfg.model.kernels.items():
-        names = [k.name.removeprefix(f"{op}-") for k in candidates(plugins, op)]
-        if not names:
-            problems.append((("model", "kernels", op), f"no installed kernel runs {op!r} (`rl plugins` lists the "
-                                                        f"kernels)"))
-        elif choice != "auto" and choice not in names:
-            problems.append((("model", "kernels", op), f"unknown {op} kernel {choice!r}; installed: "
-                                                        f"{', '.join(names)} (or auto)"))
-    return problems
-
-
-def _check_critic(cfg: Config, plugins: Plugins) -> list[tuple[tuple[Any, ...], str]]:
-    """``train.critic`` and ``kl_in_reward`` apply to estimators with a critic only (never silently ignored)."""
-    name = cfg.train.objective.advantage.name
-    if name not in plugins.components["advantages"]:
-        return []
-    problems: list[tuple[tuple[Any, ...], str]] = []
-    obj = cfg.train.objective
-    if getattr(plugins.get("advantages", name), "needs_critic", False):
-        if obj.kl_in_reward and not obj.kl_coef:
-            problems.append((("train", "objective", "kl_in_reward"), "needs a KL penalty: set kl_coef > 0"))
-        return problems
-    why = f"applies to advantage estimators with a critic (gae); train.objective.advantage is {name!r}"
-    default = CriticConfig().model_dump()
-    problems += [(("train", "critic", k), why) for k, v in cfg.train.critic.model_dump().items() if v != default[k]]
-    if obj.kl_in_reward:
-        problems.append((("train", "objective", "kl_in_reward"), why))
-    return problems
-
-
 def component_config(component: Any, args: dict[str, Any]) -> Any:
     """The component's validated ``Config`` instance, or None if it takes no config."""
     conf_cls = getattr(component, "Config", None)
@@ -758,7 +691,7 @@ def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "<root>"
 
 
-def _describe(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
+def describe_error(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         moved = MOVED.get(tuple(k for k in loc if not isinstance(k, int)))

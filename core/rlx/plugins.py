@@ -3,7 +3,7 @@
 Choices:
 
 * The manager is built by `build_plugins()`, never at import time; tests build a fresh one each.
-* Built-in features are ordinary plugins (`rlx.builtins.BUILTIN_PLUGINS`), registered exactly like
+* Built-in features are ordinary plugins (`BUILTIN_PLUGINS`), registered exactly like
   third-party ones.
 * ``RLX_LOAD_PLUGINS=a,b`` loads only those entry-point plugins (empty: none);
   ``RLX_DISABLE_PLUGINS=a,b`` skips plugins by name, built-ins included (to replace one).
@@ -31,7 +31,7 @@ import pluggy
 from rlx import hookspecs
 from rlx.errors import PluginError, RLXError
 from rlx.hookspecs import KINDS, PROJECT
-from rlx.protocols import contract_problems, describe_contract
+from rlx.protocols import as_component, contract_problems, describe_contract
 
 if TYPE_CHECKING:
     import typer
@@ -54,6 +54,7 @@ class PluginInfo:
     distribution: str
     version: str
     registers: dict[str, list[str]] = field(default_factory=dict)  # kind -> component names
+    error: str | None = None  # why it did not load (`build_plugins(keep_going=True)`: the others load)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +62,7 @@ class PluginInfo:
             "distribution": self.distribution,
             "version": self.version,
             "registers": {k: list(v) for k, v in self.registers.items()},
+            "error": self.error,
         }
 
 
@@ -77,12 +79,24 @@ class Component:
 class Plugins:
     """Typed facade over the pluggy manager: components by kind and name, and the lifecycle hooks."""
 
-    def __init__(self, pm: pluggy.PluginManager, infos: list[PluginInfo]):
+    def __init__(self, pm: pluggy.PluginManager, infos: list[PluginInfo], keep_going: bool = False):
+        """`keep_going`: a plugin whose components fail to register is left out, its error in its `PluginInfo`
+        (``rl plugins``); else that error is raised."""
         self.pm = pm
         self.infos = infos
-        self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
-        self._bridges: dict[str, Component] = {}  # model_type -> model bridge
-        self._collect()
+        while True:
+            self.components: dict[str, dict[str, Component]] = {k: {} for k in KINDS}
+            self._bridges: dict[str, Component] = {}  # model_type -> model bridge
+            for info in infos:
+                info.registers = {}
+            try:
+                self._collect()
+                return
+            except PluginError as e:
+                if not keep_going or e.plugin is None or not pm.has_plugin(e.plugin):
+                    raise
+                next(i for i in infos if i.name == e.plugin).error = str(e)
+                pm.unregister(name=e.plugin)
 
     # -- components ----------------------------------------------------------------------------
 
@@ -103,27 +117,28 @@ class Plugins:
                     raise
                 except Exception as e:
                     raise PluginError(
-                        f"plugin {plugin_name!r} raised in register_{kind}: {type(e).__name__}: {e}"
+                        f"plugin {plugin_name!r} raised in register_{kind}: {type(e).__name__}: {e}", plugin_name
                     ) from e
             for comp in self.components[kind].values():
                 by_name[comp.plugin].registers.setdefault(kind, []).append(comp.name)
 
     def _add(self, kind: str, obj: Any, plugin: str) -> None:
+        obj = as_component(kind, obj)
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name:
             raise PluginError(
-                f"plugin {plugin!r} registered a {KIND_NAMES[kind]} {obj!r} without a string `name` attribute"
+                f"plugin {plugin!r} registered a {KIND_NAMES[kind]} {obj!r} without a string `name` attribute", plugin
             )
         problems = contract_problems(kind, obj)
         if problems:
             raise PluginError(f"plugin {plugin!r}: {KIND_NAMES[kind]} {name!r} ({_qualname(obj)}) "
-                              + "; ".join(problems) + f" [contract: {describe_contract(kind)}]")
+                              + "; ".join(problems) + f" [contract: {describe_contract(kind)}]", plugin)
         existing = self.components[kind].get(name)
         if existing is not None:
             raise PluginError(
                 f"two {kind} named {name!r}: one from plugin {existing.plugin!r} "
                 f"({_qualname(existing.obj)}), one from plugin {plugin!r} ({_qualname(obj)}); "
-                f"disable one with RLX_DISABLE_PLUGINS"
+                f"disable one with RLX_DISABLE_PLUGINS", plugin
             )
         if kind == "models":
             for mt in obj.model_types:
@@ -131,7 +146,7 @@ class Plugins:
                 if other is not None:
                     raise PluginError(
                         f"two model bridges claim model_type {mt!r}: {other.name!r} from plugin {other.plugin!r} "
-                        f"and {name!r} from plugin {plugin!r}; disable one with RLX_DISABLE_PLUGINS")
+                        f"and {name!r} from plugin {plugin!r}; disable one with RLX_DISABLE_PLUGINS", plugin)
         self.components[kind][name] = Component(name, kind, obj, plugin)
         if kind == "models":
             for mt in obj.model_types:
@@ -275,6 +290,21 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
         raise PluginError(f"plugin {name!r} rejected: {e}") from e
 
 
+#: The built-in plugins (`rlx.builtins`), registered first, by module name.
+BUILTIN_PLUGINS = (
+    "rlx.builtins.rewards",
+    "rlx.builtins.generators",
+    "rlx.builtins.agents",
+    "rlx.builtins.advantages",
+    "rlx.builtins.losses",
+    "rlx.builtins.balancers",
+    "rlx.builtins.models",
+    "rlx.builtins.transports",
+    "rlx.builtins.loggers",
+    "rlx.builtins.kernels",
+)
+
+
 #: Model families whose bridges ship as rlx's own model plugins: model_type -> (distribution, its folder).
 FAMILY_PLUGINS = {
     "qwen3_moe": ("rlx-model-qwen", "plugins/models/qwen"),
@@ -290,14 +320,15 @@ def build_plugins(
     *,
     entry_points: bool = True,
     extra: Iterable[tuple[str, object]] = (),
+    keep_going: bool = False,
 ) -> Plugins:
     """Build a fresh plugin manager and collect every component.
 
     :param entry_points: load third-party plugins from the ``rlx.plugins`` entry-point group.
     :param extra: ``(name, plugin)`` pairs registered after everything else (tests, embedding).
+    :param keep_going: an entry-point plugin that fails to import, to register or to register its components is
+        left out, with its error in its `PluginInfo` (``rl plugins``), instead of failing the whole build.
     """
-    from rlx.builtins import BUILTIN_PLUGINS
-
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     disabled = _env_list("RLX_DISABLE_PLUGINS") or set()
@@ -323,13 +354,19 @@ def build_plugins(
                     f"rename one entry point"
                 )
             try:
-                plugin = ep.load()
-            except Exception as e:
-                raise PluginError(
-                    f"plugin {ep.name!r} from distribution {dist!r} failed to import "
-                    f"({ep.value}): {type(e).__name__}: {e}"
-                ) from e
-            _register(pm, plugin, ep.name)
+                try:
+                    plugin = ep.load()
+                except Exception as e:
+                    raise PluginError(
+                        f"plugin {ep.name!r} from distribution {dist!r} failed to import "
+                        f"({ep.value}): {type(e).__name__}: {e}"
+                    ) from e
+                _register(pm, plugin, ep.name)
+            except PluginError as e:
+                if not keep_going:
+                    raise
+                infos.append(PluginInfo(ep.name, dist, dist_version, error=str(e)))
+                continue
             infos.append(PluginInfo(ep.name, dist, dist_version))
 
     for name, plugin in extra:
@@ -341,7 +378,7 @@ def build_plugins(
         pm.check_pending()
     except pluggy.PluginValidationError as e:
         raise PluginError(str(e)) from e
-    return Plugins(pm, infos)
+    return Plugins(pm, infos, keep_going)
 
 
 def _rlx_version() -> str:

@@ -1,8 +1,14 @@
-"""Checks of a config against the files it names, before anything starts (no Ray, no engines): the model
-folder exists and is an HF model, its shape fits the parallel layout (TP divides the attention and key-value
-heads, PP the layers), and every prompt file parses, with every bad row reported by line (not only the first,
-non-UTF-8 bytes included). `rl config validate` runs them, and `rl train`, `rl rollout` and `rl eval` first
-thing. Each problem is (key path in the config, message), located in the config file by `rlx.config`."""
+"""Checks of a config beyond its schema, before anything starts (no Ray, no engines), passed to
+`rlx.config.load_config` by `config_checks`:
+
+* against the installed plugins (`check_components`): every component name exists and its args validate against
+  its ``Config``; ``model.kernels`` names kernels that exist; critic settings only with an estimator that has one;
+* against the files it names (`check`): the model folder exists and is an HF model, its shape fits the parallel
+  layout (TP divides the attention and key-value heads, PP the layers), and every prompt file parses, with every
+  bad row reported by line (not only the first, non-UTF-8 bytes included). `rl config validate` runs them, and
+  `rl train`, `rl rollout` and `rl eval` first thing.
+
+Each problem is (key path in the config, message), located in the config file by `rlx.config`."""
 
 from __future__ import annotations
 
@@ -10,9 +16,87 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describe_error
 from rlx.errors import RLXError
 
 Problem = tuple[tuple[Any, ...], str]
+
+
+def config_checks(plugins: Any = None, files: bool = False) -> list[Any]:
+    """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
+    given), then, when those pass, the files the config names (with `files`)."""
+    out: list[Any] = []
+    if plugins is not None:
+        out.append(lambda cfg: check_components(cfg, plugins))
+    if files:
+        out.append(check)
+    return out
+
+
+def check_components(cfg: Any, plugins: Any) -> list[Problem]:
+    """Every component name exists, and its args validate against the component's ``Config``."""
+    from rlx.plugins import unknown_component_message
+
+    problems: list[Problem] = []
+    fields: list[tuple[tuple[Any, ...], str, Any]] = []
+    for path, kind in COMPONENT_FIELDS:
+        value: Any = cfg
+        for key in path:
+            value = getattr(value, key)
+        fields.append((path, kind, value))
+    fields += [(("eval", "datasets", i, "rewards"), "rewards", d.rewards)
+               for i, d in enumerate(cfg.eval.datasets) if d.rewards is not None]
+    for path, kind, value in fields:
+        specs = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, spec in specs:
+            base = path + ((i,) if i is not None else ())
+            if spec.name not in plugins.components[kind]:
+                problems.append((base + ("name",), unknown_component_message(kind, spec.name, plugins.names(kind))))
+                continue
+            try:
+                component_config(plugins.get(kind, spec.name), spec.args)
+            except ValidationError as e:
+                for err in e.errors():
+                    loc = base + ("args",) + tuple(err["loc"])
+                    problems.append((loc, describe_error(err, loc)))
+    return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
+
+
+def _check_kernels(cfg: Any, plugins: Any) -> list[Problem]:
+    """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
+    from rlx.train.kernels import candidates
+
+    problems: list[Problem] = []
+    for op, choice in cfg.model.kernels.items():
+        names = [k.name.removeprefix(f"{op}-") for k in candidates(plugins, op)]
+        if not names:
+            problems.append((("model", "kernels", op), f"no installed kernel runs {op!r} (`rl plugins` lists the "
+                                                        f"kernels)"))
+        elif choice != "auto" and choice not in names:
+            problems.append((("model", "kernels", op), f"unknown {op} kernel {choice!r}; installed: "
+                                                        f"{', '.join(names)} (or auto)"))
+    return problems
+
+
+def _check_critic(cfg: Any, plugins: Any) -> list[Problem]:
+    """``train.critic`` and ``kl_in_reward`` apply to estimators with a critic only (never silently ignored)."""
+    name = cfg.train.objective.advantage.name
+    if name not in plugins.components["advantages"]:
+        return []
+    problems: list[Problem] = []
+    obj = cfg.train.objective
+    if getattr(plugins.get("advantages", name), "needs_critic", False):
+        if obj.kl_in_reward and not obj.kl_coef:
+            problems.append((("train", "objective", "kl_in_reward"), "needs a KL penalty: set kl_coef > 0"))
+        return problems
+    why = f"applies to advantage estimators with a critic (gae); train.objective.advantage is {name!r}"
+    default = CriticConfig().model_dump()
+    problems += [(("train", "critic", k), why) for k, v in cfg.train.critic.model_dump().items() if v != default[k]]
+    if obj.kl_in_reward:
+        problems.append((("train", "objective", "kl_in_reward"), why))
+    return problems
 
 
 def check(cfg: Any) -> list[Problem]:

@@ -202,11 +202,18 @@ ATTRIBUTES: dict[str, list[tuple[str, type]]] = {
     "kernels": [("op", str)],
 }
 
-PROTOCOLS: dict[str, type] = {
-    "rewards": Reward, "generators": Generator, "advantages": AdvantageEstimator, "losses": PolicyLoss,
-    "balancers": Balancer, "transports": Transport, "models": ModelBridge, "kernels": Kernel, "agents": Agent,
-    "loggers": Logger,
-}
+
+def as_component(kind: str, obj: Any) -> Any:
+    """A plain function registered as a component whose contract is one method (a reward's ``score``, a loss's
+    ``loss``, an estimator's ``advantages``, a balancer's ``partition``, a generator's ``generate``, an agent's
+    ``run``, a bridge's ``spec``) becomes an object with that method, named by its ``name`` attribute or else the
+    function's own name, as TRL and slime take reward functions. Anything else is returned as it is."""
+    methods = CONTRACTS.get(kind, [])
+    if not inspect.isfunction(obj) or len(methods) != 1:
+        return obj
+    attrs = {"name": getattr(obj, "name", obj.__name__), methods[0].name: staticmethod(obj), "__doc__": obj.__doc__,
+             "function": staticmethod(obj)}
+    return type(obj.__name__, (), attrs)()
 
 
 def contract_problems(kind: str, obj: Any) -> list[str]:

@@ -25,8 +25,27 @@ def test_plugins_json_lists_builtins_with_the_documented_keys(capsys):
     assert code == 0
     rows = json.loads(out)
     builtin = next(r for r in rows if r["name"] == "rlx.builtins.rewards")
-    assert set(builtin) == {"name", "distribution", "version", "registers"}
-    assert builtin["registers"]["rewards"] == ["exact_match", "digits"]
+    assert set(builtin) == {"name", "distribution", "version", "registers", "error"}
+    assert builtin["registers"]["rewards"] == ["exact_match", "digits"] and builtin["error"] is None
+
+
+def test_plugins_json_is_json_when_a_plugin_fails_to_load(capsys, monkeypatch):
+    """A plugin whose component breaks its contract is listed with its error; the others load; exit status 2."""
+    from rlx import plugins as plugins_mod
+
+    class NoScore:
+        name = "broken"
+
+    bad = types.ModuleType("bad")
+    bad.register_rewards = hookimpl(lambda register: register(NoScore))
+    real = plugins_mod.build_plugins
+    monkeypatch.setattr(plugins_mod, "build_plugins", lambda **kw: real(extra=[("bad", bad)], **kw))
+    code, out, _ = run(capsys, "plugins", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 2 and "lacks method score(sample)" in rows["bad"]["error"] and rows["bad"]["registers"] == {}
+    assert rows["rlx.builtins.rewards"]["error"] is None and rows["rlx.builtins.rewards"]["registers"]
+    code, out, _ = run(capsys, "plugins")
+    assert code == 2 and "failed:" in out and "exact_match" in out
 
 
 def test_plugins_table(capsys):

@@ -5,10 +5,11 @@ import pytest
 from rlx.config import apply_override, format_path, load_config, parse_config
 from rlx.errors import ConfigError
 from rlx.plugins import build_plugins
+from rlx.preflight import config_checks
 
 
 def parse(text, overrides=(), plugins=None):
-    return parse_config(textwrap.dedent(text), overrides=list(overrides), plugins=plugins)
+    return parse_config(textwrap.dedent(text), overrides=list(overrides), checks=config_checks(plugins))
 
 
 def problems(text, overrides=(), plugins=None):

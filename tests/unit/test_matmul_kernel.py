@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlx.builtins import kernels as K
+from rlx.train import kernels as TK
 from rlx.errors import RLXError
 from rlx.plugins import build_plugins
 from rlx.train.kernels import use_matmul
@@ -21,11 +22,11 @@ def onednn(monkeypatch):
         return real(a, b, bias)
 
     monkeypatch.setattr(K, "_onednn_mm", counted)
-    K.install_matmul(K.OneDNNMatmul())
+    TK.install_matmul(K.OneDNNMatmul())
     try:
         yield calls
     finally:
-        K.install_matmul(K.TorchMatmul())
+        TK.install_matmul(K.TorchMatmul())
 
 
 def rel_err(x, ref):
@@ -78,12 +79,12 @@ def test_a_mid_sized_product_goes_to_onednn_once_its_shape_repeats(onednn):
 def test_matmul_torch_puts_torchs_own_kernel_back():
     a, b = torch.randn(300, 200), torch.randn(200, 100)
     before = a @ b
-    K.install_matmul(K.OneDNNMatmul())
+    TK.install_matmul(K.OneDNNMatmul())
     try:
-        assert K.installed_matmul() == "matmul-onednn"
+        assert TK.installed_matmul() == "matmul-onednn"
     finally:
-        K.install_matmul(K.TorchMatmul())
-    assert K.installed_matmul() == "matmul-torch"
+        TK.install_matmul(K.TorchMatmul())
+    assert TK.installed_matmul() == "matmul-torch"
     assert torch.equal(a @ b, before)
 
 
@@ -96,7 +97,7 @@ def test_auto_takes_onednn_only_where_it_measures_faster(monkeypatch, capsys):
         assert use_matmul(plugins, "auto", "cpu", torch.float32, hidden=576).name == "matmul-torch"
         assert ("not 1.3x faster than torch's own on this CPU for a layer 576 wide (330 against 300 GFLOP/s)"
                 in capsys.readouterr().err)
-        assert K.installed_matmul() == "matmul-torch"
+        assert TK.installed_matmul() == "matmul-torch"
         # chosen by name: taken as chosen, nothing measured
         monkeypatch.setattr(K, "onednn_speedup", lambda hidden: pytest.fail("measured a kernel chosen by name"))
         assert use_matmul(plugins, "onednn", "cpu", torch.float32).name == "matmul-onednn"
@@ -107,17 +108,18 @@ def test_auto_takes_onednn_only_where_it_measures_faster(monkeypatch, capsys):
         assert use_matmul(plugins, "onednn", "cpu", torch.bfloat16, fallback=True).name == "matmul-torch"
         assert "this process uses auto" in capsys.readouterr().err
     finally:
-        K.install_matmul(K.TorchMatmul())
+        TK.install_matmul(K.TorchMatmul())
 
 
 def test_an_unknown_matmul_kernel_is_a_config_error(tmp_path):
     from rlx.config import load_config
+    from rlx.preflight import config_checks
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  path: builtin://tiny-qwen3\n  kernels:\n    matmul: mkl\n")
     with pytest.raises(RLXError, match=r"c.yaml:4: model.kernels.matmul: unknown matmul kernel 'mkl'; installed: "
                                        r"onednn, torch"):
-        load_config(cfg, plugins=build_plugins())
+        load_config(cfg, checks=config_checks(build_plugins()))
 
 
 def test_auto_keeps_torchs_kernel_for_a_model_too_narrow_to_gain():

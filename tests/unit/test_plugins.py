@@ -237,10 +237,12 @@ def test_wrong_signatures_and_sync_async_mismatches_fail_at_load():
 def test_an_advantage_estimator_is_not_a_policy_loss():
     from rlx.config import parse_config
     from rlx.errors import ConfigError
+    from rlx.preflight import config_checks
 
     p = build_plugins(entry_points=False)
     with pytest.raises(ConfigError) as e:
-        parse_config("model: {path: /m}\ntrain:\n  objective: {advantage: ppo_clip, loss: grpo}\n", plugins=p)
+        parse_config("model: {path: /m}\ntrain:\n  objective: {advantage: ppo_clip, loss: grpo}\n",
+                     checks=config_checks(p))
     msg = str(e.value)
     assert "<config>:3: train.objective.advantage.name: no advantage estimator named 'ppo_clip'" in msg
     assert "train.objective.loss.name: no policy loss named 'grpo'" in msg
@@ -304,3 +306,40 @@ def test_static_and_class_methods_fulfil_a_contract():
     mod = _plugin("methods", register_rewards=registering(StaticReward), register_balancers=registering(ClassBalancer))
     p = build_plugins(entry_points=False, extra=[("methods", mod)])
     assert p.build("balancers", "class-balancer").partition([3, 4], 2, None) == [[0, 1], []]
+
+
+def test_a_plain_function_is_a_component_where_the_contract_is_one_method():
+    """As TRL and slime take reward functions: ``def my_reward(sample) -> float`` registers as a reward named after
+    the function (or its ``name`` attribute); a loss likewise. A function for a kind of several methods does not."""
+
+    def my_reward(sample):
+        return float(len(sample.response_ids))
+
+    def clipped(inputs):
+        return inputs
+
+    clipped.name = "my_loss"
+    mod = _plugin("mine", register_rewards=lambda register: register(my_reward),
+                  register_losses=lambda register: register(clipped))
+    p = build_plugins(entry_points=False, extra=[("mine", mod)])
+    reward = p.build("rewards", "my_reward")
+    assert reward.score(Sample([1], [2, 3], [1, 1], [0.0, 0.0])) == 2.0 and reward.function is my_reward
+    assert p.build("losses", "my_loss").loss("x") == "x"
+    bad = _plugin("bad", register_transports=lambda register: register(my_reward))
+    with pytest.raises(PluginError, match="registered a transport .* without a string `name`"):
+        build_plugins(entry_points=False, extra=[("bad", bad)])
+
+
+def test_keep_going_leaves_out_a_broken_plugin_with_its_error():
+    class NoScore:
+        name = "broken"
+
+    bad = _plugin("bad", register_rewards=lambda register: register(NoScore))
+    good = _plugin("good", register_rewards=lambda register: register(Reward))
+    with pytest.raises(PluginError, match="lacks method score"):
+        build_plugins(entry_points=False, extra=[("bad", bad), ("good", good)])
+    p = build_plugins(entry_points=False, extra=[("bad", bad), ("good", good)], keep_going=True)
+    infos = {i.name: i for i in p.infos}
+    assert "lacks method score(sample)" in infos["bad"].error and infos["bad"].registers == {}
+    assert infos["good"].error is None and p.get("rewards", "double") is Reward and "broken" not in p.names("rewards")
+

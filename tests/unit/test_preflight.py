@@ -7,6 +7,7 @@ import pytest
 
 from rlx.config import load_config
 from rlx.errors import ConfigError
+from rlx.preflight import config_checks
 
 GOOD = json.dumps({"prompt": "what is 1 + 1", "label": "2"})
 
@@ -23,7 +24,7 @@ def problems(tmp_path, text):
     p = tmp_path / "c.yaml"
     p.write_text(text)
     with pytest.raises(ConfigError) as e:
-        load_config(p, preflight=True)
+        load_config(p, checks=config_checks(files=True))
     return dict(e.value.problems), p
 
 
@@ -32,7 +33,7 @@ def test_a_good_config_passes_and_without_preflight_files_are_not_read(tmp_path)
     (tmp_path / "d.jsonl").write_text(GOOD + "\n")
     p = tmp_path / "c.yaml"
     p.write_text(f"model: {{path: {m}}}\ndata: {{path: d.jsonl}}\ntrain: {{parallel: {{tp: 2, pp: 3, world_size: 6}}}}\n")
-    assert load_config(p, preflight=True).train.parallel.tp == 2
+    assert load_config(p, checks=config_checks(files=True)).train.parallel.tp == 2
     p.write_text("model: {path: /does/not/exist}\n")
     assert load_config(p).model.path == "/does/not/exist"  # parsing alone never touches the files
 

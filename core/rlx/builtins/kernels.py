@@ -4,7 +4,7 @@ torch runs CPU matmuls (``aten::mm``, and ``aten::addmm`` for a linear layer wit
 its code path by CPU vendor: on AMD CPUs it does not use AVX-512, and oneDNN, which torch also ships, runs the
 same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 190-210 GFLOP/s through MKL,
 380-460 through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through
-oneDNN in the process that installs it (`install_matmul`): the trainer's megatron layers forward and backward,
+oneDNN in the process that installs it (`rlx.train.kernels.install_matmul`): the trainer's megatron layers forward and backward,
 and the embedded engine's model. oneDNN builds a primitive the first time it meets a shape (0.3-0.4 ms on this machine,
 more than a small product takes): a product of at least `ONEDNN_BIG_MACS` multiply-adds goes to oneDNN at once,
 a smaller one of at least `ONEDNN_MIN_MACS` once its shape has come `ONEDNN_REPEATS` times (a decode step's
@@ -32,9 +32,6 @@ ONEDNN_BIG_MACS = 1 << 26  # products this large go to oneDNN the first time: bu
 ONEDNN_REPEATS = 8  # a product in between goes to oneDNN once its shape has come this many times
 _SEEN_MAX = 1 << 14  # shapes counted before the count starts again (prompt lengths vary without end)
 ONEDNN_MIN_SPEEDUP = 1.3  # auto: oneDNN must be this much faster than torch's own on this CPU
-
-_installed: dict[str, Any] = {"kernel": None, "library": None}
-
 
 def _is_cpu(device: Any) -> bool:
     return device is None or str(device).split(":")[0] == "cpu"
@@ -67,52 +64,10 @@ def _use_onednn(a: Any, b: Any) -> bool:
     return n > ONEDNN_REPEATS
 
 
-def _mm(a: Any, b: Any) -> Any:
-    return _installed["kernel"](a, b)
-
-
-def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
-    kernel = _installed["kernel"]
-    if hasattr(kernel, "addmm"):
-        return kernel.addmm(bias, a, b, beta=beta, alpha=alpha)
-    out = kernel(a, b)
-    if alpha != 1:
-        out.mul_(alpha)
-    return out.add_(bias, alpha=beta)
-
-
 def _torch_mm(a: Any, b: Any) -> Any:
     import torch
 
     return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))  # aten::mm.out: torch's own kernel
-
-
-def install_matmul(kernel: Any) -> None:
-    """Make `kernel` (a ``matmul`` kernel: ``kernel(a, b)`` is ``a @ b``, with an optional ``addmm(bias, a, b,
-    beta=, alpha=)``) this process's CPU ``aten::mm`` and ``aten::addmm``; a kernel with ``native = True``
-    (``matmul-torch``) leaves torch's own in place, or puts it back. Autograd's backward products go through the
-    same ops, so a training step's gradients use the kernel too."""
-    import warnings
-
-    import torch
-
-    native = getattr(kernel, "native", False)
-    if not native and _installed["library"] is None:
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():  # torch warns that a kernel for a built-in op is being replaced
-            warnings.simplefilter("ignore")
-            lib.impl("mm", _mm, "CPU")
-            lib.impl("addmm", _addmm, "CPU")
-        _installed["library"] = lib
-    elif native and _installed["library"] is not None:
-        _installed["library"]._destroy()
-        _installed["library"] = None
-    _installed["kernel"] = kernel
-
-
-def installed_matmul() -> str | None:
-    """The name of the ``matmul`` kernel this process installed (None: none was, torch's own runs)."""
-    return getattr(_installed["kernel"], "name", None)
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from typing import Any
 from rlx.errors import RLXError
 
 _logged: set[tuple[str, str]] = set()
+_installed: dict[str, Any] = {"kernel": None, "library": None}
 
 
 def candidates(plugins: Any, op: str) -> list[Any]:
@@ -64,12 +65,10 @@ def select(plugins: Any, op: str, choice: str = "auto", where: str = "kernels", 
 def use_matmul(plugins: Any, choice: str = "auto", device: Any = None, dtype: Any = None, hidden: int = 512,
                fallback: bool = False) -> Any:
     """Select this process's ``matmul`` kernel (``model.kernels.matmul``) and install it for torch's CPU matrix
-    products (`rlx.builtins.kernels.install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether
+    products (`install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether
     it pays on this CPU (``measure=True`` in the query); a kernel chosen by name is taken as chosen. With
     `fallback` (an engine, whose device may not be the trainer's), a named kernel that cannot run here gives way
     to ``auto``, saying so. `hidden`: the model's width, the shape a kernel measures."""
-    from rlx.builtins.kernels import install_matmul
-
     try:
         kernel = select(plugins, "matmul", choice, where="model.kernels", device=device, dtype=dtype,
                         hidden=hidden, measure=choice == "auto")
@@ -81,3 +80,45 @@ def use_matmul(plugins: Any, choice: str = "auto", device: Any = None, dtype: An
                         measure=True)
     install_matmul(kernel)
     return kernel
+
+
+def _mm(a: Any, b: Any) -> Any:
+    return _installed["kernel"](a, b)
+
+
+def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+    kernel = _installed["kernel"]
+    if hasattr(kernel, "addmm"):
+        return kernel.addmm(bias, a, b, beta=beta, alpha=alpha)
+    out = kernel(a, b)
+    if alpha != 1:
+        out.mul_(alpha)
+    return out.add_(bias, alpha=beta)
+
+
+def install_matmul(kernel: Any) -> None:
+    """Make `kernel` (a ``matmul`` kernel: ``kernel(a, b)`` is ``a @ b``, with an optional ``addmm(bias, a, b,
+    beta=, alpha=)``) this process's CPU ``aten::mm`` and ``aten::addmm``; a kernel with ``native = True``
+    (``matmul-torch``) leaves torch's own in place, or puts it back. Autograd's backward products go through the
+    same ops, so a training step's gradients use the kernel too."""
+    import warnings
+
+    import torch
+
+    native = getattr(kernel, "native", False)
+    if not native and _installed["library"] is None:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns that a kernel for a built-in op is being replaced
+            warnings.simplefilter("ignore")
+            lib.impl("mm", _mm, "CPU")
+            lib.impl("addmm", _addmm, "CPU")
+        _installed["library"] = lib
+    elif native and _installed["library"] is not None:
+        _installed["library"]._destroy()
+        _installed["library"] = None
+    _installed["kernel"] = kernel
+
+
+def installed_matmul() -> str | None:
+    """The name of the ``matmul`` kernel this process installed (None: none was, torch's own runs)."""
+    return getattr(_installed["kernel"], "name", None)
