@@ -13,8 +13,6 @@ from rlx import hookimpl
 from rlx.train.decoder import DecoderSpec, decoder_flops
 from rlx.train.spec import rope_theta
 
-LlamaSpec = DecoderSpec  # the name this family's spec had before the decoder became public
-
 
 class LlamaBridge:
     """Llama-style decoders: RMSNorm, RoPE, GQA, SwiGLU (+ qk-norm for Qwen3, qkv bias for Qwen2)."""

@@ -33,7 +33,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlx.config import FaultToleranceConfig
 from rlx.rollout.engines.launch import wait_healthy
