@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent("""
     with tempfile.TemporaryDirectory() as d:
         trainer.save(Path(d))
     out["held_at_end"] = held_bytes()
-    out["history"] = trainer.memory.history
+    out["history"] = list(trainer.memory.history)
     print(json.dumps(out))
 """)
 

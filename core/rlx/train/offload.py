@@ -22,6 +22,7 @@ the schedule is kept all the same (tests read it from `Residency.history`).
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any
 
 import torch
@@ -119,7 +120,8 @@ class Residency:
         self.moves = enabled and device.type in self.MOVES
         self.memory = {name: RoleMemory(role, device) for name, role in roles.items() if role is not None}
         self.state: dict[str, str | None] = {name: "all" for name in self.memory}
-        self.history: list[dict[str, str]] = []  # each hold's resident roles (what tests check the schedule by)
+        # the last holds' resident roles (what tests check the schedule by; bounded: a run holds 4-6 times a step)
+        self.history: deque[dict[str, str]] = deque(maxlen=256)
         self.moved_bytes = 0
         if enabled and not self.moves:
             print("rlx: train.offload: the trainer runs on the CPU, so there is no device memory to give back; the "
