@@ -1,0 +1,126 @@
+"""SGLang on the GPU, for `tests/gpu/check.py`: where SGLang is installed (``pip install 'rlx[sglang]'``); it is not
+in the GPU bundle (with its CUDA kernels it is far over the size limit), so the lent machine skips these."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from checks import DENSE, Ctx, run_async
+
+
+def sglang_fleet(ctx: Ctx, groups: list[dict[str, Any]], **rollout: Any) -> Any:
+    from rlx.config import parse_config
+    from rlx.rollout.engines.fleet import EngineFleet
+
+    cfg = parse_config(json.dumps({"model": {"path": DENSE}, "ray": {"enabled": False},
+                                   "rollout": {"engines": groups, "startup_timeout_s": 600, **rollout}}))
+    return EngineFleet(cfg, ctx.work / "logs")
+
+
+def check_sglang_router(ctx: Ctx) -> None:
+    """Pass: two SGLang groups launched from a topology behind sglang-router serve 64 requests of 32 tokens, each
+    with a log-prob per token."""
+    import asyncio
+
+    from rlx.rollout.engines.protocol import GenerateRequest
+
+    fleet = sglang_fleet(ctx, [{"name": "a", "backend": "sglang", "mem_fraction_static": 0.3},
+                               {"name": "b", "backend": "sglang", "mem_fraction_static": 0.3}])
+    t0 = time.monotonic()
+    run_async(fleet.start())
+    try:
+        ctx.fig(engines=len(fleet.engines), startup_s=time.monotonic() - t0)
+
+        async def go():
+            async with fleet.client() as c:
+                t = time.monotonic()
+                outs = await asyncio.gather(*(c.generate(GenerateRequest([5, 6, 7 + i], {
+                    "max_new_tokens": 32, "ignore_eos": True})) for i in range(64)))
+                return [r for (r,) in outs], time.monotonic() - t
+
+        outs, took = run_async(go())
+        ctx.fig(tokens_per_s=sum(len(r.output_ids) for r in outs) / took)
+        ctx.expect(fleet.router is not None and len(fleet.engines) == 2, "not two engines behind the router")
+        ctx.expect(all(len(r.output_ids) == 32 == len(r.output_logprobs) for r in outs), "short or unscored outputs")
+    finally:
+        run_async(fleet.stop())
+
+
+def check_sglang_transports(ctx: Ctx) -> None:
+    """Pass: each built-in transport (tensor with CUDA IPC handles, broadcast over NCCL, disk) pushes a changed
+    model into SGLang, verified, after which SGLang's greedy log-probs match HF's under the pushed weights within
+    0.05."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.tiny import resolve_model_path
+    from rlx.plugins import build_plugins
+    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.transport import TransportContext
+    from rlx.transport.verify import Fingerprints
+    from rlx.transport.verify import verify
+
+    path = resolve_model_path(DENSE)
+    state = {k: (v * 1.25).to(torch.bfloat16).cuda() for k, v in load_file(f"{path}/model.safetensors").items()}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model.load_state_dict(state, strict=False)
+    for version, name in enumerate(("tensor", "broadcast", "disk"), start=1):
+        fleet = sglang_fleet(ctx, [{"backend": "sglang", "mem_fraction_static": 0.4}])
+        run_async(fleet.start())
+        try:
+            transport = build_plugins().build("transports", name)
+            tctx = TransportContext(fleet.engines, ctx.work, host="127.0.0.1")
+            prints = Fingerprints()
+
+            async def push():
+                await transport.setup(tctx)
+                t = time.monotonic()
+                await transport.send(prints.watch(iter(state.items())), version, tctx)
+                await transport.commit(version, tctx)
+                took = time.monotonic() - t
+                await verify(fleet.engines, prints, version)
+                await transport.close()
+                return took
+
+            took = run_async(push())
+
+            async def sample():
+                async with fleet.client() as c:
+                    return (await c.generate(GenerateRequest([5, 6, 7], {"max_new_tokens": 8, "temperature": 0})))[0]
+
+            res = run_async(sample())
+            ids = torch.tensor([[5, 6, 7, *res.output_ids]], device="cuda")
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits.float(), -1)[0, 2:-1].gather(
+                    -1, ids[0, 3:, None]).squeeze(-1).cpu()
+            diff = float((logp - torch.tensor(res.output_logprobs)).abs().max())
+            ctx.fig(**{f"{name}_push_s": took, f"{name}_max_logprob_diff": diff})
+            ctx.expect(res.weight_version == str(version) and diff < 0.05, f"{name}: version "
+                       f"{res.weight_version}, log-prob difference {diff:.4f}")
+        finally:
+            run_async(fleet.stop())
+
+
+def check_sglang_offload(ctx: Ctx) -> None:
+    """Pass: SGLang launched with its memory saver (rollout.offload_during_train) frees over 1 GiB of GPU memory when
+    released for a train step and takes it back after."""
+    import torch
+
+    from rlx.rollout.batches import SyncBatches
+
+    fleet = sglang_fleet(ctx, [{"backend": "sglang", "mem_fraction_static": 0.5}], offload_during_train=True)
+    run_async(fleet.start())
+    try:
+        batches = SyncBatches(fleet.cfg, manager=None, fleet=fleet)  # type: ignore[arg-type]
+        before = torch.cuda.mem_get_info()[0]
+        run_async(batches.before_train())
+        released = torch.cuda.mem_get_info()[0]
+        run_async(batches.after_train())
+        resumed = torch.cuda.mem_get_info()[0]
+        ctx.fig(freed_gib=(released - before) / 2**30, taken_back_gib=(released - resumed) / 2**30)
+        ctx.expect(released - before > 1 << 30, "SGLang freed less than 1 GiB on release")
+    finally:
+        run_async(fleet.stop())
