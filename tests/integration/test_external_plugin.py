@@ -83,7 +83,7 @@ def test_install_list_use_uninstall(tmp_path, scratch_venv):
     assert r.returncode == 0, r.stderr
     row = next(p for p in json.loads(r.stdout) if p["name"] == "length")
     assert row == {"name": "length", "distribution": "rlx-reward-length", "version": "0.3.0",
-                   "registers": {"rewards": ["length"]}}
+                   "registers": {"rewards": ["length"]}, "error": None}
 
     r = run(scratch_venv, *rl, "config", "show", str(cfg))
     assert r.returncode == 0, r.stderr
@@ -174,9 +174,16 @@ def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path
     (src / "rlx_demo_broken" / "__init__.py").write_text(BROKEN)
     r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
     assert r.returncode == 0, r.stderr
-    r = run(scratch_venv, "-m", "rlx_cli.main", "plugins")
-    assert r.returncode != 0
+    (tmp_path / "c.yaml").write_text("model: {path: builtin://tiny-qwen3}\n")
+    r = run(scratch_venv, "-m", "rlx_cli.main", "config", "validate", str(tmp_path / "c.yaml"))
+    assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "'demo-broken'" in lines[0] and "'half-done'" in lines[0]
     assert "lacks method async commit(version, ctx)" in lines[0]
+    # rl plugins lists it with that error (JSON for tools), the others loaded, and exits 2
+    r = run(scratch_venv, "-m", "rlx_cli.main", "plugins", "--json")
+    rows = {p["name"]: p for p in json.loads(r.stdout)}
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "lacks method async commit(version, ctx)" in rows["demo-broken"]["error"]
+    assert rows["rlx.builtins.rewards"]["error"] is None
