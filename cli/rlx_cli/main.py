@@ -5,6 +5,7 @@ Commands stay thin; plugins add their own through the ``register_commands`` hook
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -134,6 +135,10 @@ def serve_cmd(
     cfg = load_config(file, set_ or [], checks=config_checks(_plugins()))
 
     async def main() -> None:
+        import signal
+
+        with contextlib.suppress(RuntimeError, ValueError):  # SIGTERM stops it as Ctrl-C does (not in a thread)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         async with RolloutSession(cfg, _plugins(), with_data=False) as session:
             adapter = AgentAdapter(session.ctx, model_name=cfg.run.name, api_key=api_key, parser=parser,
                                    max_output_tokens=max_output_tokens)
@@ -146,7 +151,7 @@ def serve_cmd(
 
     try:
         asyncio.run(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C, or SIGTERM
         out.print("stopped")
 
 

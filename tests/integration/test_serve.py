@@ -1,7 +1,8 @@
 """`rl serve`: engines, router and adapter from a config; the official SDKs talk to the real engine;
-Ctrl-C stops everything it started."""
+Ctrl-C stops everything it started, and so does SIGTERM."""
 
 import re
+import signal
 
 import anthropic
 import openai
@@ -29,3 +30,13 @@ def test_rl_serve_answers_both_sdks_then_stops_cleanly(tiny_model_path, tmp_path
         m = anthropic.Anthropic(base_url=base[:-3], api_key="k1").messages.create(
             model="tiny", max_tokens=5, messages=[{"role": "user", "content": "1 + 1"}])
         assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1
+
+
+def test_sigterm_stops_rl_serve_as_ctrl_c_does(tiny_model_path, tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"run: {{name: tiny, output_dir: {tmp_path / 'out'}}}\nmodel: {{path: builtin://tiny-qwen3}}\n"
+                   "rollout:\n  engines: [{server_args: {num_threads: 1}}]\n")
+    with rl_serve(cfg, stop=signal.SIGTERM) as base:
+        r = openai.OpenAI(base_url=base, api_key="k1").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "1 + 1"}], max_tokens=2)
+        assert r.usage.completion_tokens >= 1

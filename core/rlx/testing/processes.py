@@ -43,9 +43,10 @@ def wait_gone(tag: str, timeout: float = 20, var: str = "RLX_TEST_TAG") -> list[
 
 
 @contextlib.contextmanager
-def rl_serve(config: Path, *args: str, start_timeout: float = 300) -> Iterator[str]:
+def rl_serve(config: Path, *args: str, start_timeout: float = 300, stop: int = signal.SIGINT) -> Iterator[str]:
     """``rl serve CONFIG --port <free> --api-key k1 ARGS``: yields its OpenAI base URL (``.../v1``) once it serves,
-    then stops it with Ctrl-C (SIGINT), which must end it, and everything it started, within a minute."""
+    then stops it with `stop` (Ctrl-C's SIGINT, or SIGTERM), which must end it cleanly (exit 0, "stopped"), and
+    everything it started, within a minute."""
     from rlx.net import free_port
 
     tag = uuid.uuid4().hex
@@ -59,7 +60,7 @@ def rl_serve(config: Path, *args: str, start_timeout: float = 300) -> Iterator[s
             line = p.stdout.readline()
         yield re.search(r"base_url (\S+)", line).group(1)
     finally:
-        p.send_signal(signal.SIGINT)
+        p.send_signal(stop)
         try:
             p.wait(60)
         finally:
@@ -69,5 +70,6 @@ def rl_serve(config: Path, *args: str, start_timeout: float = 300) -> Iterator[s
                 for pid in processes_tagged(tag):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-    assert p.returncode == 0, p.stderr.read()[-3000:]
+    out, err = p.communicate()
+    assert p.returncode == 0 and "stopped" in out, err[-3000:]
     assert wait_gone(tag) == [], f"left behind: {processes_tagged(tag)}"
