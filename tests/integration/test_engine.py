@@ -99,14 +99,27 @@ def test_stop_token_ids_and_stop_strings(fleet, model):
     assert stop_text not in res.text and base.text.startswith(res.text)
 
 
+async def generated_tokens(client) -> float:
+    """The engine's ``sglang:generation_tokens_total`` (its Prometheus metrics)."""
+    text = await client.request("GET", "/metrics")
+    name = "sglang:generation_tokens_total"
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name)))
+
+
 def test_abort_returns_the_partial_output(fleet):
     engine = fleet.engines[0]
 
     async def go():
         async with EngineClient(engine.url) as c:
+            before = await generated_tokens(c)
             task = asyncio.create_task(c.generate(GenerateRequest(
                 PROMPTS[1], {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}, rid="long-one")))
-            await asyncio.sleep(0.5)
+
+            async def decoding():
+                while await generated_tokens(c) == before:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(decoding(), 30)  # abort once it decodes
             await c.abort("long-one")
             return await asyncio.wait_for(task, 30)
 
