@@ -66,8 +66,6 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
     trainer: TrainerGroup | None = None
     loggers: list[Any] = []
     try:
-        from rlx.train.offload import shares_gpu
-
         if shares_gpu(cfg):  # engines size their KV cache by the memory they find free: the trainers' must be taken
             trainer = await asyncio.shield(starting)
         loggers += [plugins.build("loggers", spec) for spec in cfg.run.loggers]
@@ -170,6 +168,16 @@ async def _train(cfg: Config, plugins: Any, out: Path, ckpt_root: Path, stop: St
         if placement is not None:
             placement.shutdown()
     return out
+
+
+def shares_gpu(cfg: Config) -> bool:
+    """Whether trainer ranks and engines may use the same GPU (colocated on Ray's bundles, or one process without
+    Ray on a machine with one)."""
+    if cfg.ray.enabled:
+        return cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+    import torch
+
+    return torch.cuda.is_available()
 
 
 async def _started(starting: asyncio.Future) -> TrainerGroup | None:

@@ -30,14 +30,6 @@ import torch
 PARTS = ("weights", "all")  # what of a role is on the device; absent from a hold: nothing
 
 
-def shares_gpu(cfg: Any) -> bool:
-    """Whether trainer ranks and engines may use the same GPU (colocated on Ray's bundles, or one process without
-    Ray on a machine with one)."""
-    if cfg.ray.enabled:
-        return cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
-    return torch.cuda.is_available()
-
-
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
