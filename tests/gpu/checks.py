@@ -202,7 +202,7 @@ def check_transport(ctx: Ctx) -> None:
     GPU) leaves every engine tensor equal bit for bit to what was sent (``verify_weights: full``), and the
     engine's log-probs then match the trained trainer's as in the engine check."""
     from rlx.plugins import build_plugins
-    from rlx.orchestrate.workers import weight_target
+    from rlx.orchestrate.ranks import weight_target
     from rlx.transport.sender import WeightSender
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 

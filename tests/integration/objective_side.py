@@ -22,7 +22,6 @@ Writes {"loss": {...}, "grads": {name: [rel err rlx, rel err trl]}, "update": ..
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import sys

@@ -180,7 +180,7 @@ import json, math, sys, warnings
 warnings.filterwarnings("ignore")
 from rlx.config import parse_config
 from rlx.errors import RLXError
-from rlx.orchestrate.workers import LocalTrainerGroup
+from rlx.orchestrate.ranks import LocalTrainerGroup
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "ray": {"enabled": False}}))

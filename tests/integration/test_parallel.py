@@ -54,7 +54,7 @@ WORKER = textwrap.dedent("""
         sid += k
     if method == "ppo-ray":
         import pathlib
-        from rlx.orchestrate.workers import RayPlacement, ray_trainer_group
+        from rlx.orchestrate.placement import RayPlacement, ray_trainer_group
         placement = RayPlacement(cfg)
         try:
             group = ray_trainer_group(cfg, placement.pg)

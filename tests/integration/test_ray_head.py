@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = """
 import os, pathlib, sys
 import ray
-from rlx.orchestrate.workers import end_token_auth, start_head
+from rlx.orchestrate.ray_head import end_token_auth, start_head
 head = start_head(1, pathlib.Path(sys.argv[1]), {})
 try:
     print("RESULT", ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=60), ray.util.get_node_ip_address(),

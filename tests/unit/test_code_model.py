@@ -39,7 +39,7 @@ def test_text_it_never_saw_takes_about_four_characters_a_token(code_model):
     tool = json.dumps({"name": "Bash", "description": "Run a shell command in the task's folder and return what it "
                        "printed.", "input_schema": {"type": "object", "properties": {"command": {
                            "type": "string", "description": "The command line to run"}}, "required": ["command"]}})
-    texts = {"code": (ROOT / "core/rlx/config.py").read_text(), "prose": (ROOT / "README.md").read_text(),
+    texts = {"code": (ROOT / "core/rlx/config/schema.py").read_text(), "prose": (ROOT / "README.md").read_text(),
              "tool": tool}
     for name, text in texts.items():
         per_token = len(text) / len(tok.encode(text, add_special_tokens=False))

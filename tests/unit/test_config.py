@@ -189,17 +189,6 @@ def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():
     assert where == "<config>:3: train.offload" and "which the engines must then have released" in msg
 
 
-def test_keys_that_moved_into_sections_name_their_new_place():
-    with pytest.raises(ConfigError) as e:
-        parse_config("model: {path: /m}\ntrain:\n  lr: 0.1\n  tp: 2\n  save_interval: 5\n"
-                     "rollout: {buffer_port: 9}\n")
-    msg = str(e.value)
-    assert "<config>:3: train.lr: moved: this is now train.optim.lr" in msg
-    assert "<config>:4: train.tp: moved: this is now train.parallel.tp" in msg
-    assert "train.save_interval: moved: this is now train.checkpoint.interval" in msg
-    assert "rollout.buffer_port: moved: this is now rollout.buffer.port" in msg
-
-
 def test_unknown_key_in_the_async_section_suggests_the_close_one():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async, async: {max_stalenes: 2}}\n")

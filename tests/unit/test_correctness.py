@@ -172,7 +172,7 @@ def test_samples_without_engine_log_probs_get_no_correction_and_are_not_probed()
 
 def test_gspo_averages_per_sequence_unless_told_otherwise_and_the_run_says_so():
     from rlx.config import parse_config
-    from rlx.orchestrate.loop import objective_notes
+    from rlx.orchestrate.metrics import objective_notes
     from rlx.plugins import build_plugins
     from rlx.train.step import loss_norm
 
@@ -233,7 +233,7 @@ def test_run_probes_count_samples_without_log_probs_and_tito_mismatches():
 
 
 def test_a_jump_in_the_log_prob_difference_is_reported():
-    from rlx.orchestrate.loop import DiffWatch
+    from rlx.orchestrate.metrics import DiffWatch
 
     w = DiffWatch()
     assert [w.see(i, d) for i, d in enumerate([1e-7, 2e-7, 1e-7])] == [None, None, None]

@@ -13,7 +13,7 @@ from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.protocol import EngineError, GenerateRequest, GenerateResult, token_versions
 from rlx.transport import verify as V
 from rlx.transport.group import engine_ranks
-from rlx.orchestrate.workers import weight_target
+from rlx.orchestrate.ranks import weight_target
 from rlx.transport.verify import Fingerprints
 from rlx.transport.wire import WireError, _device_index
 

@@ -1,4 +1,4 @@
-"""``rl eval``: the config's eval datasets on a policy, outside training.
+"""Evaluation: during training (`Evals`), and ``rl eval``, the config's eval datasets on a policy outside training.
 
 The policy is the config's ``model.path``, an HF model folder, or an rlx checkpoint
 (``<output_dir>/checkpoints/step_N``), which the trainer loads and exports to HF first (into
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.errors import RLXError
+
+if TYPE_CHECKING:
+    from rlx.rollout.session import RolloutSession
 
 
 def policy_path(cfg: Config, checkpoint: Path | None) -> tuple[str, int, str | None]:
@@ -43,8 +47,7 @@ def export_checkpoint(cfg: Config, checkpoint: Path, hf: Path) -> None:
     """Load an rlx checkpoint into the run's trainer and export it as an HF model folder."""
     import warnings
 
-    from rlx.orchestrate.loop import start_trainers
-    from rlx.orchestrate.workers import stderr_to
+    from rlx.orchestrate.placement import start_trainers, stderr_to
 
     if cfg.train.parallel.world_size == 1:
         cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"enabled": False})})
@@ -77,3 +80,49 @@ async def evaluate(cfg: Config, plugins: Any, checkpoint: Path | None = None) ->
     async with RolloutSession(cfg, plugins, with_data=False) as session:
         metrics, samples = await Evaluator(cfg, plugins, session.ctx).run()
     return metrics, write_rows(Path(cfg.run.output_dir), step, metrics, samples, checkpoint=source or path)
+
+
+class Evals:
+    """Evaluation during training (`rlx.rollout.evaluate`): at step 0, and after every ``eval.interval``
+    steps as a task beside the next step's rollout (sync) or the rollout stream (async), on the weights of
+    the step it evaluates: the next weight push (or engine offload) waits for it. Results go to the loggers
+    at the step evaluated, to ``eval.jsonl`` and to the terminal."""
+
+    def __init__(self, cfg: Config, plugins: Any, session: RolloutSession, loggers: list[Any], out: Path):
+        from rlx.rollout.evaluate import Evaluator
+
+        self.evaluator = Evaluator(cfg, plugins, session.ctx)
+        self.names = [d.name for d in cfg.eval.datasets]
+        self.loggers, self.out = loggers, out
+        self.task: asyncio.Task | None = None
+        self.step = 0
+
+    async def run(self, step: int) -> None:
+        self.start(step)
+        await self.wait()
+
+    def start(self, step: int) -> None:
+        assert self.task is None, "one evaluation at a time"
+        self.step = step
+        self.task = asyncio.create_task(self.evaluator.run())
+
+    async def wait(self) -> None:
+        """Finish the running evaluation, if any, and report it."""
+        if self.task is None:
+            return
+        task, self.task = self.task, None
+        metrics, samples = await task
+        from rlx.rollout.evaluate import write_rows
+
+        write_rows(self.out, self.step, metrics, samples)
+        for logger in self.loggers:
+            logger.log_metrics(self.step, metrics)
+        parts = []
+        for n in self.names:
+            parts.append(f"{n} pass@1 {metrics[f'eval/{n}/pass@1']:.3f} reward {metrics[f'eval/{n}/reward_mean']:.3f}")
+        print(f"rlx: eval at step {self.step}: " + "; ".join(parts), file=sys.stderr, flush=True)
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None

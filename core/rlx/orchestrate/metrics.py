@@ -1,11 +1,15 @@
-"""Per-step metrics: ``metrics.jsonl`` (one object per step), the trained sample ids, and plots."""
+"""Per-step metrics: ``metrics.jsonl`` (one object per step), the trained sample ids, plots, and the warnings
+and notes a run prints about them."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlx.config import Config
 
 REQUIRED = ("step", "reward/mean", "response_len/mean", "loss", "kl", "entropy", "time/rollout_s",
             "time/train_s", "time/weight_sync_s", "time/step_s", "samples", "tokens")
@@ -122,3 +126,40 @@ def plot(run_dirs: list[Path], out: Path) -> Path:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+class DiffWatch:
+    """Warns when the trainer-vs-engine log-prob difference jumps: a sign that the engines serve other
+    weights than the trainer holds, sample at another temperature, or that numerics broke."""
+
+    def __init__(self, factor: float = 5.0, floor: float = 0.02, window: int = 10):
+        self.factor, self.floor, self.window = factor, floor, window
+        self.seen: list[float] = []
+
+    def see(self, step: int, diff: float | None) -> str | None:
+        if diff is None:
+            return None
+        history = sorted(self.seen[-self.window:])
+        self.seen.append(diff)
+        if not history:
+            return None
+        median = history[len(history) // 2]
+        if diff > self.floor and diff > self.factor * median:
+            return (f"step {step}: train_rollout_logprob_diff jumped to {diff:.3g} (median of the last "
+                    f"{len(history)} steps {median:.3g})")
+        return None
+
+
+def objective_notes(cfg: Config, plugins: Any) -> list[str]:
+    """What a user should know about the objective they configured, before it runs."""
+    obj, sampling = cfg.train.objective, cfg.rollout.sampling
+    notes = []
+    own = getattr(plugins.get("losses", obj.loss.name), "default_norm", None)  # only losses whose paper says
+    if own is not None and obj.loss_norm is not None and obj.loss_norm != own:
+        notes.append(f"train.objective.loss_norm: {obj.loss_norm} with the {obj.loss.name!r} loss, whose paper "
+                     f"averages per {own}: the objective is not the paper's")
+    if obj.tis_cap is not None and (sampling.top_p < 1 or sampling.top_k > 0 or sampling.min_p > 0):
+        notes.append("rollout.sampling truncates the distribution (top_p/top_k/min_p); engines report log-probs of "
+                     "the untruncated one, so importance correction is not exact for the tokens sampled "
+                     "(agent requests that set their own top_p are not exact either)")
+    return notes

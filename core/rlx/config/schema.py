@@ -1,31 +1,17 @@
-"""The typed config tree: one YAML file plus ``--set a.b=c`` overrides, validated all at once.
+"""The config's schema: one pydantic section per concern, each field with an inline comment saying what it
+does (``rl config show`` prints the tree with its defaults), the checks across sections (`check_modes`), and the
+decisions derived from several keys (`records_routing`, `engines_offload`, `trainer_offloads`).
 
-Choices:
-
-* pydantic v2 at the boundary; every section forbids unknown keys, so a typo is an error, never a no-op.
-* Every problem is collected before anything is reported: pydantic's own errors, then component names
-  (``rollout.rewards[0].name``) checked against the plugin registry, then each component's ``args``
-  validated against its own ``Config`` class. Each problem carries ``file:line: key.path``.
-* ``--set`` values are parsed as YAML scalars (``--set rollout.sampling.temperature=0.7``); numeric
-  path parts index lists (``--set rollout.rewards.0.weight=2``).
-* Section models live here so that ``rl config show`` prints the whole tree with its defaults; each
-  field has an inline comment saying what it does. Subsystems add fields; they never reshape sections.
+Every section forbids unknown keys, so a typo is an error, never a no-op.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-import types
-import typing
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlx.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -475,18 +461,6 @@ COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("run", "loggers"), "loggers"),
 ]
 
-# Keys that moved when the train and rollout sections were nested: the old spelling gets an error
-# naming the new one rather than a bare "unknown key".
-MOVED: dict[tuple[str, ...], str] = {
-    **{("train", k): f"train.parallel.{k}" for k in ("tp", "pp", "world_size")},
-    **{("train", k): f"train.optim.{k}" for k in OptimConfig.model_fields},
-    **{("train", k): f"train.objective.{k}" for k in ObjectiveConfig.model_fields},
-    **{("train", k): f"train.async.{k}" for k in AsyncConfig.model_fields},
-    ("train", "save_interval"): "train.checkpoint.interval",
-    ("rollout", "buffer_port"): "rollout.buffer.port",
-    ("rollout", "buffer_api_key"): "rollout.buffer.api_key",
-}
-
 # File paths in the tree, made absolute when the config is loaded (relative to the config file), so that
 # workers and engines in other folders or on other hosts never re-parse or guess.
 PATH_FIELDS: list[tuple[str, ...]] = [
@@ -495,102 +469,27 @@ PATH_FIELDS: list[tuple[str, ...]] = [
 ]
 
 
-# -- loading -----------------------------------------------------------------------------------
+def records_routing(cfg: Config) -> bool:
+    """Whether engines are asked for the experts they routed each token to (``rollout.routed_experts``, or
+    routing replay, which needs them)."""
+    return cfg.rollout.routed_experts or cfg.train.objective.routing_replay
 
 
-# A check beyond the schema (`rlx.preflight.config_checks`: the installed plugins, the files named): the problems
-# it finds in a validated config, each (key path, message)
-Check = Callable[["Config"], list[tuple[tuple[Any, ...], str]]]
+def engines_offload(cfg: Config) -> bool:
+    """Whether engines give their GPU memory back while the trainer trains (``rollout.offload_during_train``;
+    by default when colocated with GPU trainers); never for attached engines, which are not rlx's."""
+    offload = cfg.rollout.offload_during_train
+    if offload is None:
+        offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
+    return bool(offload) and not cfg.rollout.external_engines
 
 
-def load_config(
-    path: str | Path,
-    overrides: list[str] = (),  # type: ignore[assignment]
-    checks: Sequence[Check] = (),
-) -> Config:
-    """Read, override and validate a config; raise one `ConfigError` listing every problem. Then each of
-    `checks` in turn (`rlx.preflight.config_checks`), each raising with all it found."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError([(str(path), f"cannot read: {e.strerror}")]) from None
-    return parse_config(text, source=path, overrides=overrides, checks=checks)
-
-
-def parse_config(
-    text: str,
-    source: Path | None = None,
-    overrides: list[str] = (),  # type: ignore[assignment]
-    checks: Sequence[Check] = (),
-) -> Config:
-    where = str(source) if source else "<config>"
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError([(f"{where}{line}", f"not valid YAML: {getattr(e, 'problem', e)}")]) from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError([(where, "the top level must be a mapping of sections")])
-    lines = _line_map(node) if node is not None else {}
-
-    problems: list[tuple[str, str]] = []
-    overridden: dict[tuple[Any, ...], str] = {}
-    for ov in overrides:
-        try:
-            keys = apply_override(data, ov)
-            overridden[keys] = f"--set {ov}"
-        except ValueError as e:
-            problems.append((f"--set {ov}", str(e)))
-
-    def locate(loc: tuple[Any, ...]) -> str:
-        for n in range(len(loc), -1, -1):
-            if loc[:n] in overridden:
-                return f"{overridden[loc[:n]]}: {format_path(loc)}"
-            if loc[:n] in lines:
-                return f"{where}:{lines[loc[:n]]}: {format_path(loc)}"
-        return f"{where}: {format_path(loc)}"
-
-    cfg: Config | None = None
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as e:
-        for err in e.errors():
-            loc = tuple(err["loc"])
-            problems.append((locate(loc), describe_error(err, loc)))
-    if cfg is not None:
-        problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
-    if problems:
-        raise ConfigError(problems, source=where)
-    assert cfg is not None
-    resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
-    for check in checks:
-        problems = [(locate(loc), msg) for loc, msg in check(cfg)]
-        if problems:
-            raise ConfigError(problems, source=where)
-    return cfg
-
-
-def resolve_paths(cfg: Config, base: Path) -> None:
-    """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay)."""
-    for keys in PATH_FIELDS:
-        node: Any = cfg
-        for k in keys[:-1]:
-            node = getattr(node, k)
-        value = getattr(node, keys[-1])
-        if value and "://" not in value:
-            setattr(node, keys[-1], str((base / Path(value).expanduser()).resolve()))
-    for d in cfg.eval.datasets:
-        if "://" not in d.path:
-            d.path = str((base / Path(d.path).expanduser()).resolve())
-    for g in cfg.rollout.engines:
-        if g.model_path and "://" not in g.model_path:
-            g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
-        if g.python and "/" in g.python:  # a bare name is looked up on PATH when the engine starts
-            g.python = os.path.normpath(base.absolute() / Path(g.python).expanduser())  # a venv's python is a link
+def trainer_offloads(cfg: Config) -> bool:
+    """``train.offload``, its default decided as the engines' (`engines_offload`), in sync mode: the memory the
+    trainer gives back is what the engines sized their cache by (rlx.train.offload)."""
+    if cfg.train.offload is not None:
+        return cfg.train.offload
+    return cfg.train.mode == "sync" and engines_offload(cfg)
 
 
 def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
@@ -644,134 +543,3 @@ def component_config(component: Any, args: dict[str, Any]) -> Any:
             )
         return None
     return conf_cls.model_validate(args)
-
-
-def apply_override(data: dict[str, Any], override: str) -> tuple[Any, ...]:
-    """Apply ``a.b.c=value`` to the raw tree in place; return the key path."""
-    if "=" not in override:
-        raise ValueError("expected KEY.PATH=VALUE")
-    dotted, raw = override.split("=", 1)
-    parts: list[Any] = [int(p) if p.isdigit() else p for p in dotted.strip().split(".")]
-    if not all(str(p) for p in parts):
-        raise ValueError(f"empty part in key path {dotted!r}")
-    value = yaml.safe_load(raw) if raw.strip() else ""
-    node: Any = data
-    for i, key in enumerate(parts[:-1]):
-        nxt = parts[i + 1]
-        if isinstance(node, list):
-            if not isinstance(key, int) or key >= len(node):
-                raise ValueError(f"{format_path(parts[: i + 1])}: no list item {key}")
-            if isinstance(node[key], str) and not isinstance(nxt, int):
-                node[key] = {"name": node[key]}  # a component given by name alone
-            node = node[key]
-            continue
-        if not isinstance(node, dict):
-            raise ValueError(f"{format_path(parts[:i])} is not a mapping")
-        if node.get(key) is None:
-            node[key] = [] if isinstance(nxt, int) else {}
-        elif isinstance(node[key], str) and not isinstance(nxt, int):
-            node[key] = {"name": node[key]}
-        node = node[key]
-    last = parts[-1]
-    if isinstance(node, list):
-        if not isinstance(last, int) or last > len(node):
-            raise ValueError(f"{format_path(parts)}: no list item {last}")
-        node[last:last + 1] = [value]
-    elif isinstance(node, dict):
-        node[last] = value
-    else:
-        raise ValueError(f"{format_path(parts[:-1])} is not a mapping")
-    return tuple(parts)
-
-
-def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    out = ""
-    for p in loc:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "<root>"
-
-
-def describe_error(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        moved = MOVED.get(tuple(k for k in loc if not isinstance(k, int)))
-        if moved:
-            return f"moved: this is now {moved}"
-        msg = "unknown key"
-        known = _known_keys(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1) if known else []
-        if close:
-            msg += f" (did you mean {close[0]!r}?)"
-        elif known:
-            msg += f"; known keys: {', '.join(known)}"
-        return msg
-    if kind == "missing":
-        return "required, but missing"
-    return f"{err['msg']} (got {err.get('input')!r})"
-
-
-def _known_keys(loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the section at `loc`, or [] if it cannot be told (e.g. a component's args)."""
-    model: Any = Config
-    for key in loc:
-        if isinstance(key, int):
-            continue
-        fields = _fields_by_key(model)
-        if not fields or key not in fields:
-            return []
-        model = _model_of(fields[key].annotation)
-    return list(_fields_by_key(model))
-
-
-def _fields_by_key(model: Any) -> dict[str, Any]:
-    """A section's fields under the names YAML uses (the alias where there is one)."""
-    return {f.alias or name: f for name, f in (getattr(model, "model_fields", None) or {}).items()}
-
-
-def _model_of(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    origin = typing.get_origin(annotation)
-    if origin in (list, typing.Union, types.UnionType):
-        for arg in typing.get_args(annotation):
-            m = _model_of(arg)
-            if m is not None:
-                return m
-    return None
-
-
-def _line_map(node: yaml.Node, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
-    """Key path -> 1-based line of that key (or list item) in the YAML source."""
-    out: dict[tuple[Any, ...], int] = {prefix: node.start_mark.line + 1}
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            path = prefix + (k.value,)
-            out.update(_line_map(v, path))
-            out[path] = k.start_mark.line + 1
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            out.update(_line_map(v, prefix + (i,)))
-    return out
-
-
-def records_routing(cfg: Config) -> bool:
-    """Whether engines are asked for the experts they routed each token to (``rollout.routed_experts``, or
-    routing replay, which needs them)."""
-    return cfg.rollout.routed_experts or cfg.train.objective.routing_replay
-
-
-def engines_offload(cfg: Config) -> bool:
-    """Whether engines give their GPU memory back while the trainer trains (``rollout.offload_during_train``;
-    by default when colocated with GPU trainers); never for attached engines, which are not rlx's."""
-    offload = cfg.rollout.offload_during_train
-    if offload is None:
-        offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
-    return bool(offload) and not cfg.rollout.external_engines
-
-
-def trainer_offloads(cfg: Config) -> bool:
-    """``train.offload``, its default decided as the engines' (`engines_offload`), in sync mode: the memory the
-    trainer gives back is what the engines sized their cache by (rlx.train.offload)."""
-    if cfg.train.offload is not None:
-        return cfg.train.offload
-    return cfg.train.mode == "sync" and engines_offload(cfg)

@@ -1,0 +1,225 @@
+"""Loading a config: one YAML file plus ``--set a.b=c`` overrides, validated all at once, every problem located.
+
+* Every problem is collected before anything is reported: pydantic's own errors and `check_modes`, then the
+  checks given (`rlx.preflight.config_checks`: component names against the installed plugins, each component's
+  ``args`` against its own ``Config`` class, the files named). Each problem carries ``file:line: key.path``.
+* ``--set`` values are parsed as YAML scalars (``--set rollout.sampling.temperature=0.7``); numeric
+  path parts index lists (``--set rollout.rewards.0.weight=2``).
+* File paths are made absolute relative to the config file, so workers in other folders never re-resolve them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlx.config.schema import PATH_FIELDS, Config, check_modes
+from rlx.errors import ConfigError
+
+
+# A check beyond the schema (`rlx.preflight.config_checks`: the installed plugins, the files named): the problems
+# it finds in a validated config, each (key path, message)
+Check = Callable[["Config"], list[tuple[tuple[Any, ...], str]]]
+
+
+def load_config(
+    path: str | Path,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    checks: Sequence[Check] = (),
+) -> Config:
+    """Read, override and validate a config; raise one `ConfigError` listing every problem. Then each of
+    `checks` in turn (`rlx.preflight.config_checks`), each raising with all it found."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError([(str(path), f"cannot read: {e.strerror}")]) from None
+    return parse_config(text, source=path, overrides=overrides, checks=checks)
+
+
+def parse_config(
+    text: str,
+    source: Path | None = None,
+    overrides: list[str] = (),  # type: ignore[assignment]
+    checks: Sequence[Check] = (),
+) -> Config:
+    where = str(source) if source else "<config>"
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError([(f"{where}{line}", f"not valid YAML: {getattr(e, 'problem', e)}")]) from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError([(where, "the top level must be a mapping of sections")])
+    lines = _line_map(node) if node is not None else {}
+
+    problems: list[tuple[str, str]] = []
+    overridden: dict[tuple[Any, ...], str] = {}
+    for ov in overrides:
+        try:
+            keys = apply_override(data, ov)
+            overridden[keys] = f"--set {ov}"
+        except ValueError as e:
+            problems.append((f"--set {ov}", str(e)))
+
+    def locate(loc: tuple[Any, ...]) -> str:
+        for n in range(len(loc), -1, -1):
+            if loc[:n] in overridden:
+                return f"{overridden[loc[:n]]}: {format_path(loc)}"
+            if loc[:n] in lines:
+                return f"{where}:{lines[loc[:n]]}: {format_path(loc)}"
+        return f"{where}: {format_path(loc)}"
+
+    cfg: Config | None = None
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            problems.append((locate(loc), describe_error(err, loc)))
+    if cfg is not None:
+        problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
+    if problems:
+        raise ConfigError(problems, source=where)
+    assert cfg is not None
+    resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
+    for check in checks:
+        problems = [(locate(loc), msg) for loc, msg in check(cfg)]
+        if problems:
+            raise ConfigError(problems, source=where)
+    return cfg
+
+
+def resolve_paths(cfg: Config, base: Path) -> None:
+    """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay)."""
+    for keys in PATH_FIELDS:
+        node: Any = cfg
+        for k in keys[:-1]:
+            node = getattr(node, k)
+        value = getattr(node, keys[-1])
+        if value and "://" not in value:
+            setattr(node, keys[-1], str((base / Path(value).expanduser()).resolve()))
+    for d in cfg.eval.datasets:
+        if "://" not in d.path:
+            d.path = str((base / Path(d.path).expanduser()).resolve())
+    for g in cfg.rollout.engines:
+        if g.model_path and "://" not in g.model_path:
+            g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
+        if g.python and "/" in g.python:  # a bare name is looked up on PATH when the engine starts
+            g.python = os.path.normpath(base.absolute() / Path(g.python).expanduser())  # a venv's python is a link
+
+
+def apply_override(data: dict[str, Any], override: str) -> tuple[Any, ...]:
+    """Apply ``a.b.c=value`` to the raw tree in place; return the key path."""
+    if "=" not in override:
+        raise ValueError("expected KEY.PATH=VALUE")
+    dotted, raw = override.split("=", 1)
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in dotted.strip().split(".")]
+    if not all(str(p) for p in parts):
+        raise ValueError(f"empty part in key path {dotted!r}")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node: Any = data
+    for i, key in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            if not isinstance(key, int) or key >= len(node):
+                raise ValueError(f"{format_path(parts[: i + 1])}: no list item {key}")
+            if isinstance(node[key], str) and not isinstance(nxt, int):
+                node[key] = {"name": node[key]}  # a component given by name alone
+            node = node[key]
+            continue
+        if not isinstance(node, dict):
+            raise ValueError(f"{format_path(parts[:i])} is not a mapping")
+        if node.get(key) is None:
+            node[key] = [] if isinstance(nxt, int) else {}
+        elif isinstance(node[key], str) and not isinstance(nxt, int):
+            node[key] = {"name": node[key]}
+        node = node[key]
+    last = parts[-1]
+    if isinstance(node, list):
+        if not isinstance(last, int) or last > len(node):
+            raise ValueError(f"{format_path(parts)}: no list item {last}")
+        node[last:last + 1] = [value]
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ValueError(f"{format_path(parts[:-1])} is not a mapping")
+    return tuple(parts)
+
+
+def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<root>"
+
+
+def describe_error(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        msg = "unknown key"
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1) if known else []
+        if close:
+            msg += f" (did you mean {close[0]!r}?)"
+        elif known:
+            msg += f"; known keys: {', '.join(known)}"
+        return msg
+    if kind == "missing":
+        return "required, but missing"
+    return f"{err['msg']} (got {err.get('input')!r})"
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section at `loc`, or [] if it cannot be told (e.g. a component's args)."""
+    model: Any = Config
+    for key in loc:
+        if isinstance(key, int):
+            continue
+        fields = _fields_by_key(model)
+        if not fields or key not in fields:
+            return []
+        model = _model_of(fields[key].annotation)
+    return list(_fields_by_key(model))
+
+
+def _fields_by_key(model: Any) -> dict[str, Any]:
+    """A section's fields under the names YAML uses (the alias where there is one)."""
+    return {f.alias or name: f for name, f in (getattr(model, "model_fields", None) or {}).items()}
+
+
+def _model_of(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (list, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            m = _model_of(arg)
+            if m is not None:
+                return m
+    return None
+
+
+def _line_map(node: yaml.Node, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], int]:
+    """Key path -> 1-based line of that key (or list item) in the YAML source."""
+    out: dict[tuple[Any, ...], int] = {prefix: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            path = prefix + (k.value,)
+            out.update(_line_map(v, path))
+            out[path] = k.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.update(_line_map(v, prefix + (i,)))
+    return out

@@ -1,0 +1,77 @@
+"""The weight-sync coordinator: the trainer's weights, the engines that get them, one trainer call at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlx.orchestrate.ranks import TrainerGroup
+
+
+class Weights:
+    """The trainer's weights and the engines that get them. One trainer call at a time (a train step, a
+    push, a catch-up: a restarted engine may need weights while the trainer trains, in async mode). The
+    transport follows the serving engines: set up again when one was taken out or came back. A push that
+    failed because an engine failed (it fails a health probe now) is done again without that engine."""
+
+    def __init__(self, trainer: TrainerGroup, fleet: Any, out: Path, version: int = 0):
+        self.trainer, self.fleet, self.out = trainer, fleet, str(out)
+        self.lock = asyncio.Lock()
+        self.version = version  # the trainer's policy version: what a catch-up pushes
+        self.urls: list[str] | None = None  # where the transport points now
+        if fleet.health is not None:
+            fleet.health.catch_up = self.catch_up
+
+    async def _point(self, engines: list[Any]) -> None:
+        urls = [e.url for e in engines]
+        if urls != self.urls:
+            await asyncio.to_thread(self.trainer.setup_transport, urls, self.out)
+            self.urls = urls
+
+    async def setup(self) -> None:
+        async with self.lock:
+            await self._point(self.fleet.weight_targets)
+
+    async def train(self, batch: Any) -> dict[str, Any]:
+        async with self.lock:
+            metrics = await asyncio.to_thread(self.trainer.train_step, batch)
+            self.version += 1
+            return metrics
+
+    async def push(self, version: int) -> None:
+        async with self.lock:
+            for attempt in range(3):
+                try:
+                    await self._point(self.fleet.weight_targets)
+                    if not self.urls:  # every engine is out: each gets the weights when it comes back
+                        return
+                    await asyncio.to_thread(self.trainer.push_weights, version)
+                    return
+                except Exception as e:
+                    health = self.fleet.health
+                    if health is None or attempt == 2:
+                        raise
+                    await health.settle()  # an engine that failed the push fails its probe: taken out
+                    if [x.url for x in self.fleet.weight_targets] == self.urls:
+                        raise  # every engine still serves: not an engine failure
+                    self.urls = None  # set up again, for the engines that serve
+                    print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
+                          f"that serve", file=sys.stderr, flush=True)
+
+    async def catch_up(self, engines: list[Any], admit: Callable[[], Any]) -> None:
+        """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights and let them
+        in (`admit`) before the next train step or push can change those weights. The transport is set up
+        again even where the engines' addresses are those it points to (an engine back at its old address is a
+        new process: what the transport learned of the old one, such as its tensor dtypes, is gone)."""
+        async with self.lock:
+            self.urls = None
+            await self._point(engines)
+            await asyncio.to_thread(self.trainer.push_weights, self.version)
+            await admit()
+
+    def metrics(self) -> dict[str, float]:
+        return self.fleet.health.metrics() if self.fleet.health is not None else {}
