@@ -2,7 +2,7 @@
 
 import torch
 
-from rlx.rollout.engines.embedded.scheduler import SamplingParams, draw, sample
+from rlx.rollout.engines.embedded.sampling import SamplingParams, draw, sample
 
 
 def test_draws_follow_each_rows_probabilities():

@@ -33,24 +33,12 @@ from typing import Any
 
 import torch
 
+from rlx.rollout.engines.embedded.routing import RoutedExperts
+from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample
+
 log = logging.getLogger(__name__)
 
 _rid_counter = itertools.count()
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: int = 1
 
 
 @dataclass
@@ -565,96 +553,3 @@ class Scheduler:
         r.text = self._text(r)
         if r.on_done is not None:
             r.on_done(r)
-
-
-class SamplingTensors:
-    """Per-row sampling parameters as tensors, built once per batch composition, not per step."""
-
-    def __init__(self, params: list[SamplingParams], device: torch.device):
-        self.temps = torch.tensor([p.temperature for p in params], device=device)
-        self.greedy = self.temps <= 0
-        self.all_greedy = bool(self.greedy.all())
-        self.divisor = torch.where(self.greedy, torch.ones_like(self.temps), self.temps)[:, None]
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], device=device)
-        self.min_p = torch.tensor([p.min_p for p in params], device=device)
-        self.truncate = bool((self.top_k > 0).any() | (self.top_p < 1).any())
-        self.use_min_p = bool((self.min_p > 0).any())
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, with that row's sampling parameters; returns (tokens, logprobs)."""
-    t = params if isinstance(params, SamplingTensors) else SamplingTensors(params, logits.device)
-    logp = torch.log_softmax(logits / t.divisor, dim=-1)
-    if t.all_greedy:
-        tokens = logits.argmax(-1)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
-    probs = logp.exp()
-    if t.truncate:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=logits.device)[None, :]
-        drop = (t.top_k[:, None] > 0) & (rank >= t.top_k[:, None])
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-        drop |= (sorted_p.cumsum(-1) - sorted_p) >= t.top_p[:, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    if t.use_min_p:
-        probs = probs.masked_fill(probs < t.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-    tokens = torch.where(t.greedy, logits.argmax(-1), draw(probs, generator))
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row with the rows' (unnormalised) probabilities, by inverting the cumulative sum at one
-    uniform number per row: the same distribution as ``torch.multinomial``, which draws a number per vocabulary
-    entry (13 ms against 0.3 ms for 16 rows of a 49k vocabulary on CPU)."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # float32 sums over 150k entries would blur the smallest odds
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, u, right=True)[:, 0]  # first entry whose cdf exceeds u: its probability is > 0
-    over = tokens >= probs.shape[-1]  # u rounded up to the total: the last token with a probability
-    if bool(over.any()):
-        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
-        tokens = torch.where(over, last, tokens)
-    return tokens
-
-
-class RoutedExperts:
-    """Records, per forward, the experts every token was routed to in each layer, as SGLang's routed-experts
-    capturer does. transformers 5 gives every MoE layer an ``experts`` module called as
-    ``experts(hidden_states, top_k_index, top_k_weights)`` on the flattened tokens: a pre-hook on each reads
-    ``top_k_index`` there, whatever the family's router. Layers without experts stay 0, as SGLang reports
-    ``[tokens, num_hidden_layers, top_k]`` for every layer."""
-
-    def __init__(self, model: Any):
-        import re
-
-        self.layers = model.config.num_hidden_layers
-        self.topk = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
-        self.found = 0
-        self._current: dict[int, torch.Tensor] = {}
-        for name, module in model.named_modules():
-            m = re.search(r"layers\.(\d+)\.mlp\.experts$", name)
-            if m is not None:
-                module.register_forward_pre_hook(self._hook(int(m.group(1))))
-                self.found += 1
-        if not self.found or not self.topk:
-            raise ValueError(f"--enable-return-routed-experts: the {model.config.model_type!r} model has no "
-                             f"mixture-of-experts layers")
-
-    def _hook(self, layer: int):
-        def pre(module: Any, args: tuple) -> None:
-            if self._current is not None and len(args) > 1:
-                self._current[layer] = args[1].detach()
-        return pre
-
-    def begin(self) -> None:
-        self._current = {}
-
-    def take(self, batch: int, length: int) -> torch.Tensor:
-        """This forward's routing as int32 ``[batch, length, layers, top_k]`` (CPU)."""
-        out = torch.zeros(batch, length, self.layers, self.topk, dtype=torch.int32)
-        for layer, idx in self._current.items():
-            out[:, :, layer] = idx.reshape(batch, length, self.topk).to("cpu", torch.int32)
-        self._current = {}
-        return out

@@ -21,26 +21,16 @@ import torch
 from aiohttp import web
 
 from rlx.rollout.engines.embedded import weights as W
-from rlx.rollout.engines.embedded.scheduler import Request, SamplingParams, Scheduler
-from rlx.transport.group import DEFAULT_GROUP
+from rlx.rollout.engines.embedded.answers import BadRequest, ContractError, error
+from rlx.rollout.engines.embedded.sampling import SamplingParams
+from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+from rlx.rollout.engines.embedded.weight_routes import WeightRoutes
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 # Accepted for compatibility with SGLang clients; they do not change what this engine does.
 _IGNORED_SAMPLING_KEYS = {"frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
                           "spaces_between_special_tokens", "sampling_seed", "json_schema", "regex",
                           "ebnf", "custom_params", "logit_bias"}
-
-
-class BadRequest(Exception):
-    pass
-
-
-class ContractError(BadRequest):
-    """A request SGLang's API schema refuses; SGLang 0.5.23 answers these with ``{"error": "<text>"}``."""
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
 
 
 def weight_version_spans(versions: list[str], fallback: str) -> list[dict[str, Any]]:
@@ -56,7 +46,10 @@ def weight_version_spans(versions: list[str], fallback: str) -> list[dict[str, A
     return spans or [{"version": fallback, "start": 0, "end": 0}]
 
 
-class EngineServer:
+class EngineServer(WeightRoutes):
+    """SGLang's native API over `scheduler`: generation and the engine's state here, the weight routes in
+    `WeightRoutes`."""
+
     def __init__(self, scheduler: Scheduler, *, model_path: str, served_model_name: str | None = None,
                  server_args: dict[str, Any] | None = None):
         self.s = scheduler
@@ -103,20 +96,20 @@ class EngineServer:
         except ContractError as e:
             resp = web.json_response({"error": str(e)}, status=400)
         except BadRequest as e:
-            resp = _error(400, str(e))
+            resp = error(400, str(e))
         except W.WireError as e:
             resp = web.json_response({"success": False, "message": str(e)}, status=400)
         except json.JSONDecodeError as e:
-            resp = _error(400, f"body is not valid JSON: {e}")
+            resp = error(400, f"body is not valid JSON: {e}")
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:  # as SGLang's FastAPI words them
             resp = web.json_response({"detail": "Not Found" if e.status == 404 else "Method Not Allowed"},
                                      status=e.status)
         except web.HTTPException:
             raise
         except (TypeError, ValueError, KeyError) as e:
-            resp = _error(400, f"{type(e).__name__}: {e}")
+            resp = error(400, f"{type(e).__name__}: {e}")
         except Exception as e:
-            resp = _error(500, f"{type(e).__name__}: {e}")
+            resp = error(500, f"{type(e).__name__}: {e}")
         resp.headers["X-Weight-Version"] = self.s.weight_version
         return resp
 
@@ -228,7 +221,7 @@ class EngineServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if self.s.released:
-            return _error(503, "memory is released; call /resume_memory_occupation first")
+            return error(503, "memory is released; call /resume_memory_occupation first")
         body = await self._json(request)
         params = self._params(body.get("sampling_params"))
         prompts, single = self._prompts(body)
@@ -479,181 +472,6 @@ class EngineServer:
 
         await self._call(resume)
         return web.json_response(None)
-
-    # -- weights ---------------------------------------------------------------------------------
-    # Answers as SGLang 0.5.23 gives them: {"success", "message"} with 200, or 400 and success false;
-    # tensor and distributed updates only inside a /begin_weight_update ... /end_weight_update session.
-
-    @staticmethod
-    def _result(success: bool, message: str, **extra: Any) -> web.Response:
-        return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
-
-    def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> web.Response:
-        if body.get("weight_version") is not None:
-            message += f" Weight version updated to {body['weight_version']}."
-        return self._result(True, message, **extra)
-
-    async def _update(self, body: dict[str, Any], load) -> int:
-        def apply():
-            if body.get("abort_all_requests"):
-                self.s._abort(None, "Aborted")
-            n = load()
-            self.s.clear_prefix_cache()  # KV computed with other weights
-            v = body.get("weight_version")
-            if v is not None:
-                self.s.weight_version = str(v)
-            return n
-
-        return await self._call(apply)
-
-    def _need_session(self, what: str) -> web.Response | None:
-        if not self.session:
-            return self._result(False, f"{what} must run between begin_weight_update() and end_weight_update()")
-        return None
-
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        if self.session:
-            return self._result(False, "a weight update session is already open")
-        self.session = True
-        return self._result(True, "Weight update session started.")
-
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        if not self.session:
-            return self._result(False, "no weight update session is open")
-        self.session = False
-        return self._result(True, "Weight update session ended.")
-
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        path = body.get("model_path")
-        if not path:
-            raise BadRequest("model_path is required")
-        try:
-            await self._update(body, lambda: W.load_from_disk(self.s.model, path))
-        except W.WeightError as e:
-            return self._result(False, f"Failed to update weights: {e}.", num_paused_requests=0)
-        return self._updated("Succeeded to update model weights.", body, num_paused_requests=0)
-
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if (refused := self._need_session("update_weights_from_tensor")) is not None:
-            return refused
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or not payloads:
-            raise BadRequest("serialized_named_tensors must be a non-empty list, one payload per TP rank")
-        if body.get("load_format") not in (None, "direct"):
-            raise BadRequest(f"load_format {body['load_format']!r} is not supported by the embedded engine")
-        # One payload per tensor-parallel rank (SGLang reads serialized_named_tensors[tp_rank]); this
-        # engine is TP rank 0 of 1.
-        try:
-            named = await asyncio.to_thread(W.deserialize_named_tensors, payloads[0])
-            await self._update(body, lambda: W.load_named(self.s.model, named))
-        except W.WireError as e:
-            return self._result(False, f"Failed to update weights: {e}")
-        return self._updated("Success", body)
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        try:
-            args = dict(master_address=body["master_address"], master_port=int(body["master_port"]),
-                        rank=int(body["rank_offset"]) + 0,  # rank_offset + tp_rank, as SGLang's ranks join
-                        world_size=int(body["world_size"]),
-                        group_name=body.get("group_name", DEFAULT_GROUP),
-                        backend=body.get("backend", "nccl"), local_address=self.server_args.get("host"))
-        except (KeyError, ValueError) as e:
-            raise BadRequest(f"init_weights_update_group needs master_address, master_port, rank_offset, "
-                             f"world_size: {e}") from None
-        try:
-            self.groups[args["group_name"]] = await asyncio.to_thread(W.BroadcastGroup, **args)
-        except Exception as e:
-            return self._result(False, f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
-        return self._result(True, "Succeeded to initialize custom process group.")
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        name = body.get("group_name", DEFAULT_GROUP)
-        if self.groups.pop(name, None) is None:
-            return self._result(False, f"Failed to destroy custom process group: no group {name!r}.")
-        return self._result(True, "Succeeded to destroy custom process group.")
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if body.get("new_version") is None:
-            raise BadRequest("new_version is required")
-
-        def apply():
-            if body.get("abort_all_requests", True):  # SGLang's default aborts everything
-                self.s._abort(None, "Aborted")
-            self.s.weight_version = str(body["new_version"])
-
-        await self._call(apply)
-        v = self.s.weight_version
-        return web.json_response({"success": True, "message": f"Weight version updated to {v}", "new_version": v})
-
-    async def update_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        if (refused := self._need_session("update_weights_from_distributed")) is not None:
-            return refused
-        name = body.get("group_name", DEFAULT_GROUP)
-        group = self.groups.get(name)
-        if group is None:
-            return self._result(False, f"Group {name} not in model update groups; call /init_weights_update_group")
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("names, dtypes and shapes are required lists")
-        # Receive outside the scheduler thread (generation goes on), then swap in between two steps.
-        try:
-            named = await asyncio.to_thread(group.receive, names, dtypes, shapes)
-            await self._update(body, lambda: W.load_named(self.s.model, named))
-        except W.WeightError as e:
-            return self._result(False, f"Failed to update parameter online: {e}")
-        return self._updated("Succeeded to update parameter online.", body)
-
-    async def weights_checksum(self, request: web.Request) -> web.Response:
-        """rlx's own route (SGLang has none): per-tensor hashes of the served weights by HF name, which a
-        trainer can recompute from what it sent, for exact verification."""
-        body = await self._json(request)
-        names = body.get("names")
-        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-            raise BadRequest("names: a list of weight names, or null for all")
-        head = body.get("head")
-        if head is not None and not (isinstance(head, int) and head > 0):
-            raise BadRequest("head: a positive number of leading values, or null for whole tensors")
-        return web.json_response(await self._call(lambda: W.checksums(self.s.model, names, head)))
-
-    async def weights_checker(self, request: web.Request) -> web.Response:
-        """SGLang's ``/weights_checker`` (0.5.23), action ``checksum``: per-parameter hashes per TP rank and
-        one per engine; the other actions (snapshot, reset_tensors, compare) are not served here."""
-        body = await self._json(request)
-        action = body.get("action", "checksum")
-        if action != "checksum":
-            return self._result(False, f"action {action!r} is not supported by the embedded engine (checksum is)")
-        sums = (await self._call(lambda: W.checksums(self.s.model, None)))["checksums"]
-        import hashlib
-
-        per_gpu = hashlib.sha256("".join(n + sums[n] for n in sorted(sums)).encode()).hexdigest()
-        info = [{"role": "tp", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-                 "rank": 0, "size": 1}]
-        return self._result(True, "checksum", ranks=[{"checksums": sums, "per_gpu_checksum": per_gpu,
-                                                      "parallelism_info": info}],
-                            per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest())
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await self._json(request) if request.method == "POST" else dict(request.query)
-        if "name" not in body:
-            raise BadRequest("name is required")
-        # SGLang implements this for the Llama, Granite and OPT families only (Qwen2/Qwen3 answer 400).
-        archs = set(getattr(self.s.model.config, "architectures", None) or [])
-        if not archs & W.BY_NAME_ARCHITECTURES:
-            raise BadRequest("Get parameter by name failed")
-        try:
-            values = await self._call(lambda: W.weights_by_name(self.s.model, body["name"],
-                                                                 int(body.get("truncate_size", 100))))
-        except W.WeightError:
-            raise BadRequest("Get parameter by name failed") from None
-        return web.json_response(values)
 
 
 def _rlx_version() -> str:

@@ -1,0 +1,76 @@
+"""Sampling for the embedded engine: vectorised over rows, each row with its own temperature, top-p, top-k and
+min-p. The logprob reported for a token is ``log_softmax(logits / temperature)`` at that token, before top-k or
+top-p truncation (SGLang's default), and the plain ``log_softmax(logits)`` when greedy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+
+class SamplingTensors:
+    """Per-row sampling parameters as tensors, built once per batch composition, not per step."""
+
+    def __init__(self, params: list[SamplingParams], device: torch.device):
+        self.temps = torch.tensor([p.temperature for p in params], device=device)
+        self.greedy = self.temps <= 0
+        self.all_greedy = bool(self.greedy.all())
+        self.divisor = torch.where(self.greedy, torch.ones_like(self.temps), self.temps)[:, None]
+        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], device=device)
+        self.min_p = torch.tensor([p.min_p for p in params], device=device)
+        self.truncate = bool((self.top_k > 0).any() | (self.top_p < 1).any())
+        self.use_min_p = bool((self.min_p > 0).any())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, with that row's sampling parameters; returns (tokens, logprobs)."""
+    t = params if isinstance(params, SamplingTensors) else SamplingTensors(params, logits.device)
+    logp = torch.log_softmax(logits / t.divisor, dim=-1)
+    if t.all_greedy:
+        tokens = logits.argmax(-1)
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    probs = logp.exp()
+    if t.truncate:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=logits.device)[None, :]
+        drop = (t.top_k[:, None] > 0) & (rank >= t.top_k[:, None])
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
+        drop |= (sorted_p.cumsum(-1) - sorted_p) >= t.top_p[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    if t.use_min_p:
+        probs = probs.masked_fill(probs < t.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    tokens = torch.where(t.greedy, logits.argmax(-1), draw(probs, generator))
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row with the rows' (unnormalised) probabilities, by inverting the cumulative sum at one
+    uniform number per row: the same distribution as ``torch.multinomial``, which draws a number per vocabulary
+    entry (13 ms against 0.3 ms for 16 rows of a 49k vocabulary on CPU)."""
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # float32 sums over 150k entries would blur the smallest odds
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, u, right=True)[:, 0]  # first entry whose cdf exceeds u: its probability is > 0
+    over = tokens >= probs.shape[-1]  # u rounded up to the total: the last token with a probability
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+        tokens = torch.where(over, last, tokens)
+    return tokens
