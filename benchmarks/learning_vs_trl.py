@@ -169,7 +169,7 @@ def _workload_config(w: Workload, seed: int, out: Path):
 
     return parse_config(json.dumps({
         "run": {"output_dir": str(out / "run"), "seed": seed},
-        "model": {"path": MODEL},
+        "model": {"path": MODEL, "kernels": {"matmul": "auto"}},  # as examples/smollm2.yaml
         "data": {"path": str(TRAIN_ROWS), "metadata_key": "metadata"},
         "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["math"],
                     "filter_zero_variance": False,

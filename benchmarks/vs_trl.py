@@ -14,7 +14,7 @@ Workloads (``--model``):
 Rows: rlx sync, async and async split; TRL as its users run it (torch's CPU matmul, MKL); and TRL with the
 ``matmul`` kernel rlx chooses for the model installed in its process (auto: oneDNN where it pays,
 `rlx.builtins.kernels`; the log says which), which shows how much of the difference is that kernel. rlx's
-trainer and engines choose their kernel by ``model.kernels.matmul`` (auto).
+trainer and engines choose their kernel by ``model.kernels.matmul: auto`` (set here; torch's own is the default).
 
 Needs `pip install trl`. Cores used: the CPU seconds of every process of the run (driver, trainer ranks,
 engines; TRL: its one process) over the wall time of the phase.
@@ -62,7 +62,7 @@ def run_rlx(w: Workload, data: Path, out: Path, mode: str, async_cores: str = "s
 
     cfg = parse_config(json.dumps({
         "run": {"output_dir": str(out), "seed": 1},
-        "model": {"path": w.model},
+        "model": {"path": w.model, "kernels": {"matmul": "auto"}},
         "data": {"path": str(data)},
         "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["digits"],
                     "sampling": {"max_new_tokens": w.tokens, "temperature": 1.0}},

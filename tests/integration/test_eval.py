@@ -41,7 +41,7 @@ def test_evaluation_at_step_0_and_every_interval_reaches_eval_jsonl_and_the_logg
         assert (f"CPU threads (async mode, cores shared): trainer ranks [2], engines [1]; "
                 f"OMP_WAIT_POLICY: trainer ranks {policy}, engines {policy}") in r.stderr
         engine_log = (tmp_path / "run" / "logs" / "engine-default-0.log").read_text()
-        # what the engine itself started with, and its matmul kernel (auto: torch's own for a model 64 wide)
+        # what the engine itself started with, and its matmul kernel (torch's own: the default)
         assert f"1 threads, OMP_WAIT_POLICY {policy}, matmul-torch)" in engine_log
     out = tmp_path / "run"
     rows = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""megatron-core on CPU through rlx.train.megatron_cpu, in a subprocess (the shim changes torch
+"""megatron-core on CPU through rlx.train.megatron_patches.cpu, in a subprocess (the shim changes torch
 globally, so it never runs inside the test process itself)."""
 
 import json
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = textwrap.dedent("""
     import os, sys, torch, warnings
     warnings.filterwarnings("ignore")
-    from rlx.train.megatron_cpu import enable
+    from rlx.train.megatron_patches.cpu import enable
     assert enable() is True
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     import torch.distributed as dist
@@ -102,34 +102,37 @@ def test_gpt_model_matches_hf_and_trains_with_the_distributed_optimizer(tiny_mod
 
 def test_enable_is_a_no_op_when_cuda_is_there(tmp_path):
     code = ("import torch; torch.cuda.is_available = lambda: True\n"
-            "from rlx.train.megatron_cpu import enable\n"
+            "from rlx.train.megatron_patches.cpu import enable\n"
             "t = torch.Tensor.type\n"
             "print(enable(), torch.Tensor.type is t)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "True"], r.stderr
 
 
-@pytest.mark.parametrize("order", ["rlx first", "rlx first, cuda", "megatron first"])
+@pytest.mark.parametrize("order", ["rlx.train first", "rlx.train first, cuda", "megatron first", "rlx alone"])
 def test_megatrons_jit_fuser_is_a_plain_decorator_on_cpu_and_torch_compile_is_not_imported(order):
-    """`import rlx` makes megatron's jit_fuser (torch.compile) a no-op decorator on a CPU machine as megatron is
-    imported: torch's compiler stays unimported (1.3 s of each trainer's start). On GPU machines megatron keeps
-    its choice; megatron imported before rlx keeps compiled functions, and then dynamo is disabled instead."""
-    first = {"rlx first": "import rlx\n", "rlx first, cuda": "torch.cuda.is_available = lambda: True\nimport rlx\n",
-             "megatron first": "import megatron.core\nimport rlx\n"}[order]
+    """`import rlx.train` makes megatron's jit_fuser (torch.compile) a no-op decorator on a CPU machine as megatron
+    is imported: torch's compiler stays unimported (1.3 s of each trainer's start). On GPU machines megatron keeps
+    its choice; megatron imported before rlx.train keeps compiled functions, and then dynamo is disabled instead.
+    `import rlx` alone installs nothing (a process that does not train keeps megatron's choice)."""
+    first = {"rlx.train first": "import rlx.train\n",
+             "rlx.train first, cuda": "torch.cuda.is_available = lambda: True\nimport rlx.train\n",
+             "megatron first": "import megatron.core\nimport rlx.train\n", "rlx alone": "import rlx\n"}[order]
     code = ("import sys, warnings, torch\nwarnings.filterwarnings('ignore')\n" + first +
             "from megatron.core.models.gpt import GPTModel\nfrom megatron.core import jit\n"
             "fuser = 'noop' if jit.jit_fuser is jit.noop_decorator else 'compile'\n"
             "dynamo = 'torch._dynamo' in sys.modules\n"
-            "from rlx.train import megatron_cpu\nmegatron_cpu.no_compile()\n"
+            "from rlx.train.megatron_patches import cpu\ncpu.no_compile()\n"
             "off = 'torch._dynamo' in sys.modules and sys.modules['torch._dynamo'].config.disable\n"
             "from megatron.core.activations import quick_gelu\nquick_gelu(torch.randn(8, 8))\n"
             "frames = sys.modules['torch._dynamo'].utils.counters['frames'] if dynamo else {}\n"
             "print(fuser, dynamo, off, sum(frames.values()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == {"rlx first": ["noop", "False", "False", "0"],
-                                "rlx first, cuda": ["compile", "True", "True", "0"],
-                                "megatron first": ["compile", "True", "True", "0"]}[order]  # nothing compiled
+    assert r.stdout.split() == {"rlx.train first": ["noop", "False", "False", "0"],
+                                "rlx.train first, cuda": ["compile", "True", "True", "0"],
+                                "megatron first": ["compile", "True", "True", "0"],
+                                "rlx alone": ["compile", "True", "True", "0"]}[order]  # nothing compiled
 
 
 DEEP = textwrap.dedent("""

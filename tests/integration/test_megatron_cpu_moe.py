@@ -18,7 +18,7 @@ PRELUDE = textwrap.dedent("""
     import json, os, sys, warnings
     warnings.filterwarnings("ignore")
     import torch
-    import rlx.train.megatron_cpu as mc
+    import rlx.train.megatron_patches.cpu as mc
     FIXES = %r
     real = {n: getattr(mc, n) for n in FIXES}
     skip = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else set()
@@ -95,7 +95,7 @@ EACH = PRELUDE + textwrap.dedent("""
     from megatron.core import jit
     from megatron.core.activations import quick_gelu
     quick_gelu(torch.randn(8, 8))  # a jit_fuser function: as torch.compile's, it would compile for tens of seconds
-    # `import rlx` made jit_fuser a no-op as megatron was imported (rlx._megatron_import): no compiler at all
+    # `import rlx.train` made jit_fuser a no-op as megatron was imported (rlx.train.megatron_patches.jit): no compiler at all
     results["compile"] = [jit.jit_fuser is jit.noop_decorator, "torch._dynamo" in sys.modules]
     print("RESULTS", json.dumps(results))
 """)

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace as NS
 
-from rlx.train.model import skip_lone_collectives
+from rlx.train.megatron_patches.ddp import skip_lone_collectives
 
 
 def _ddp(size, scale=1.0, **cfg):

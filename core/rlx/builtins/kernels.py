@@ -15,8 +15,9 @@ relative), as between any two BLAS libraries.
 ``auto`` takes oneDNN only where it measures at least `ONEDNN_MIN_SPEEDUP` times torch's own speed on a product
 of the model's width (``[1024, hidden] @ [hidden, hidden]``, once per process, at most about 10 ms): a CPU where
 MKL is at its best keeps MKL, and so does a model too narrow to gain (the built-in tiny one, 64 wide), which
-would only pay the replacement's dispatch on every product. ``model.kernels: {matmul: torch}`` keeps torch's
-kernel everywhere; ``{matmul: onednn}`` asks for oneDNN whatever it measures.
+would only pay the replacement's dispatch on every product. Replacing torch's kernel is opt-in: without
+``model.kernels.matmul`` (or with ``torch``) torch's own runs; ``{matmul: auto}`` measures, ``{matmul: onednn}``
+asks for oneDNN whatever it measures.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class ModelConfig(Section):
     tokenizer: str | None = None  # tokenizer directory, when not the model's own
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # the kernel for each op a model runs through the kernels hook (op -> kernel name, e.g. {gdn: flashqla}, or
-    # auto: the most preferred one that can run); unnamed ops are auto
+    # auto: the most preferred one that can run); unnamed ops are auto, except matmul: torch's own CPU aten::mm
+    # unless named (auto measures whether oneDNN pays on this CPU; onednn takes it)
     kernels: dict[str, str] = Field(default_factory=dict)
 
 

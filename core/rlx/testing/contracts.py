@@ -504,7 +504,7 @@ _LOGITS_SCRIPT = """
 import importlib, json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
-from rlx.train.megatron_cpu import enable
+from rlx.train.megatron_patches.cpu import enable
 enable()
 folder, model_type, module, port = sys.argv[1:5]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

@@ -62,7 +62,13 @@ def select(plugins: Any, op: str, choice: str = "auto", where: str = "kernels", 
     return kernel
 
 
-def use_matmul(plugins: Any, choice: str = "auto", device: Any = None, dtype: Any = None, hidden: int = 512,
+def matmul_choice(kernels: dict[str, str]) -> str:
+    """``model.kernels.matmul``: torch's own unless named. Replacing torch's ``aten::mm`` in a process is opt-in
+    (``auto``, which measures, or ``onednn``), never a default."""
+    return kernels.get("matmul", "torch")
+
+
+def use_matmul(plugins: Any, choice: str = "torch", device: Any = None, dtype: Any = None, hidden: int = 512,
                fallback: bool = False) -> Any:
     """Select this process's ``matmul`` kernel (``model.kernels.matmul``) and install it for torch's CPU matrix
     products (`install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether

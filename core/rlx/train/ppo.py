@@ -221,7 +221,7 @@ class CriticTrainer:
     def __init__(self, cfg: Any, plugins: Any, master_addr: str = "127.0.0.1"):
         from rlx.config import trainer_offloads
         from rlx.models.tiny import resolve_model_path
-        from rlx.train.kernels import use_matmul
+        from rlx.train.kernels import matmul_choice, use_matmul
         from rlx.train.offload import Residency
         from rlx.train.model import device, init_distributed, torch_dtype
         from rlx.train.spec import HFCheckpoint, model_spec
@@ -232,7 +232,7 @@ class CriticTrainer:
         self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel")
         path = resolve_model_path(tc.critic.model_path or cfg.model.path)
         self.spec = model_spec(path, plugins, cfg.model.kernels)
-        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), torch_dtype(cfg.model.dtype),
+        use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), torch_dtype(cfg.model.dtype),
                    self.spec.hidden_size)
         check_critic_model(self.spec, model_spec(resolve_model_path(cfg.model.path), plugins), path)
         self.critic = ModelRole("critic", self.spec, self.par, parallel, torch_dtype(cfg.model.dtype), value_head=True)

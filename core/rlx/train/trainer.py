@@ -19,7 +19,7 @@ import torch
 from rlx.config import Config, trainer_offloads
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.train.kernels import use_matmul
+from rlx.train.kernels import matmul_choice, use_matmul
 from rlx.train.model import ModelRole, ParallelState, device, init_distributed, torch_dtype
 from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model
@@ -36,7 +36,7 @@ class Trainer:
         self.model_path = resolve_model_path(cfg.model.path)
         self.spec = model_spec(self.model_path, plugins, cfg.model.kernels)
         dtype = torch_dtype(cfg.model.dtype)
-        use_matmul(plugins, cfg.model.kernels.get("matmul", "auto"), device(), dtype, self.spec.hidden_size)
+        use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
         self.actor.load_hf(HFCheckpoint(self.model_path))

@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
     p.add_argument("--kernels", default="{}",
-                   help='kernel choices as JSON, e.g. {"gdn": "torch"} (rlx\'s model.kernels; unnamed ops: auto)')
+                   help='kernel choices as JSON, e.g. {"gdn": "torch"} (rlx\'s model.kernels; unnamed ops: auto, but matmul: torch)')
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record the experts each token is routed to, for requests with return_routed_experts")
     return p.parse_args(argv)
@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import use_matmul
+    from rlx.train.kernels import matmul_choice, use_matmul
 
-    matmul = use_matmul(build_plugins(), json.loads(args.kernels).get("matmul", "auto"), device,
+    matmul = use_matmul(build_plugins(), matmul_choice(json.loads(args.kernels)), device,
                         getattr(torch, dtype), model.config.get_text_config().hidden_size, fallback=True)
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,

@@ -28,7 +28,7 @@ For mixture-of-experts and latent attention (each its own function, with a test 
   ``isinstance`` with them. MLA's core attention is `rlx.train.attention.SDPACoreAttention`: megatron's
   local one does not take ``k_channels``/``v_channels``.
 * `no_compile`: megatron's ``jit_fuser`` is ``torch.compile``; its first call on CPU takes tens of seconds. It is
-  made a no-op as megatron is imported (`rlx._megatron_import`, installed by ``import rlx``), which also spares each
+  made a no-op as megatron is imported (`rlx.train.megatron_patches.jit`, installed by ``import rlx.train``), which also spares each
   trainer process the 1.3 s import of torch's compiler.
 * `uneven_gathers`: with expert and expert-tensor parallelism together, the token dispatcher all-gathers and
   reduce-scatters pieces of different lengths over the expert-tensor-parallel group; gloo takes only equal

@@ -3,8 +3,8 @@ imported.
 
 ``jit_fuser`` is ``torch.compile``. Decorating megatron's fused functions with it imports torch's dynamo and
 inductor, 1.3 s of every trainer process's start. Compiling them on their first call would take tens of seconds
-on CPU, so rlx never lets that happen (`rlx.train.megatron_cpu.no_compile`); as plain functions they are the
-same code. Installed by ``import rlx``, which every trainer process does before megatron; torch-free until
+on CPU, so rlx never lets that happen (`rlx.train.megatron_patches.cpu.no_compile`); as plain functions they are the
+same code. Installed by ``import rlx.train``, which every trainer process does before megatron; torch-free until
 megatron itself is imported. GPU machines keep megatron's choice.
 """
 
