@@ -1,11 +1,18 @@
-"""pytest plugin (entry point ``pytest11``): fixtures for testing rlx plugins."""
+"""pytest plugin (entry point ``pytest11``): fixtures for testing rlx plugins, and the suite's hygiene.
+
+Every process a test starts inherits ``RLX_TEST_ID`` (one value per test); after the test's teardown, any still
+alive is killed and named in the terminal summary, so a test that fails (or forgets) leaves nothing behind. The
+session does the same for what its fixtures started (``RLX_TEST_SESSION``)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import uuid
 
 import pytest
+
+_LEFT: list[str] = []  # "test: pid command", for the summary
 
 
 def pytest_configure(config):
@@ -15,6 +22,44 @@ def pytest_configure(config):
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    os.environ["RLX_TEST_SESSION"] = uuid.uuid4().hex  # a new one in a pytest run by a test: its own sweep
+
+
+def _sweep(var: str, where: str) -> None:
+    """Kill the live processes tagged with this process's ``var`` (after a short grace for those stopping)."""
+    from rlx.testing.processes import wait_gone
+
+    tag = os.environ.get(var)
+    if not tag:
+        return
+    for pid in wait_gone(tag, timeout=5, var=var):
+        if pid == os.getpid():
+            continue
+        try:
+            command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:160]
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            continue
+        _LEFT.append(f"{where}: pid {pid} {command}")
+
+
+@pytest.fixture(autouse=True)
+def _kill_what_the_test_left():
+    os.environ["RLX_TEST_ID"] = uuid.uuid4().hex
+    yield
+    _sweep("RLX_TEST_ID", os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])
+    del os.environ["RLX_TEST_ID"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _sweep("RLX_TEST_SESSION", "the session's fixtures")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _LEFT:
+        terminalreporter.section("processes the tests left behind (killed)")
+        for line in _LEFT:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
