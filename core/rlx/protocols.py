@@ -15,7 +15,7 @@ generators     ``async generate(ctx, sample)``             ``rollout.generator``
 advantages     ``advantages(groups)``                      ``train.objective.advantage``
 losses         ``loss(inputs)``                            ``train.objective.loss``
 balancers      ``partition(lengths, k, flops)``            ``train.balancer``
-transports     ``async setup/send/commit/close``           ``train.transport``
+transports     ``async setup/send/commit/close``           ``weight_sync.transport``
 models         ``spec(hf_config) -> ModelSpec``            the checkpoint's ``model_type``
 kernels        ``supports(**query)``, ``__call__``         by name, from model bridges
 agents         ``async run(base_url, api_key, task)``      ``rollout.generator.args.function``

@@ -199,7 +199,7 @@ def check_engine(ctx: Ctx) -> None:
 
 def check_transport(ctx: Ctx) -> None:
     """Pass: after one training step, the ``tensor`` transport's push (CUDA IPC handles to an engine on the same
-    GPU) leaves every engine tensor equal bit for bit to what was sent (``verify_weights: full``), and the
+    GPU) leaves every engine tensor equal bit for bit to what was sent (``weight_sync.verify: full``), and the
     engine's log-probs then match the trained trainer's as in the engine check."""
     from rlx.plugins import build_plugins
     from rlx.orchestrate.ranks import weight_target
@@ -211,7 +211,7 @@ def check_transport(ctx: Ctx) -> None:
                                    status=SampleStatus.COMPLETED, sample_id=4 * i + j, group_id=i)
                             for j in range(4)]) for i in range(2)]
         trainer.train_step(RolloutBatch(1, groups))
-        sender = WeightSender(trainer, build_plugins(), trainer.cfg.train.transport, "full", 1,
+        sender = WeightSender(trainer, build_plugins(), trainer.cfg.weight_sync.transport, "full", 1,
                               engine_for=lambda url: weight_target(url, 600))
         sender.setup([e.url for e in fleet.engines], str(ctx.work), "127.0.0.1")
         t = time.monotonic()
@@ -390,7 +390,8 @@ def train_config(ctx: Ctx, name: str, steps: int, **train: Any) -> Path:
                        "sampling": {"temperature": 1.0, "max_new_tokens": 16},
                        "engines": [{"name": "main", "num_engines": 1, "server_args": {"device": ctx.device}}],
                        **({"offload_during_train": True} if train.get("offload") else {})},
-           "train": {"num_steps": steps, "transport": "tensor", "optim": {"lr": 1.0e-3},
+           "weight_sync": {"transport": "tensor"},
+           "train": {"num_steps": steps, "optim": {"lr": 1.0e-3},
                      "objective": {"advantage": "grpo", "loss": "ppo_clip", "loss_norm": "token"}, **train}}
     path = ctx.work / f"{name}.yaml"
     path.write_text(json.dumps(cfg))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 def test_at_temperature_0_6_trainer_and_engine_log_probs_agree(tiny_model_path, tmp_path):
     cfg = small_run_config(tmp_path, "t06", ray={"enabled": False},
                            rollout={"sampling": {"temperature": 0.6, "max_new_tokens": 12}},
-                           train={"num_steps": 2, "verify_weights": "full", "verify_full_interval": 1})
+                           train={"num_steps": 2}, weight_sync={"verify": "full", "verify_full_interval": 1})
     r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -159,7 +159,8 @@ def test_a_bridge_a_transport_and_a_loss_from_outside_work_with_no_change_to_rlx
     # and a run that trains a Phi-3 with them: its own bridge, its loss, its transport
     model = phi3_with_tokenizer(tmp_path / "phi3", tiny_model_path)
     cfg = small_run_config(tmp_path, "run", model={"path": str(model)}, ray={"enabled": False},
-                           train={"num_steps": 2, "transport": "one-by-one", "objective": {"loss": "vanilla_pg"}})
+                           train={"num_steps": 2, "objective": {"loss": "vanilla_pg"}},
+                           weight_sync={"transport": "one-by-one"})
     r = run(scratch_venv, "-m", "rlx_cli.main", "train", str(cfg))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -119,7 +119,7 @@ def test_trainer_and_engine_on_two_hosts_train_and_sync_weights(hosts, tiny_mode
     hosts.start(hosts.b, [ray, "start", f"--address={A_IP}:{port}", f"--node-ip-address={B_IP}", *common],
                 tmp_path / "worker.log")
 
-    cfg = small_run_config(tmp_path, "run", train={"transport": "broadcast"},
+    cfg = small_run_config(tmp_path, "run", weight_sync={"transport": "broadcast"},
                            ray={"address": f"{A_IP}:{port}", "placement": "disaggregated", "cpus_per_trainer": 1,
                                 "cpus_per_engine": 1})
     # each node has one CPU, so the trainer's bundle and the engine's cannot share a node

@@ -84,8 +84,8 @@ def test_every_transport_leaves_sglang_serving_the_trainers_weights(attached, tr
     equals its checksum of the trainer's exported weights loaded from disk: bit for bit, in SGLang's own
     (fused) layout."""
     cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [attached]},
-                           train={"num_steps": 20, "mode": mode, "transport": transport,
-                                  "checkpoint": {"interval": 0}})
+                           train={"num_steps": 20, "mode": mode, "checkpoint": {"interval": 0}},
+                           weight_sync={"transport": transport})
     r = rl_train(cfg, "--save-hf", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "run")

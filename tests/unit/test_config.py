@@ -172,8 +172,8 @@ def test_settings_of_the_other_training_mode_are_errors():
     cfg = parse_config("model: {path: /m}\ntrain: {mode: async, async: {swap: drain, max_staleness: 3}}\n")
     assert cfg.train.async_.swap == "drain" and cfg.train.async_.max_staleness == 3
     with pytest.raises(ConfigError) as e:
-        parse_config("model: {path: /m}\ntrain: {mode: async, update_interval: 2}\n")
-    assert "train.async.max_staleness: must be at least train.update_interval (2)" in str(e.value)
+        parse_config("model: {path: /m}\ntrain: {mode: async}\nweight_sync: {interval: 2}\n")
+    assert "train.async.max_staleness: must be at least weight_sync.interval (2)" in str(e.value)
 
 
 def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():

@@ -277,8 +277,8 @@ def test_objective_settings_that_cannot_mean_anything_are_config_errors():
     from rlx.config import parse_config
     from rlx.errors import ConfigError
 
-    assert parse_config("model: {path: /m}\ntrain: {verify_weights: off}").train.verify_weights == "off"
-    assert parse_config("model: {path: /m}\ntrain: {verify_weights: true}").train.verify_weights == "sample"
+    assert parse_config("model: {path: /m}\nweight_sync: {verify: off}").weight_sync.verify == "off"
+    assert parse_config("model: {path: /m}\nweight_sync: {verify: true}").weight_sync.verify == "sample"
     with pytest.raises(ConfigError, match="tis_low is a bound of importance sampling, which is off"):
         parse_config("model: {path: /m}\ntrain: {objective: {tis_low: 0.5}}")
     with pytest.raises(ConfigError, match=r"tis_low \(3.0\) must not exceed tis_cap \(2.0\)"):

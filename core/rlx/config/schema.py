@@ -158,7 +158,6 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(600, gt=0)  # one generate request, end to end
     retries: int = Field(0, ge=0)  # immediate retries of a request that failed on an unreachable engine
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
-    weight_update_timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
     max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
     coalesce_requests: bool | None = None  # identical generate requests issued together (a group's samples) go
     #   as one request with n = their count (SGLang's parallel sampling: one prefill, n continuations); None: on,
@@ -326,7 +325,6 @@ class TrainConfig(Section):
     max_restarts: int = Field(0, ge=0)  # a trainer rank that dies: start the trainers again from this run's newest
     #                                   checkpoint this many times (Ray only), instead of ending the run
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
-    update_interval: int = Field(1, ge=1)  # push weights to the engines every N steps
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
     threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: the node's cores shared by its
     #                                         trainer ranks; async with async_cores "split": ray.cpus_per_trainer)
@@ -337,11 +335,6 @@ class TrainConfig(Section):
     row_tokens: int | None = Field(None, ge=1)  # packed row length (None: a micro-batch is one row, no padding);
     #                                             shorter rows are padded to the longest; attention is per sample
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
-    transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # weight sync
-    # after each push: "sample" checks the version and a few values of some tensors on every engine; "full"
-    # also compares a hash of every tensor every verify_full_interval pushes; "off" checks nothing
-    verify_weights: Literal["full", "sample", "off"] = "sample"
-    verify_full_interval: int = Field(10, ge=1)
     logprob_diff_threshold: float = Field(0.5, gt=0)  # probe: count tokens whose trainer and engine log-probs
     #                                                   differ by more than this
     # colocated offload: the trainer moves its GPU memory to the host while engines on its GPU generate, and keeps
@@ -356,12 +349,31 @@ class TrainConfig(Section):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
-    @field_validator("transport", "balancer", mode="before")
+    @field_validator("balancer", mode="before")
     @classmethod
     def _component(cls, v: Any) -> Any:
         return ComponentSpec.coerce(v)
 
-    @field_validator("verify_weights", mode="before")
+
+class WeightSyncConfig(Section):
+    """How the trainer's weights reach the engines (`rlx.transport`): the transport, how often, how each push is
+    verified, and how long one call to one engine may take."""
+
+    transport: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tensor"))  # tensor, broadcast,
+    #                                                              disk, or a plugin's (delta)
+    interval: int = Field(1, ge=1)  # push weights to the engines every N steps
+    # after each push: "sample" checks the version and a few values of some tensors on every engine; "full"
+    # also compares a hash of every tensor every verify_full_interval pushes; "off" checks nothing
+    verify: Literal["full", "sample", "off"] = "sample"
+    verify_full_interval: int = Field(10, ge=1)
+    timeout_s: float = Field(600, gt=0)  # one weight-update call to one engine
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _component(cls, v: Any) -> Any:
+        return ComponentSpec.coerce(v)
+
+    @field_validator("verify", mode="before")
     @classmethod
     def _verify(cls, v: Any) -> Any:
         # YAML reads a bare off/on as a boolean
@@ -436,6 +448,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
@@ -457,7 +470,7 @@ COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("rollout", "rewards"), "rewards"),
     (("train", "objective", "advantage"), "advantages"),
     (("train", "objective", "loss"), "losses"),
-    (("train", "transport"), "transports"),
+    (("weight_sync", "transport"), "transports"),
     (("train", "balancer"), "balancers"),
     (("run", "loggers"), "loggers"),
 ]
@@ -512,9 +525,9 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         if cfg.rollout.over_sampling != 1.0:
             problems.append((("rollout", "over_sampling"), "applies to sync partial rollout; in async mode "
                              "train.async.max_staleness sets how many groups run ahead"))
-        if cfg.train.async_.max_staleness < cfg.train.update_interval:
-            problems.append((("train", "async", "max_staleness"), f"must be at least train.update_interval "
-                             f"({cfg.train.update_interval}): between pushes the engines serve weights up to "
+        if cfg.train.async_.max_staleness < cfg.weight_sync.interval:
+            problems.append((("train", "async", "max_staleness"), f"must be at least weight_sync.interval "
+                             f"({cfg.weight_sync.interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))
     if cfg.train.offload and cfg.rollout.offload_during_train is False:
         problems.append((("train", "offload"), "the trainer takes its memory back to train, which the engines must "

@@ -284,8 +284,8 @@ async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: in
     t2 = time.monotonic()
     await meter.mark()
     t2_ = time.monotonic()
-    version += 1  # the trainer's policy version; the engines get it every update_interval steps
-    if step % cfg.train.update_interval == 0:
+    version += 1  # the trainer's policy version; the engines get it every weight_sync.interval steps
+    if step % cfg.weight_sync.interval == 0:
         if settle is not None:
             await settle()
         await batches.swap(lambda: weights.push(version))

@@ -61,10 +61,9 @@ class TrainerWorker:
 
         plugins = build_plugins()
         self.trainer = Trainer(self.cfg, plugins, master_addr)
-        tc = self.cfg.train
-        self.sender = WeightSender(self.trainer, plugins, tc.transport, tc.verify_weights, tc.verify_full_interval,
-                                   engine_for=functools.partial(weight_target,
-                                                                timeout_s=self.cfg.rollout.weight_update_timeout_s))
+        ws = self.cfg.weight_sync
+        self.sender = WeightSender(self.trainer, plugins, ws.transport, ws.verify, ws.verify_full_interval,
+                                   engine_for=functools.partial(weight_target, timeout_s=ws.timeout_s))
 
     def node(self) -> str:
         return self.host

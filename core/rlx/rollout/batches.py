@@ -8,12 +8,12 @@ whole time while the trainer trains on groups already finished. Choices:
 
 * Staleness is counted in weight versions: a group's lag is the trainer's version minus the oldest
   version behind any of its tokens. Admission keeps lags within bound: at most
-  ``(max_staleness - update_interval + 1) × n_prompts`` groups are running or queued at once (with
+  ``(max_staleness - weight_sync.interval + 1) × n_prompts`` groups are running or queued at once (with
   ``max_staleness: 1`` the next batch generates while the trainer trains on this one). A group that
   still lags too far (a long tail of generation time) is regenerated from its prompt (same ids, first
   in line) or dropped (``train.async.stale_groups``); with ``train.async.mask_stale_tokens`` only the tokens past
   the bound lose their loss mask instead.
-* Weight swaps (every ``train.update_interval`` steps): ``swap: pause`` pauses generation only for
+* Weight swaps (every ``weight_sync.interval`` steps): ``swap: pause`` pauses generation only for
   the push; requests in flight then go on with the new weights, so one sample may hold tokens of
   several versions, each tagged (partial rollout). ``swap: drain`` holds new requests and lets those in
   flight finish on the old weights first, so no sample mixes versions.
@@ -109,7 +109,7 @@ class AsyncBatches:
         self.stop: asyncio.Event | None = None
         self.room = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.capacity = (self.ac.max_staleness - self.tc.update_interval + 1) * self.rc.n_prompts
+        self.capacity = (self.ac.max_staleness - self.cfg.weight_sync.interval + 1) * self.rc.n_prompts
 
     def start(self) -> None:
         self.stop = asyncio.Event()

@@ -350,6 +350,11 @@ def reward_processes(n: int = 4, load_timeout_s: float = 300.0) -> RewardProcess
     return _PROCESSES[key]
 
 
+def shared_worker_pids() -> set[int]:
+    """The reward worker processes this process keeps for its whole life (shared by its rollouts)."""
+    return {pid for pool in _PROCESSES.values() if not pool.closed for pid in pool.pids()}
+
+
 @atexit.register
 def _close_pools() -> None:
     for pool in _PROCESSES.values():

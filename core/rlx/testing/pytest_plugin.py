@@ -26,15 +26,22 @@ def pytest_configure(config):
 
 
 def _sweep(var: str, where: str) -> None:
-    """Kill the live processes tagged with this process's ``var`` (after a short grace for those stopping)."""
-    from rlx.testing.processes import wait_gone
+    """Kill the live processes tagged with this process's ``var`` (after a short grace for those stopping), but
+    those this process keeps for its life on purpose (the shared reward workers, `rlx.rollout.rewards`)."""
+    import sys
+    import time
+
+    from rlx.testing.processes import processes_tagged
 
     tag = os.environ.get(var)
     if not tag:
         return
-    for pid in wait_gone(tag, timeout=5, var=var):
-        if pid == os.getpid():
-            continue
+    rewards = sys.modules.get("rlx.rollout.rewards")
+    kept = {os.getpid(), *(rewards.shared_worker_pids() if rewards else ())}
+    deadline = time.monotonic() + 5
+    while (left := set(processes_tagged(tag, var)) - kept) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in sorted(left):
         try:
             command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:160]
             os.kill(pid, signal.SIGKILL)

@@ -46,7 +46,7 @@ class Engine:
     update_weights: bool = True
     tp_size: int = 1  # tensor-parallel ranks: each is one member of a weight-update group
     process: Any = None  # a ManagedProcess or alike; None: attached, not ours to stop
-    timeout_s: float = 600  # a control or weight-update call (rollout.weight_update_timeout_s)
+    timeout_s: float = 600  # a control or weight-update call (weight_sync.timeout_s)
     state: str = "serving"  # serving | down | restarting | joining | retired (see rlx.rollout.engines.health)
     restarts: int = 0
     launch: Any = None  # (group config, log path): how to start it again
@@ -169,7 +169,7 @@ class EngineFleet:
             raise
 
     async def _start(self) -> None:
-        timeout = self.rc.weight_update_timeout_s
+        timeout = self.cfg.weight_sync.timeout_s
         if self.rc.external_engines:
             self.engines = [Engine(u.rstrip("/"), "external", timeout_s=timeout) for u in self.rc.external_engines]
         else:

@@ -21,8 +21,9 @@ def test_tensor_parallel_run_with_routing_replay(tmp_path):
 
     cfg = small_run_config(tmp_path, "run", model={"path": "builtin://tiny-deepseek-v3"},
                            ray={"cpus_per_trainer": 0.5, "cpus_per_engine": 0.5},
-                           train={"num_steps": 3, "parallel": {"world_size": 2, "tp": 2}, "verify_weights": "full",
-                                  "verify_full_interval": 1, "objective": {"routing_replay": True}})
+                           train={"num_steps": 3, "parallel": {"world_size": 2, "tp": 2},
+                                  "objective": {"routing_replay": True}},
+                           weight_sync={"verify": "full", "verify_full_interval": 1})
     run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-4000:]

@@ -77,7 +77,7 @@ PACKED_SCRIPT = """
 import json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
-from rlx.train.megatron_cpu import enable
+from rlx.train.megatron_patches.cpu import enable
 enable()
 folder, port = sys.argv[1:3]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

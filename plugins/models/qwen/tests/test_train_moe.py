@@ -1,6 +1,6 @@
 """`rl train` on the tiny Qwen3-MoE with experts split over two trainer processes (EP=2, Ray): every push
 gathers the experts from both ranks into per-expert HF tensors that the embedded engine writes into its fused
-expert weights, and every tensor the engine then serves is checked against what was sent (verify_weights: full)."""
+expert weights, and every tensor the engine then serves is checked against what was sent (weight_sync.verify: full)."""
 
 import os
 import subprocess
@@ -21,8 +21,8 @@ def test_expert_parallel_run_pushes_every_expert_and_exports_hf(tmp_path):
 
     cfg = small_run_config(tmp_path, "run", model={"path": "builtin://tiny-qwen3-moe"},
                            ray={"cpus_per_trainer": 0.5, "cpus_per_engine": 0.5},
-                           train={"num_steps": 3, "parallel": {"world_size": 2, "ep": 2}, "verify_weights": "full",
-                                  "verify_full_interval": 1})
+                           train={"num_steps": 3, "parallel": {"world_size": 2, "ep": 2}},
+                           weight_sync={"verify": "full", "verify_full_interval": 1})
     run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-4000:]

@@ -1,6 +1,6 @@
 """rlx transport plugin: lossless delta weight sync through shared storage, for engines that live elsewhere.
 
-``train.transport: delta`` publishes each push as a full checkpoint or a compressed lossless delta of the
+``weight_sync.transport: delta`` publishes each push as a full checkpoint or a compressed lossless delta of the
 bytes the engines serve (`rlx_transport_delta.transport`); a weights agent beside each engine pulls,
 applies, checks and reloads it through the engine's stock ``/update_weights_from_disk``
 (`rlx_transport_delta.agent`, ``rl weights-agent``). No engine patches.

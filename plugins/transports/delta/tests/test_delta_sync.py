@@ -243,9 +243,9 @@ def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, 
     agent.start()
     try:
         cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [engine.url]},
-                               train={"num_steps": 3, "mode": mode, "transport": {"name": "delta",
-                                                                    "args": {"path": str(store), "agents": "external",
-                                                                             "full_every": 10}}})
+                               train={"num_steps": 3, "mode": mode},
+                               weight_sync={"transport": {"name": "delta", "args": {
+                                   "path": str(store), "agents": "external", "full_every": 10}}})
         run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf",
                               str(tmp_path / "hf")], capture_output=True, text=True, timeout=900,
                              env={**os.environ, "RLX_TEST_TAG": uuid.uuid4().hex})
