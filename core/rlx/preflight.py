@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describe_error
 from rlx.errors import RLXError
 
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
+
 Problem = tuple[tuple[Any, ...], str]
 
 
-def config_checks(plugins: Any = None, files: bool = False) -> list[Any]:
+def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
     """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
     given), then, when those pass, the files the config names (with `files`)."""
     out: list[Any] = []
@@ -35,7 +38,7 @@ def config_checks(plugins: Any = None, files: bool = False) -> list[Any]:
     return out
 
 
-def check_components(cfg: Any, plugins: Any) -> list[Problem]:
+def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
     """Every component name exists, and its args validate against the component's ``Config``."""
     from rlx.plugins import unknown_component_message
 
@@ -64,7 +67,7 @@ def check_components(cfg: Any, plugins: Any) -> list[Problem]:
     return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
 
 
-def _check_kernels(cfg: Any, plugins: Any) -> list[Problem]:
+def _check_kernels(cfg: Any, plugins: Plugins) -> list[Problem]:
     """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
     from rlx.train.kernels import candidates
 
@@ -80,7 +83,7 @@ def _check_kernels(cfg: Any, plugins: Any) -> list[Problem]:
     return problems
 
 
-def _check_critic(cfg: Any, plugins: Any) -> list[Problem]:
+def _check_critic(cfg: Any, plugins: Plugins) -> list[Problem]:
     """``train.critic`` and ``kl_in_reward`` apply to estimators with a critic only (never silently ignored)."""
     name = cfg.train.objective.advantage.name
     if name not in plugins.components["advantages"]:

@@ -140,7 +140,10 @@ def test_every_hookspec_is_exercised_by_a_test():
     from rlx import hookspecs
     from rlx.plugins import _spec_names
 
+    import inspect
+
     text = "".join(p.read_text() for p in pathlib.Path(__file__).parent.parent.rglob("test_*.py"))
+    text = text.replace(inspect.getsource(test_every_hookspec_is_exercised_by_a_test), "")  # not by naming itself
     missing = [n for n in _spec_names() if n not in text]
     assert not missing, f"hooks without a test: {missing}"
     assert set(_spec_names()) >= {f"register_{k}" for k in hookspecs.KINDS}

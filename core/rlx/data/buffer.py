@@ -37,13 +37,16 @@ import json
 import math
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from rlx.config import Config
 from rlx.http import bearer_key, serve_local
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 
 class Rejected(Exception):
@@ -68,7 +71,7 @@ def _unknown(given: dict, known: tuple[str, ...], where: str) -> None:
 
 
 class TrajectoryBuffer:
-    def __init__(self, cfg: Config, tokenizer: Any, plugins: Any, max_len: int | None = None):
+    def __init__(self, cfg: Config, tokenizer: Any, plugins: Plugins, max_len: int | None = None):
         self.cfg = cfg
         self.tok = tokenizer
         self.plugins = plugins

@@ -18,6 +18,7 @@ from rlx.config import Config
 from rlx.errors import RLXError
 
 if TYPE_CHECKING:
+    from rlx.plugins import Plugins
     from rlx.rollout.session import RolloutSession
 
 
@@ -65,7 +66,7 @@ def export_checkpoint(cfg: Config, checkpoint: Path, hf: Path) -> None:
                 placement.shutdown()
 
 
-async def evaluate(cfg: Config, plugins: Any, checkpoint: Path | None = None) -> tuple[dict[str, float], Path]:
+async def evaluate(cfg: Config, plugins: Plugins, checkpoint: Path | None = None) -> tuple[dict[str, float], Path]:
     """Run every eval dataset on the policy; (metrics, path of eval.jsonl)."""
     from rlx.rollout.evaluate import Evaluator, write_rows
     from rlx.rollout.session import RolloutSession
@@ -88,7 +89,7 @@ class Evals:
     the step it evaluates: the next weight push (or engine offload) waits for it. Results go to the loggers
     at the step evaluated, to ``eval.jsonl`` and to the terminal."""
 
-    def __init__(self, cfg: Config, plugins: Any, session: RolloutSession, loggers: list[Any], out: Path):
+    def __init__(self, cfg: Config, plugins: Plugins, session: RolloutSession, loggers: list[Any], out: Path):
         from rlx.rollout.evaluate import Evaluator
 
         self.evaluator = Evaluator(cfg, plugins, session.ctx)

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.errors import Interrupted
@@ -35,8 +35,11 @@ from rlx.protocols import RunInfo
 from rlx.rollout.batches import BatchSource, batch_source
 from rlx.rollout.session import RolloutSession
 
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
-async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Path | None = None,
+
+async def train(cfg: Config, plugins: Plugins, *, resume: bool = False, save_hf: Path | None = None,
                 progress: Callable[[int, dict[str, Any]], None] | None = None, verbose: bool = False) -> Path:
     """Train as ``cfg`` says; returns the run's output folder. `progress(step, record)` after each step."""
     if resume:  # before anything starts: nothing to resume is an error in a second, not after Ray and engines
@@ -56,7 +59,7 @@ async def train(cfg: Config, plugins: Any, *, resume: bool = False, save_hf: Pat
         stop.close()
 
 
-async def _train(cfg: Config, plugins: Any, stop: StopRequest, *, resume: bool, save_hf: Path | None,
+async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bool, save_hf: Path | None,
                  progress: Callable[[int, dict[str, Any]], None] | None, verbose: bool) -> Path:
     """Start the run's pieces (placement, trainer ranks, loggers, engines), run its steps, and stop the pieces in
     the reverse order, whatever happened."""
@@ -97,7 +100,7 @@ class Run:
     """One run between its start and its end: where it is (step, weight version, last checkpoint, restarts), the
     step loop, and what each step ends with (metrics to the log and loggers, checkpoints, evaluations)."""
 
-    def __init__(self, cfg: Config, plugins: Any, placement: Any, trainers: Trainers, weights: Weights,
+    def __init__(self, cfg: Config, plugins: Plugins, placement: Any, trainers: Trainers, weights: Weights,
                  batches: BatchSource, session: RolloutSession, loggers: list[Any], stop: StopRequest,
                  progress: Callable[[int, dict[str, Any]], None] | None):
         self.cfg, self.plugins, self.placement, self.trainers = cfg, plugins, placement, trainers
@@ -249,7 +252,7 @@ class Trainers:
         self.group.shutdown()
 
 
-async def make_batches(cfg: Config, session: RolloutSession, plugins: Any) -> BatchSource:
+async def make_batches(cfg: Config, session: RolloutSession, plugins: Plugins) -> BatchSource:
     """Where batches come from: generated (sync or async), or POSTed to the rollout buffer service."""
     if cfg.rollout.source == "generate":
         return batch_source(cfg, session.manager, session.fleet)

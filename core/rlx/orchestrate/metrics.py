@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rlx.plugins import Plugins
     from rlx.config import Config
 
 REQUIRED = ("step", "reward/mean", "response_len/mean", "loss", "kl", "entropy", "time/rollout_s",
@@ -150,7 +151,7 @@ class DiffWatch:
         return None
 
 
-def objective_notes(cfg: Config, plugins: Any) -> list[str]:
+def objective_notes(cfg: Config, plugins: Plugins) -> list[str]:
     """What a user should know about the objective they configured, before it runs."""
     obj, sampling = cfg.train.objective, cfg.rollout.sampling
     notes = []

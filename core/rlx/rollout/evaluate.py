@@ -20,7 +20,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config, EvalDatasetConfig
 from rlx.data.datasets import PromptDataset, tokenize_prompt
@@ -28,6 +28,9 @@ from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.rewards import Rewards
 from rlx.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 MAX_RESUMES = 8  # a sample aborted this many times (by swaps or aborts) counts as failed
 
@@ -69,7 +72,7 @@ def dataset_metrics(spec: EvalDatasetConfig, groups: list[list[Sample]]) -> dict
 class Evaluator:
     """Runs every eval dataset of the config through a generator context (the run's engines)."""
 
-    def __init__(self, cfg: Config, plugins: Any, ctx: GenerateContext):
+    def __init__(self, cfg: Config, plugins: Plugins, ctx: GenerateContext):
         self.cfg = cfg
         self.plugins = plugins
         self.ctx = ctx

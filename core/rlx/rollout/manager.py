@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
@@ -36,6 +36,9 @@ from rlx.rollout.engines.protocol import EngineError
 from rlx.rollout.rewards import Rewards
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
+
 log = logging.getLogger(__name__)
 
 #: Metadata a generation writes (not the dataset's): dropped when a group is generated again.
@@ -43,7 +46,7 @@ GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_t
 
 
 class RolloutManager:
-    def __init__(self, cfg: Config, plugins: Any, dataset: PromptDataset, ctx: GenerateContext,
+    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset, ctx: GenerateContext,
                  abort_all: Callable[[], Any] | None = None):
         """`abort_all`: an async callable that aborts every in-flight request on every engine."""
         self.cfg = cfg

@@ -35,12 +35,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import RewardSpec, RolloutConfig
 from rlx.errors import RLXError
 from rlx.rollout import reward_worker
 from rlx.types import RewardResult, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 
 @dataclass
@@ -56,7 +59,7 @@ class BoundReward:
         return inspect.iscoroutinefunction(self.reward.score)
 
 
-def build_rewards(specs: list[RewardSpec], plugins: Any) -> list[BoundReward]:
+def build_rewards(specs: list[RewardSpec], plugins: Plugins) -> list[BoundReward]:
     return [BoundReward(s.name, s.weight, plugins.build("rewards", s)) for s in specs]
 
 
@@ -370,7 +373,7 @@ class Rewards:
     `where` names the config key of the list in errors (``rollout.rewards``, ``eval.datasets[0].rewards``).
     """
 
-    def __init__(self, specs: list[RewardSpec], plugins: Any, rc: RolloutConfig, where: str = "rollout.rewards"):
+    def __init__(self, specs: list[RewardSpec], plugins: Plugins, rc: RolloutConfig, where: str = "rollout.rewards"):
         self.bound = build_rewards(specs, plugins)
         self.timeout_s = rc.reward_timeout_s
         self.isolation = rc.reward_isolation

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config, records_routing
 from rlx.data.datasets import PromptDataset
@@ -19,6 +19,9 @@ from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.manager import RolloutManager
 from rlx.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 
 def load_tokenizer(cfg: Config) -> Any:
@@ -41,7 +44,7 @@ def vocab_size(model_path: str) -> int | None:
         return None
 
 
-def family_engine_args(model_path: str, plugins: Any) -> dict[str, Any]:
+def family_engine_args(model_path: str, plugins: Plugins) -> dict[str, Any]:
     """What the model's family needs from SGLang servers rlx launches: its bridge's ``engine_args`` (none
     when no installed bridge claims the model: generation alone needs no bridge)."""
     from rlx.train.spec import model_spec, read_model_type
@@ -52,7 +55,7 @@ def family_engine_args(model_path: str, plugins: Any) -> dict[str, Any]:
 
 
 class RolloutSession:
-    def __init__(self, cfg: Config, plugins: Any, spawn=None, with_data: bool = True):
+    def __init__(self, cfg: Config, plugins: Plugins, spawn=None, with_data: bool = True):
         """`spawn`: how engine processes start (see `EngineFleet`); default local processes.
         `with_data`: build the dataset and the rollout manager (`rl serve` needs only the engines)."""
         self.cfg = cfg
@@ -116,7 +119,7 @@ def group_records(batch: RolloutBatch) -> list[dict[str, Any]]:
     return out
 
 
-async def rollout_only(cfg: Config, plugins: Any, out_path: Path | None = None, progress=None) -> Path:
+async def rollout_only(cfg: Config, plugins: Plugins, out_path: Path | None = None, progress=None) -> Path:
     """Run ``rollout.num_steps`` rollout steps with no training and write the groups as JSONL."""
     async with RolloutSession(cfg, plugins) as session:
         out = out_path or (Path(cfg.rollout.output) if cfg.rollout.output

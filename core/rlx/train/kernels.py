@@ -14,15 +14,18 @@ Each selection is logged once per process (op, kernel, and why the better ones w
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RLXError
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 _logged: set[tuple[str, str]] = set()
 _installed: dict[str, Any] = {"kernel": None, "library": None}
 
 
-def candidates(plugins: Any, op: str) -> list[Any]:
+def candidates(plugins: Plugins, op: str) -> list[Any]:
     """The registered kernels for `op`, most preferred first."""
     found = [plugins.component("kernels", n) for n in plugins.names("kernels")]
     found = [c for c in found if getattr(c.obj, "op", None) == op]
@@ -30,7 +33,7 @@ def candidates(plugins: Any, op: str) -> list[Any]:
     return sorted(objs, key=lambda k: -getattr(k, "priority", 0))
 
 
-def select(plugins: Any, op: str, choice: str = "auto", where: str = "kernels", **query: Any) -> Any:
+def select(plugins: Plugins, op: str, choice: str = "auto", where: str = "kernels", **query: Any) -> Any:
     """The kernel for `op` (`choice`: a kernel's name without the ``{op}-`` prefix, or ``auto``), able to run
     `query`. `where` names the caller's setting in errors (a model bridge passes its config key)."""
     kernels = candidates(plugins, op)
@@ -68,7 +71,7 @@ def matmul_choice(kernels: dict[str, str]) -> str:
     return kernels.get("matmul", "torch")
 
 
-def use_matmul(plugins: Any, choice: str = "torch", device: Any = None, dtype: Any = None, hidden: int = 512,
+def use_matmul(plugins: Plugins, choice: str = "torch", device: Any = None, dtype: Any = None, hidden: int = 512,
                fallback: bool = False) -> Any:
     """Select this process's ``matmul`` kernel (``model.kernels.matmul``) and install it for torch's CPU matrix
     products (`install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,8 +31,11 @@ from rlx.train.gae import explained_variance, value_loss
 from rlx.train.losses import kl_penalty
 from rlx.train.model import ModelRole
 from rlx.train.packing import PackedBatch
-from rlx.train.step import RLStep, batch_probes, mini_batch_scales, per_token_weights
+from rlx.train.step import RLStep, batch_probes, per_token_weights
 from rlx.types import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 
 def response_values(mb: PackedBatch, out: torch.Tensor) -> torch.Tensor:
@@ -137,31 +140,19 @@ class CriticStep:
 
     def train_critic(self, tb: TrainBatch) -> dict[str, float]:
         """The critic's updates on the step's mini-batches; its metrics (global)."""
-        import torch.distributed as dist
-
         updates = self.tc.updates_per_step
-        cuts = [tb.samples[i::updates] for i in range(updates)]
         total = sum(sum(s.loss_mask) for s in tb.samples) or 1
         token_mean = {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) / total for s in tb.samples}
         critic_tb = TrainBatch(tb.step, tb.groups, tb.samples, tb.advantages, token_mean, tb.returns, tb.values)
-        scales = mini_batch_scales(critic_tb, cuts)
-        totals = {"value_loss": 0.0, "value_clip_frac": 0.0, "weight": 0.0, "grad_norm": 0.0}
-        for update, (cut, scale) in enumerate(zip(cuts, scales, strict=True), start=1):
-            self.critic.zero_grad()
-            loss_fn = functools.partial(critic_micro_loss, tb=critic_tb, clip=self.cc.value_clip, scale=scale)
-            loss = 0.0
-            for m in self.critic.schedule(self.step.packed(self.step.my_share(cut)), loss_fn, forward_only=False):
-                loss += m["value_loss"]
-                for k in ("value_loss", "value_clip_frac", "weight"):
-                    totals[k] += m[k]
-            self.step.check_finite(loss, update, updates, "value loss", "critic")
-            totals["grad_norm"] += self.critic.optimizer_step() / self.step.par.world
-        t = torch.tensor([totals[k] for k in totals], dtype=torch.float64)
-        dist.all_reduce(t)
-        vals = dict(zip(totals, (t / self.step.par.tp).tolist(), strict=True))
+        minis, scales = self.step.mini_batches(critic_tb)
+        vals = self.step.update(
+            self.critic, minis, scales,
+            lambda scale: functools.partial(critic_micro_loss, tb=critic_tb, clip=self.cc.value_clip, scale=scale),
+            ["value_loss", "value_clip_frac", "weight", "grad_norm"], loss_key="value_loss", what="value loss",
+            who="critic")
         return {"critic/value_loss": vals["value_loss"] / updates,
                 "critic/value_clip_frac": vals["value_clip_frac"] / (vals["weight"] or 1.0),
-                "critic/grad_norm": vals["grad_norm"] * self.step.par.tp / updates,
+                "critic/grad_norm": vals["grad_norm"],
                 "critic/lr": self.critic.lr}
 
     def train_actor(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None,
@@ -218,7 +209,7 @@ class CriticTrainer:
     """The critic in ranks of its own (``train.critic.parallel``): one rank of its megatron world, which is not
     the actor's. The group calls `values`, then (with the actor's returns) `train`."""
 
-    def __init__(self, cfg: Any, plugins: Any, master_addr: str = "127.0.0.1"):
+    def __init__(self, cfg: Any, plugins: Plugins, master_addr: str = "127.0.0.1"):
         from rlx.config import trainer_offloads
         from rlx.models.tiny import resolve_model_path
         from rlx.train.kernels import matmul_choice, use_matmul

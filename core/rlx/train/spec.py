@@ -32,6 +32,7 @@ from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
 
 if TYPE_CHECKING:
+    from rlx.plugins import Plugins
     import torch
 
 class Gather(Protocol):
@@ -162,7 +163,7 @@ class ModelSpec(ABC):
     # the run's kernel choices (``model.kernels``: op -> kernel name or "auto") and its plugins, which
     # `kernel` selects from; set by `model_spec`
     kernel_choices: dict[str, str] = field(default_factory=dict, repr=False)
-    plugins: Any = field(default=None, repr=False)
+    plugins: Plugins = field(default=None, repr=False)
 
     # -- megatron side ---------------------------------------------------------------------------
 
@@ -250,7 +251,7 @@ def rope_theta(hf_config: Any, default: float = 10000.0) -> float:
     return float(theta or getattr(hf_config, "rope_theta", None) or default)
 
 
-def model_spec(model_path: str | Path, plugins: Any, kernels: dict[str, str] | None = None) -> ModelSpec:
+def model_spec(model_path: str | Path, plugins: Plugins, kernels: dict[str, str] | None = None) -> ModelSpec:
     """The spec of the HF checkpoint at `model_path`, from the bridge that claims its ``model_type``, choosing
     kernels as `kernels` (``model.kernels``) says."""
     from transformers import AutoConfig

@@ -20,7 +20,7 @@ Choices:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -148,45 +148,60 @@ class RLStep:
             raise RLXError(f"the {what} is not finite (NaN or inf) in update {update} of {updates} of this step; "
                            f"{applied}. Look at {look} and the learning rate")
 
-    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
-        """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
-        import torch.distributed as dist
-
+    def mini_batches(self, tb: TrainBatch) -> tuple[list[list[Sample]], list[float]]:
+        """The step's mini-batches (one optimizer update each) as this rank's shares, and each one's scale."""
         updates = self.tc.updates_per_step
         cuts = [tb.samples[i::updates] for i in range(updates)]
-        minis = [self.my_share(g) for g in cuts]
-        scales = mini_batch_scales(tb, cuts)
+        return [self.my_share(g) for g in cuts], mini_batch_scales(tb, cuts)
+
+    def update(self, role: ModelRole, minis: list[list[Sample]], scales: list[float],
+               loss_at: Callable[[float], Callable], keys: list[str], maxes: Sequence[str] = (),
+               loss_key: str = "loss", what: str = "loss", who: str = "policy") -> dict[str, float]:
+        """The update loop of every trained role (the actor's policy loss, the critic's value loss): one optimizer
+        update of `role` per mini-batch, its micro-batches' loss `loss_at(scale)`. Returns the micro-batch
+        metrics in `keys` summed over micro-batches, updates and ranks (tensor-parallel repeats counted once; every
+        rank reduces the same keys, whether or not its stage computes losses), ``grad_norm`` averaged over the
+        updates, and the maxima of the `maxes` keys."""
+        import torch.distributed as dist
+
+        totals = dict.fromkeys(keys, 0.0)
+        top = dict.fromkeys(maxes, 0.0)
+        for update, (mini, scale) in enumerate(zip(minis, scales, strict=True), start=1):
+            role.zero_grad()
+            loss = 0.0
+            for m in role.schedule(self.packed(mini), loss_at(scale), forward_only=False):
+                loss += m.get(loss_key, 0.0)
+                for k, v in m.items():
+                    if k in top:
+                        top[k] = max(top[k], v)
+                    else:
+                        totals[k] += v
+            self.check_finite(loss, update, len(minis), what, who)
+            totals["grad_norm"] += role.optimizer_step() / self.par.world
+        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers, other stages add zeros
+        vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
+        vals["grad_norm"] = vals["grad_norm"] * self.par.tp / len(minis)
+        if maxes:
+            most = torch.tensor([top[k] for k in maxes], dtype=torch.float64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            vals.update(zip(maxes, most.tolist(), strict=True))
+        return vals
+
+    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
+        """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
+        updates = self.tc.updates_per_step
+        minis, scales = self.mini_batches(tb)
         mine = [s for m in minis for s in m]
         if reference is not None:
             tb.ref_logprobs = self.logprobs(reference, mine)
         if updates > 1:
             tb.old_logprobs = self.logprobs(actor, mine)
-
-        # Every rank reduces the same keys, whether or not its stage computes losses.
         keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
-        totals = dict.fromkeys(keys, 0.0)
-        maxes = dict.fromkeys(MAX_KEYS, 0.0)
-        for update, (mini, scale) in enumerate(zip(minis, scales, strict=True), start=1):
-            actor.zero_grad()
-            loss_fn = functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
-                                        diff_threshold=self.tc.logprob_diff_threshold, scale=scale)
-            loss = 0.0
-            for m in actor.schedule(self.packed(mini), loss_fn, forward_only=False):
-                loss += m.get("loss", 0.0)
-                for k, v in m.items():
-                    if k in maxes:
-                        maxes[k] = max(maxes[k], v)
-                    else:
-                        totals[k] += v
-            self.check_finite(loss, update, updates)
-            totals["grad_norm"] += actor.optimizer_step() / self.par.world
-
-        t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)  # sum over ranks; TP ranks repeat the same numbers, other stages add zeros
-        top = torch.tensor([maxes[k] for k in MAX_KEYS], dtype=torch.float64)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        vals = dict(zip(keys, (t / self.par.tp).tolist(), strict=True))
-        vals["grad_norm"] = vals["grad_norm"] * self.par.tp / updates
+        vals = self.update(actor, minis, scales,
+                           lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
+                                                           diff_threshold=self.tc.logprob_diff_threshold, scale=scale),
+                           keys, MAX_KEYS)
         w = vals.pop("weight") or 1.0
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
         metrics = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
@@ -198,7 +213,7 @@ class RLStep:
         metrics["train_rollout_logprob_diff"] = vals["train_rollout_logprob_diff"] / counted if counted else 0.0
         metrics["train_rollout_logprob_diff_frac"] = (vals["train_rollout_logprob_diff_over"] / counted
                                                       if counted else 0.0)
-        metrics.update(dict(zip(MAX_KEYS, top.tolist(), strict=True)))
+        metrics.update({k: vals[k] for k in MAX_KEYS})
         metrics.update(tb.metrics)
         metrics["grad_norm"] = vals["grad_norm"]
         if actor.router_stats is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,9 +27,12 @@ from rlx.train.spec import HFCheckpoint, model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
 
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
+
 
 class Trainer:
-    def __init__(self, cfg: Config, plugins: Any, master_addr: str = "127.0.0.1"):
+    def __init__(self, cfg: Config, plugins: Plugins, master_addr: str = "127.0.0.1"):
         tc = cfg.train
         self.cfg, self.tc = cfg, tc
         self.par: ParallelState = init_distributed(tc.parallel, cfg.run.seed, master_addr)

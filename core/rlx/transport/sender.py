@@ -13,11 +13,14 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext, buckets
 from rlx.transport.verify import Fingerprints, served_dtypes, verify
+
+if TYPE_CHECKING:
+    from rlx.plugins import Plugins
 
 SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
 
@@ -31,7 +34,7 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 
 class WeightSender:
-    def __init__(self, trainer: Any, plugins: Any, transport_spec: Any, verify_weights: str = "sample",
+    def __init__(self, trainer: Any, plugins: Plugins, transport_spec: Any, verify_weights: str = "sample",
                  full_interval: int = 10, *, engine_for: Any):
         """`engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
         ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`)."""
