@@ -105,7 +105,9 @@ class TrainerWorker:
         self.trainer.load(Path(folder))
 
     def export_hf(self, folder: str) -> None:
-        self.sender.export_hf(self.trainer.model_path, Path(folder))
+        from rlx.train.export import export_hf
+
+        export_hf(self.trainer, Path(folder))
 
     def close(self) -> None:
         if self.sender is not None:

@@ -10,19 +10,16 @@ on one rank fails the push everywhere instead of leaving the others in a collect
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RLXError
-from rlx.transport import TransportContext, buckets
+from rlx.transport import TransportContext
 from rlx.transport.verify import Fingerprints, served_dtypes, verify
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
 
-SHARD_BYTES = 1 << 30  # HF export: at most this many bytes per safetensors file
 
 
 async def _tp_sizes(engines: list[Any]) -> list[int]:
@@ -145,67 +142,7 @@ class WeightSender:
                     pass
 
     def _agree(self, fn: Any, *args: Any) -> None:
-        """Run `fn` on this rank, then fail on every rank if it failed on any (no rank left in a barrier)."""
-        import torch
-        import torch.distributed as dist
-
-        error: BaseException | None = None
-        try:
-            fn(*args)
-        except Exception as e:  # re-raised below, on this rank as itself
-            error = e
-        if self.par.world == 1:  # no other rank to tell
-            if error is not None:
-                raise error
-            return
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        dist.all_reduce(flag)
-        if error is not None:
-            raise error
-        if int(flag.item()):
-            raise RLXError("weight sync failed on another trainer rank (its error is reported by that rank)")
-
-    def export_hf(self, model_path: str, folder: Path) -> None:
-        """An HF checkpoint transformers loads: the original config and tokenizer, the actor's weights in
-        safetensors shards of at most 1 GB written by each stage's sender, and their index. `folder` must
-        be on storage every trainer host sees (with pipeline stages on several hosts)."""
-        import torch.distributed as dist
-        from safetensors.torch import save_file
-
-        written: dict[str, Any] = {"map": {}, "bytes": 0}
-
-        def write() -> None:
-            folder.mkdir(parents=True, exist_ok=True)
-            named = self.trainer.hf_tensors()
-            try:
-                if self.sending:
-                    for i, bucket in enumerate(buckets(named, SHARD_BYTES)):
-                        fname = f"model-s{self.par.pp_rank:02d}-{i:05d}.safetensors"
-                        tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
-                        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
-                        written["map"].update(dict.fromkeys(tensors, fname))
-                        written["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-            finally:
-                if self.par.gathers:
-                    for _ in named:
-                        pass
-
-        self._agree(write)
-        parts: list[Any] = [None] * self.par.world
-        dist.all_gather_object(parts, written)
-
-        def index() -> None:
-            if self.par.rank != 0:
-                return
-            for f in Path(model_path).iterdir():
-                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                    shutil.copy2(f, folder / f.name)
-            merged = {k: v for p in parts for k, v in p["map"].items()}
-            (folder / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": sum(p["bytes"] for p in parts)},
-                 "weight_map": dict(sorted(merged.items()))}, indent=1))
-
-        self._agree(index)
+        agree(self.par, fn, *args)
 
     def close(self) -> None:
         try:
@@ -223,3 +160,25 @@ class WeightSender:
 
         if engines:
             self.run(close())
+
+
+def agree(par: Any, fn: Any, *args: Any) -> None:
+    """Run `fn` on this rank, then fail on every rank if it failed on any (no rank left in a barrier)."""
+    import torch
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    try:
+        fn(*args)
+    except Exception as e:  # re-raised below, on this rank as itself
+        error = e
+    if par.world == 1:  # no other rank to tell
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise RLXError("weight sync failed on another trainer rank (its error is reported by that rank)")
