@@ -1,4 +1,4 @@
-"""One GRPO workload through rlx (sync; async with the cores shared, the default, and split: `train.async_cores`)
+"""One GRPO workload through rlx (sync; async with the cores shared, the default, and split: `cpu.async_cores`)
 and through TRL's GRPOTrainer on CPU, side by side.
 
 Same model, prompts (arithmetic), completions per prompt, prompts per step, new tokens, reward (fraction of
@@ -66,7 +66,8 @@ def run_rlx(w: Workload, data: Path, out: Path, mode: str, async_cores: str = "s
         "data": {"path": str(data)},
         "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["digits"],
                     "sampling": {"max_new_tokens": w.tokens, "temperature": 1.0}},
-        "train": {"mode": mode, "async_cores": async_cores, "num_steps": w.steps, "optim": {"lr": w.lr},
+        "cpu": {"async_cores": async_cores},
+        "train": {"mode": mode, "num_steps": w.steps, "optim": {"lr": w.lr},
                   "checkpoint": {"interval": 0}},
     }))
     asyncio.run(train(cfg, build_plugins()))

@@ -36,7 +36,7 @@ def test_evaluation_at_step_0_and_every_interval_reaches_eval_jsonl_and_the_logg
                            train={"num_steps": 4, "mode": mode, "checkpoint": {"interval": 2}})
     r = rl("train", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
-    if mode == "async":  # cores shared: the Ray actors' processes start with sleeping waits (rlx.cores)
+    if mode == "async":  # cores shared: the Ray actors' processes start with sleeping waits (rlx.cpu)
         policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
         assert (f"CPU threads (async mode, cores shared): trainer ranks [2], engines [1]; "
                 f"OMP_WAIT_POLICY: trainer ranks {policy}, engines {policy}") in r.stderr

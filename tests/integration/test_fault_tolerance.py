@@ -77,7 +77,7 @@ def run_with_a_fault(tmp_path: Path, name: str, sig: int, *sets: str) -> tuple[s
     assert p.returncode == 0, err[-3000:]
     assert wait_gone(tag) == [], "rl train left processes behind"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    # async mode shares the cores: its engines, the restarted one too, start with sleeping waits (rlx.cores);
+    # async mode shares the cores: its engines, the restarted one too, start with sleeping waits (rlx.cpu);
     # sync mode leaves them be
     assert policies == {"PASSIVE" if "train.mode=async" in sets else None}, policies
     return err, rows

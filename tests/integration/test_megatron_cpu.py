@@ -191,7 +191,7 @@ TEAMS = textwrap.dedent("""
     from rlx.train.trainer import Trainer
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
-    cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "train": {"threads": 2}}))
+    cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "cpu": {"threads": 2}}))
     trainer = Trainer(cfg, build_plugins())
     g = torch.Generator().manual_seed(0)
     groups = [Group(p, [Sample(torch.randint(3, 500, (24,), generator=g).tolist(),

@@ -5,7 +5,9 @@ import asyncio
 
 import pytest
 
-from rlx.cores import CoreMeter, plan_threads
+from rlx.cpu.threads import plan_threads
+
+from rlx.cpu.meter import CoreMeter
 
 
 def test_sync_mode_gives_each_phase_its_nodes_cores():
@@ -22,7 +24,7 @@ def test_async_mode_split_keeps_the_reserved_cpus_and_the_config_overrides():
     assert plan.trainer == [3, 3] and plan.engine == [1]
     assert plan_threads("sync", {"a": 8}, ["a"], ["a"], trainer_threads=2).trainer == [2]
     assert plan_threads("async", {"a": 8}, ["a"], [], trainer_threads=5, async_cores="split").trainer == [5]
-    from rlx.cores import local_plan
+    from rlx.cpu.threads import local_plan
 
     plan = local_plan("async", 2, cpus_per_trainer=3, cpus_per_engine=2, async_cores="split")  # without Ray: the same
     assert plan.trainer == [3] and plan.engine == [2, 2]
@@ -37,7 +39,7 @@ def test_async_mode_shared_gives_each_process_its_sync_threads():
 
 
 def test_only_async_shared_processes_start_with_sleeping_waits(monkeypatch):
-    from rlx.cores import process_env
+    from rlx.cpu.threads import process_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert process_env("async", "share") == {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -117,7 +119,7 @@ def test_later_marks_read_the_cpu_clocks_of_processes_beside_the_driver_instead_
     import sys
     import time
 
-    from rlx.cores import cpu_clock, process_identity
+    from rlx.cpu.meter import cpu_clock, process_identity
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\ntime.sleep(30)"
     busy = subprocess.Popen([sys.executable, "-c", spin])
@@ -166,7 +168,7 @@ def test_an_engine_of_a_model_too_small_to_split_its_ops_runs_on_one_thread(tmp_
     the plan's."""
     import json
 
-    from rlx.cores import SMALL_MODEL_PARAMETERS, approx_parameters, engine_threads
+    from rlx.cpu.threads import SMALL_MODEL_PARAMETERS, approx_parameters, engine_threads
 
     def model(name, hidden, layers, vocab, tied):
         d = tmp_path / name

@@ -326,12 +326,6 @@ class TrainConfig(Section):
     #                                   checkpoint this many times (Ray only), instead of ending the run
     updates_per_step: int = Field(1, ge=1)  # optimizer steps per rollout batch (mini-batches)
     max_tokens_per_micro_batch: int = Field(8192, ge=1)  # packed tokens per forward/backward
-    threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: the node's cores shared by its
-    #                                         trainer ranks; async with async_cores "split": ray.cpus_per_trainer)
-    # async mode, how trainer ranks and engines use a node's cores (rlx.cores): "share": each gets what it would in
-    # sync mode, and threads that wait sleep at once (OMP_WAIT_POLICY=PASSIVE), so the busy phase has the cores the
-    # idle one leaves; "split": each keeps the CPUs it reserved (ray.cpus_per_trainer, ray.cpus_per_engine)
-    async_cores: Literal["share", "split"] = "share"
     row_tokens: int | None = Field(None, ge=1)  # packed row length (None: a micro-batch is one row, no padding);
     #                                             shorter rows are padded to the longest; attention is per sample
     balancer: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="tokens"))  # split across DP ranks
@@ -353,6 +347,18 @@ class TrainConfig(Section):
     @classmethod
     def _component(cls, v: Any) -> Any:
         return ComponentSpec.coerce(v)
+
+
+class CpuConfig(Section):
+    """CPU threads of the trainer ranks and engines (`rlx.cpu`): everything that exists for speed on CPUs. GPU runs
+    never need it."""
+
+    threads: int | None = Field(None, ge=1)  # torch threads per trainer rank (None: the node's cores shared by its
+    #                                         trainer ranks; async with async_cores "split": ray.cpus_per_trainer)
+    # async mode, how trainer ranks and engines use a node's cores (rlx.cpu): "share": each gets what it would in
+    # sync mode, and threads that wait sleep at once (OMP_WAIT_POLICY=PASSIVE), so the busy phase has the cores the
+    # idle one leaves; "split": each keeps the CPUs it reserved (ray.cpus_per_trainer, ray.cpus_per_engine)
+    async_cores: Literal["share", "split"] = "share"
 
 
 class WeightSyncConfig(Section):
@@ -449,6 +455,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

@@ -270,7 +270,7 @@ async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: in
                    version: int, settle: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Get a batch, train on it, push weights when it is time; the batch and the step's metrics.
     `settle`: awaited before the engines' weights or memory change (an evaluation still running on them)."""
-    from rlx.cores import CoreMeter
+    from rlx.cpu.meter import CoreMeter
 
     meter = CoreMeter(weights.trainer.cpu_seconds, lambda: weights.fleet.serving)
     await meter.mark()

@@ -1,5 +1,5 @@
 """Where a run's pieces go: the Ray cluster and placement group, engines on their bundles, the trainer
-ranks with their CPU threads (`rlx.cores`), and ``placement.json``.
+ranks with their CPU threads (`rlx.cpu`), and ``placement.json``.
 
 Placement (``ray.placement``):
 
@@ -121,11 +121,11 @@ class RayPlacement:
 
     def thread_plan(self, cfg: Config) -> Any:
         """Threads for each trainer process (actor ranks, then the critic's) and engine, from the nodes Ray put
-        their bundles on and each node's CPUs (`rlx.cores`)."""
+        their bundles on and each node's CPUs (`rlx.cpu`)."""
         import ray
         from ray.util.placement_group import placement_group_table
 
-        from rlx.cores import plan_threads
+        from rlx.cpu.threads import plan_threads
 
         node_of = placement_group_table(self.pg)["bundles_to_node_id"]
         cores = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive")}
@@ -136,7 +136,7 @@ class RayPlacement:
         rc = cfg.ray
         return plan_threads(cfg.train.mode, cores, [node_of[b] for b in trainers],
                             [node_of[b] for b in self.engine_bundles], rc.cpus_per_trainer, rc.cpus_per_engine,
-                            cfg.train.threads, cfg.train.async_cores)
+                            cfg.cpu.threads, cfg.cpu.async_cores)
 
     def engine_spawner(self, cfg: Config):
         """A function making engine processes inside Ray actors placed on the engine bundles."""
@@ -246,7 +246,7 @@ class RayProcess:
         return self._get(self.host.pid.remote())
 
     def identity(self) -> str | None:
-        """The engine process's `rlx.cores.process_identity`, asked of its host once."""
+        """The engine process's `rlx.cpu.meter.process_identity`, asked of its host once."""
         if self._identity is None:
             self._identity = self._get(self.host.identity.remote())
         return self._identity
@@ -312,18 +312,18 @@ def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
 
 
 def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
-    """Each trainer rank's torch threads (`rlx.cores`); logged once."""
-    from rlx.cores import engine_threads, local_plan, process_env, waits_sleep_here
+    """Each trainer rank's torch threads (`rlx.cpu`); logged once."""
+    from rlx.cpu.threads import engine_threads, local_plan, process_env, waits_sleep_here
 
     engines = launched_engines(cfg)
-    local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.train.threads,
-                       cfg.train.async_cores)
+    local = local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer, cfg.ray.cpus_per_engine, cfg.cpu.threads,
+                       cfg.cpu.async_cores)
     plan = local if placement is None else placement.thread_plan(cfg)
     # Without Ray the trainer is this process, started before the config was read: if its waiting threads spin,
     # they would hold cores the engines share (spinning waits made sharing slower than splitting), so it keeps
-    # what it reserved (rlx.cores).
-    spinning_here = (placement is None and cfg.train.mode == "async" and cfg.train.async_cores == "share"
-                     and not cfg.train.threads and not waits_sleep_here())
+    # what it reserved (rlx.cpu).
+    spinning_here = (placement is None and cfg.train.mode == "async" and cfg.cpu.async_cores == "share"
+                     and not cfg.cpu.threads and not waits_sleep_here())
     if spinning_here:
         plan = dataclasses.replace(plan, trainer=local_plan(cfg.train.mode, engines, cfg.ray.cpus_per_trainer,
                                                             async_cores="split").trainer)
@@ -338,8 +338,8 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
     engines_text = f", engines {threads}" if threads else ""
     mode = cfg.train.mode
     if mode == "async":  # how the two phases share a node's cores, and whether waiting threads sleep in each
-        mode += f" mode, cores {'shared' if cfg.train.async_cores == 'share' else 'split'}"
-        engine_policy = process_env(cfg.train.mode, cfg.train.async_cores).get(
+        mode += f" mode, cores {'shared' if cfg.cpu.async_cores == 'share' else 'split'}"
+        engine_policy = process_env(cfg.train.mode, cfg.cpu.async_cores).get(
             "OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "unset"))
         policies = sorted(set(trainer.wait_policies()))
         engines_text += (f"; OMP_WAIT_POLICY: trainer ranks {'/'.join(policies)}"

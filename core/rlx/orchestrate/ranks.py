@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.config import Config
-from rlx.cores import process_env
+from rlx.cpu.threads import process_env
 from rlx.errors import RLXError
 from rlx.net import node_ip, use_interface_of
 
@@ -69,17 +69,17 @@ class TrainerWorker:
         return self.host
 
     def set_threads(self, n: int) -> None:
-        from rlx.cores import set_threads
+        from rlx.cpu.threads import set_threads
 
         set_threads(n)
 
     def wait_policy(self) -> str:
-        """The OpenMP wait policy this process started with (`rlx.cores.process_env`)."""
+        """The OpenMP wait policy this process started with (`rlx.cpu.threads.process_env`)."""
         return os.environ.get("OMP_WAIT_POLICY", "unset")
 
     def cpu_seconds(self) -> tuple[str, float]:
         """(this process's identity, its CPU seconds): ranks in the driver's own process count once."""
-        from rlx.cores import process_cpu
+        from rlx.cpu.meter import process_cpu
 
         return process_cpu()
 
@@ -166,7 +166,7 @@ class TrainerGroup(ABC):
         return self._all("node")
 
     def set_threads(self, threads: list[int]) -> None:
-        """Torch threads for each rank (`rlx.cores`), in rank order."""
+        """Torch threads for each rank (`rlx.cpu`), in rank order."""
         self._each("set_threads", threads)
 
     def wait_policies(self) -> list[str]:
@@ -242,7 +242,7 @@ class RayTrainerGroup(TrainerGroup):
         other = 0 if cfg.train.critic.placement == "own" else (  # ranks of the other role on the same bundles
             cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
         actor = ray.remote(num_cpus=rc.cpus_per_trainer)(CriticWorker if role == "critic" else TrainerWorker)
-        env = process_env(cfg.train.mode, cfg.train.async_cores)  # before the process loads torch (rlx.cores)
+        env = process_env(cfg.train.mode, cfg.cpu.async_cores)  # before the process loads torch (rlx.cpu)
         self.workers = [
             actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
                           **({"runtime_env": {"env_vars": env}} if env else {}),

@@ -69,7 +69,7 @@ class Engine:
             await c.close()
 
     def identity(self) -> str | None:
-        """The engine process's `rlx.cores.process_identity`, when rlx started it (None: attached)."""
+        """The engine process's `rlx.cpu.meter.process_identity`, when rlx started it (None: attached)."""
         return self.process.identity() if hasattr(self.process, "identity") else None
 
 
@@ -100,14 +100,14 @@ class EngineFleet:
         return [e for e in self.serving if e.update_weights]
 
     def _command(self, g: EngineGroupConfig, host: str, port: int, threads: int | None = None) -> list[str]:
-        """The engine's command line; `threads`: its CPU threads where it was placed (`rlx.cores`; default: as
+        """The engine's command line; `threads`: its CPU threads where it was placed (`rlx.cpu`; default: as
         one of this run's engines on this machine)."""
         path = g.model_path or self.cfg.model.path
         if g.backend == "embedded":
             if g.worker_type != "regular":
                 raise RLXError(f"engine group {g.name!r}: the embedded engine has no {g.worker_type} mode; "
                                f"use backend: sglang for prefill/decode disaggregation")
-            from rlx.cores import engine_threads
+            from rlx.cpu.threads import engine_threads
 
             args = dict(g.server_args)
             args["num_threads"] = engine_threads(threads or self._local_threads(), path, g.server_args)
@@ -147,16 +147,16 @@ class EngineFleet:
                               worker_type=g.worker_type, server_args=args, host=host, python=g.python)
 
     def _local_threads(self) -> int:
-        from rlx.cores import local_plan
+        from rlx.cpu.threads import local_plan
 
         n = sum(g.num_engines for g in self.rc.engines)
         return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine,
-                          async_cores=self.cfg.train.async_cores).engine[0]
+                          async_cores=self.cfg.cpu.async_cores).engine[0]
 
     def _env(self, g: EngineGroupConfig) -> dict[str, str]:
-        from rlx.cores import process_env
+        from rlx.cpu.threads import process_env
 
-        env = process_env(self.cfg.train.mode, self.cfg.train.async_cores)
+        env = process_env(self.cfg.train.mode, self.cfg.cpu.async_cores)
         if g.backend == "sglang" and sglang_on_cpu(self.cfg, g):
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         return env

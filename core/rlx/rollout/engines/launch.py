@@ -124,8 +124,8 @@ class ManagedProcess:
         return self.proc.pid if self.proc else None
 
     def identity(self) -> str | None:
-        """The process as `rlx.cores.process_identity` names it (it runs beside this one)."""
-        from rlx.cores import process_identity
+        """The process as `rlx.cpu.meter.process_identity` names it (it runs beside this one)."""
+        from rlx.cpu.meter import process_identity
 
         return process_identity(self.pid) if self.proc else None
 
