@@ -1,6 +1,6 @@
 """Time from an engine's death (SIGKILL) or freeze (SIGSTOP) to the rollout being healthy again, with
 ``rollout.fault_tolerance`` on, beside the same fault with it off (how rlx behaved before: the run ends, or
-hangs until ``request_timeout_s``).
+hangs until ``rollout.requests.timeout_s``).
 
     .venv/bin/python benchmarks/engine_recovery.py            # tiny model, two embedded engines, router
     .venv/bin/python benchmarks/engine_recovery.py --probe-interval 1 --failures 3
@@ -10,7 +10,7 @@ samples, 64 tokens each). Once a step has finished, engine 0 gets the signal. Pr
 window after it: seconds to the engine being taken out and to it serving again (restarted, healthy, back
 in the router), the rollout steps finished in the window, the requests sent again, and whether the
 rollout failed. With fault tolerance off the router alone routes around a dead engine (sglang-router's
-own retries) but never gets it back, a frozen one holds its requests until ``request_timeout_s``, and in
+own retries) but never gets it back, a frozen one holds its requests until ``rollout.requests.timeout_s``, and in
 `rl train` the next weight push to the dead engine ends the run.
 Without a trainer there is no catch-up push; `rl train` adds one push of the model to the restarted engine
 (``time/weight_sync_s`` of a step).
@@ -41,7 +41,7 @@ def config(folder: Path, enabled: bool, interval: float, failures: int, patience
            "rollout": {"n_prompts": 4, "n_samples_per_prompt": 2, "rewards": ["exact_match"],
                        "sampling": {"max_new_tokens": 64, "ignore_eos": True},
                        "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}],
-                       "router": {"policy": "round_robin"}, "request_timeout_s": patience,
+                       "router": {"policy": "round_robin"}, "requests": {"timeout_s": patience},
                        "fault_tolerance": {"enabled": enabled, "probe_interval_s": interval,
                                            "probe_timeout_s": interval * 2, "failures": failures}}}
     return parse_config(json.dumps(doc))
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--probe-interval", type=float, default=0.5)
     ap.add_argument("--failures", type=int, default=2)
     ap.add_argument("--window", type=float, default=20.0, help="seconds watched after the fault")
-    ap.add_argument("--request-timeout", type=float, default=60.0, help="rollout.request_timeout_s")
+    ap.add_argument("--request-timeout", type=float, default=60.0, help="rollout.requests.timeout_s")
     args = ap.parse_args()
     rows = []
     for name, sig in (("kill -9", signal.SIGKILL), ("SIGSTOP", signal.SIGSTOP)):
@@ -105,7 +105,7 @@ def main() -> None:
                 cfg = config(Path(tmp), enabled, args.probe_interval, args.failures, args.request_timeout)
                 rows.append((name, enabled, asyncio.run(one(cfg, sig, args.window))))
     print(f"\ntwo embedded engines behind sglang-router; probe every {args.probe_interval:g}s, "
-          f"out after {args.failures} failed probes; request_timeout_s {args.request_timeout:g}; steps counted "
+          f"out after {args.failures} failed probes; requests.timeout_s {args.request_timeout:g}; steps counted "
           f"in the {args.window:g}s after the fault\n")
     print(f"{'fault':8} {'fault tolerance':16} {'taken out':>10} {'healthy':>9} {'steps meanwhile':>16} "
           f"{'resent':>7}  outcome")

@@ -7,7 +7,7 @@ the built-in tiny Qwen3-shaped model, arithmetic prompts, GRPO, the digits rewar
 and Megatron on CPU, the trainer in this process (`ray.enabled: false`, the same for both).
 
 Both runs use the same prompts per step, group size, token budget, tool-latency draws (seeded by
-sample id) and cap on samples in flight (`rollout.max_concurrency`). Sync mode waits for the slowest
+sample id) and cap on samples in flight (`rollout.requests.max_concurrency`). Sync mode waits for the slowest
 sample of every step and then trains while nothing generates; async mode keeps generating, up to
 `max_staleness` steps ahead, while the trainer trains. Throughput is trained samples per second of
 step time (start-up excluded), after warm-up steps that are not counted.
@@ -78,7 +78,7 @@ def run(mode: str, data: Path, out: Path, steps: int) -> list[dict]:
         "model": {"path": "builtin://tiny-qwen3"},
         "data": {"path": str(data)},
         "rollout": {"n_prompts": PROMPTS, "n_samples_per_prompt": GROUP, "rewards": ["digits"],
-                    "generator": "bench_tool_turns", "max_concurrency": CONCURRENCY,
+                    "generator": "bench_tool_turns", "requests": {"max_concurrency": CONCURRENCY},
                     "sampling": {"max_new_tokens": TOKENS * TURNS, "temperature": 1.0},
                     "engines": [{"server_args": {"num_threads": 1}}]},
         "train": train_cfg,

@@ -67,7 +67,7 @@ def test_rl_rollout_writes_scored_groups(tiny_model_path, tmp_path):
 
 def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny_model_path, tmp_path):
     cfg = config(tmp_path, n_prompts=2, partial_rollout=True, over_sampling=3.0,
-                 sampling={"max_new_tokens": 1500}, max_concurrency=12)
+                 sampling={"max_new_tokens": 1500}, requests={"max_concurrency": 12})
 
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:
@@ -121,7 +121,7 @@ def test_the_only_engine_killed_or_frozen_mid_rollout_is_restarted_and_the_batch
             first = s.fleet.engines[0]
             pid, url = first.process.pid, first.url
             task = asyncio.create_task(s.manager.next_batch(1))
-            # a request per group: its two samples go as one (rollout.coalesce_requests)
+            # a request per group: its two samples go as one (rollout.requests.coalesce)
             await until(lambda: s.ctx.gate.in_flight == 4, "every group's request in flight")
             os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             batch = await asyncio.wait_for(task, 120)
@@ -151,7 +151,7 @@ def test_with_two_engines_a_dead_one_is_retried_on_the_other(tiny_model_path, tm
 def test_a_frozen_attached_engine_is_taken_out_its_requests_sent_again_and_it_rejoins_when_thawed(
         tiny_model_path, tmp_path):
     """Two engines rlx did not launch (it cannot kill or restart them): one frozen mid-rollout. Its requests,
-    which would hang until request_timeout_s, are cancelled and sent to the other; the batch completes, and
+    which would hang until rollout.requests.timeout_s, are cancelled and sent to the other; the batch completes, and
     the engine rejoins once it answers again."""
     from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
 
@@ -163,7 +163,7 @@ def test_a_frozen_attached_engine_is_taken_out_its_requests_sent_again_and_it_re
     try:
         urls = [f"http://{HOST}:{p}" for p in ports]
         cfg = config(tmp_path, sampling={"max_new_tokens": 200, "ignore_eos": True}, n_prompts=4, engines=[],
-                     external_engines=urls, router={"policy": "round_robin"}, request_timeout_s=300,
+                     external_engines=urls, router={"policy": "round_robin"}, requests={"timeout_s": 300},
                      fault_tolerance={"probe_interval_s": 0.3, "probe_timeout_s": 1, "failures": 2})
 
         async def go():

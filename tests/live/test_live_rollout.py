@@ -21,7 +21,7 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(sgla
         "run": {"output_dir": str(tmp_path / "run")}, "model": {"path": "builtin://tiny-qwen3"},
         "data": {"path": str(data)}, "ray": {"enabled": False},
         "rollout": {"n_prompts": 2, "n_samples_per_prompt": 2, "rewards": ["exact_match"], "partial_rollout": True,
-                    "over_sampling": 3.0, "max_concurrency": 12, "sampling": {"max_new_tokens": 1500},
+                    "over_sampling": 3.0, "requests": {"max_concurrency": 12}, "sampling": {"max_new_tokens": 1500},
                     "engines": [{"backend": "sglang", "python": sglang_py}]}}))
 
     async def go():

@@ -224,11 +224,11 @@ def test_eval_datasets_are_checked_like_the_rest_of_the_tree(tmp_path):
 
 
 def test_a_group_goes_as_one_request_unless_prefill_decode_workers_serve_it():
-    """rollout.coalesce_requests: on by default; off (and refused when asked for) with prefill/decode workers."""
+    """rollout.requests.coalesce: on by default; off (and refused when asked for) with prefill/decode workers."""
     regular = parse_config("model: {path: /m}")
-    assert regular.rollout.coalesce_requests is None and regular.rollout.coalesces
-    assert not parse_config("model: {path: /m}\nrollout: {coalesce_requests: false}").rollout.coalesces
+    assert regular.rollout.requests.coalesce is None and regular.rollout.coalesces
+    assert not parse_config("model: {path: /m}\nrollout: {requests: {coalesce: false}}").rollout.coalesces
     pd = "model: {path: /m}\nrollout:\n  engines: [{name: p, worker_type: prefill}, {name: d, worker_type: decode}]\n"
     assert not parse_config(pd).rollout.coalesces
-    with pytest.raises(ConfigError, match="coalesce_requests: with prefill/decode workers"):
-        parse_config(pd + "  coalesce_requests: true\n")
+    with pytest.raises(ConfigError, match="requests.coalesce: with prefill/decode workers"):
+        parse_config(pd + "  requests: {coalesce: true}\n")

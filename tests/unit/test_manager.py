@@ -210,13 +210,13 @@ def test_a_nan_or_inf_reward_fails_its_sample_with_the_value_and_the_step_says_w
 
 
 def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
-    """reward_isolation: thread, more hung rewards than the default thread pool has threads: they time out in
+    """scoring.isolation: thread, more hung rewards than the default thread pool has threads: they time out in
     their own pool, and a trainer-style ``asyncio.to_thread`` call still runs at once."""
     from rlx.rollout import rewards
 
     monkeypatch.setattr(rewards, "_THREADS", {})
-    m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], reward_timeout_s=0.2,
-             reward_isolation="thread", reward_workers=2, max_oversample_rounds=1)
+    m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], max_oversample_rounds=1,
+             scoring={"timeout_s": 0.2, "isolation": "thread", "workers": 2})
 
     async def go():
         task = asyncio.create_task(m.next_batch(1))
@@ -234,7 +234,7 @@ def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_traine
 
 def test_a_reward_hung_on_one_sample_in_eight_is_killed_at_its_time_out_and_the_others_score(tmp_path):
     pid_file = tmp_path / "hung.pid"
-    m = make(tmp_path, ROWS[:2], n_prompts=2, n_samples_per_prompt=4, reward_timeout_s=1, max_oversample_rounds=1,
+    m = make(tmp_path, ROWS[:2], n_prompts=2, n_samples_per_prompt=4, scoring={"timeout_s": 1}, max_oversample_rounds=1,
              rewards=[{"name": "hangs_on_one", "args": {"pid_file": str(pid_file)}}])
     batch = asyncio.run(m.next_batch(1))
     failed = [s for s in batch.samples if s.status == SampleStatus.FAILED]
@@ -253,8 +253,8 @@ def test_a_reward_that_crashes_its_worker_fails_only_its_sample_and_a_fresh_work
     assert [s.reward for s in batch.samples if s.status.trainable] == [1.0] * 6
 
 
-def test_reward_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd):
-    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=2, rewards=["timed"], reward_workers=2,
+def test_scoring_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd):
+    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=2, rewards=["timed"], scoring={"workers": 2},
              max_oversample_rounds=1)
     batch = asyncio.run(m.next_batch(1))
     infos = [s.rewards["timed"].info for s in batch.samples]
@@ -267,14 +267,14 @@ def test_reward_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd
 def test_a_reward_that_cannot_be_pickled_is_named_at_start_and_runs_in_threads_when_asked(tmp_path):
     with pytest.raises(RLXError, match=r"rollout.rewards\[0\] \(unpicklable\): the reward cannot be sent to a "
                                        r"reward worker process \(TypeError: cannot pickle '_thread.lock'.*"
-                                       r"rollout.reward_isolation: thread"):
+                                       r"rollout.scoring.isolation: thread"):
         make(tmp_path, ROWS, n_prompts=1, rewards=["unpicklable"])
-    m = make(tmp_path, ROWS, n_prompts=1, n_samples_per_prompt=2, rewards=["unpicklable"], reward_isolation="thread")
+    m = make(tmp_path, ROWS, n_prompts=1, n_samples_per_prompt=2, rewards=["unpicklable"], scoring={"isolation": "thread"})
     assert [s.reward for s in asyncio.run(m.next_batch(1)).samples] == [1.0, 1.0]
 
 
 def test_a_slow_reward_times_out_per_sample(tmp_path):
-    m = make(tmp_path, ROWS[:1], n_prompts=1, n_samples_per_prompt=2, rewards=["slow"], reward_timeout_s=0.05,
+    m = make(tmp_path, ROWS[:1], n_prompts=1, n_samples_per_prompt=2, rewards=["slow"], scoring={"timeout_s": 0.05},
              max_oversample_rounds=1)
     with pytest.raises(RLXError, match=r"2 samples failed, e.g. reward 'slow' timed out after 0.05s"):
         asyncio.run(m.next_batch(1))

@@ -116,7 +116,7 @@ class FaultToleranceConfig(Section):
     the router and of weight sync, its requests are sent again to the others, it is restarted (launched
     engines) or waited for (attached ones), brought to the trainer's weights and let back in."""
 
-    enabled: bool = True  # false: the first engine failure ends the run (after rollout.retries)
+    enabled: bool = True  # false: the first engine failure ends the run (after rollout.requests.retries)
     probe_interval_s: float = Field(2.0, gt=0)  # how often each engine's /health is asked
     probe_timeout_s: float = Field(10.0, gt=0)  # a probe unanswered this long failed
     failures: int = Field(3, ge=1)  # consecutive failed probes that take an engine out (a frozen one)
@@ -134,6 +134,29 @@ def unique_rewards(specs: list[RewardSpec] | None) -> list[RewardSpec] | None:
         raise ValueError(f"reward {twice[0]!r} is listed twice; a reward's score is kept and logged under its "
                          f"name, so list each once")
     return specs
+
+
+class RequestsConfig(Section):
+    """The generate requests a rollout sends to the engines."""
+
+    timeout_s: float = Field(600, gt=0)  # one generate request, end to end
+    retries: int = Field(0, ge=0)  # immediate retries of a request that failed on an unreachable engine
+    max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
+    coalesce: bool | None = None  # identical generate requests issued together (a group's samples) go as one
+    #   request with n = their count (SGLang's parallel sampling: one prefill, n continuations); None: on, except
+    #   with prefill/decode workers, whose parallel sampling SGLang has had bugs in (shared bootstrap rooms)
+
+
+class ScoringConfig(Section):
+    """Where sync rewards run and for how long (`rlx.rollout.rewards`): worker processes (a reward that hangs or
+    crashes is killed and its worker replaced) or threads of this process (for rewards that cannot be pickled)."""
+
+    isolation: Literal["process", "thread"] = "process"
+    workers: int = Field(4, ge=1)  # rewards scored at once (worker processes or threads)
+    timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
+    #   (process: from when a worker starts it, and the worker is killed; thread: from the call)
+    load_timeout_s: float = Field(300, gt=0)  # process: starting a worker and loading a reward into it
+    #                                           (imports included; not counted in timeout_s)
 
 
 class BufferConfig(Section):
@@ -155,20 +178,9 @@ class RolloutConfig(Section):
     external_engines: list[str] = Field(default_factory=list)  # attach to these URLs instead of launching
     router: RouterConfig = Field(default_factory=RouterConfig)
     startup_timeout_s: float = Field(600, gt=0)  # how long an engine may take to become healthy
-    request_timeout_s: float = Field(600, gt=0)  # one generate request, end to end
-    retries: int = Field(0, ge=0)  # immediate retries of a request that failed on an unreachable engine
+    requests: RequestsConfig = Field(default_factory=lambda: RequestsConfig())  # generate requests to the engines
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
-    max_concurrency: int = Field(64, ge=1)  # generator calls in flight at once
-    coalesce_requests: bool | None = None  # identical generate requests issued together (a group's samples) go
-    #   as one request with n = their count (SGLang's parallel sampling: one prefill, n continuations); None: on,
-    #   except with prefill/decode workers, whose parallel sampling SGLang has had bugs in (shared bootstrap rooms)
-    reward_timeout_s: float = Field(60, gt=0)  # per sample and reward; a time-out marks the sample FAILED
-    #   (process: from when a worker starts it, and the worker is killed; thread: from the call)
-    reward_isolation: Literal["process", "thread"] = "process"  # where sync rewards run: worker processes (a
-    #   hang or crash is killed and replaced) or threads of this process (for rewards that cannot be pickled)
-    reward_workers: int = Field(4, ge=1)  # sync rewards scored at once (worker processes or threads)
-    reward_load_timeout_s: float = Field(300, gt=0)  # process: starting a worker and loading a reward into it
-    #                                                  (imports included; not counted in reward_timeout_s)
+    scoring: ScoringConfig = Field(default_factory=lambda: ScoringConfig())  # where and how long rewards run
     filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
     max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
     partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step
@@ -200,8 +212,8 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _coalesce(self) -> RolloutConfig:
-        if self.coalesce_requests and self.disaggregated:
-            raise ValueError("coalesce_requests: with prefill/decode workers (rollout.engines[*].worker_type) a "
+        if self.requests.coalesce and self.disaggregated:
+            raise ValueError("requests.coalesce: with prefill/decode workers (rollout.engines[*].worker_type) a "
                              "group's samples go as separate requests: SGLang's parallel sampling (n) has given "
                              "all n samples one bootstrap room there; leave it unset or false")
         return self
@@ -212,8 +224,8 @@ class RolloutConfig(Section):
 
     @property
     def coalesces(self) -> bool:
-        """Whether a group's identical requests go as one with n (`coalesce_requests`, by default on)."""
-        return self.coalesce_requests is not False and not self.disaggregated
+        """Whether a group's identical requests go as one with n (`requests.coalesce`, by default on)."""
+        return self.requests.coalesce is not False and not self.disaggregated
 
 
 class ParallelConfig(Section):

@@ -9,7 +9,7 @@ Rewards are scored by the manager afterwards unless the generator has already se
 
 Identical requests issued together (the samples of a group, each asking for the same prompt with the same
 sampling parameters in the same turn of the event loop) go to the engine as one request with ``n`` set to
-their count (``rollout.coalesce_requests``): SGLang prefills the prompt once and samples n continuations, and
+their count (``rollout.requests.coalesce``): SGLang prefills the prompt once and samples n continuations, and
 the HTTP work is a group's, not a sample's. Each caller still gets its own result, as if it had asked alone.
 """
 
@@ -69,7 +69,7 @@ class GenerateContext:
     context_length: int | None = None  # the engines' context length, when they report one
     health: Any = None  # the fleet's FleetHealth (rollout.fault_tolerance): failed requests are sent again
     routed_experts: bool = False  # ask engines for the experts each token was routed to (routing replay)
-    coalesce: bool = False  # identical requests issued together go as one with n (rollout.coalesce_requests)
+    coalesce: bool = False  # identical requests issued together go as one with n (rollout.requests.coalesce)
     vocab_size: int | None = None  # the model's embedding rows: an id outside them is never sent (SGLang dies)
     _rids: Any = field(default_factory=itertools.count)
     _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop

@@ -87,7 +87,7 @@ class Evaluator:
             rewards = (Rewards(spec.rewards, plugins, cfg.rollout, f"eval.datasets[{i}].rewards")
                        if spec.rewards is not None else Rewards(cfg.rollout.rewards, plugins, cfg.rollout))
             self.datasets.append((spec, rows, ids, rewards))
-        self.sem = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        self.sem = asyncio.Semaphore(cfg.rollout.requests.max_concurrency)
 
     def __bool__(self) -> bool:
         return bool(self.datasets)

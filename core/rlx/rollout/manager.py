@@ -3,10 +3,10 @@
 Choices:
 
 * A group is n samples of one prompt; each sample is one generator call, all of them concurrent under
-  ``rollout.max_concurrency``. A group is finished when all its samples are.
-* Rewards run after generation (sync or async, each with ``reward_timeout_s``); a reward that raises
+  ``rollout.requests.max_concurrency``. A group is finished when all its samples are.
+* Rewards run after generation (sync or async, each with ``rollout.scoring.timeout_s``); a reward that raises
   or times out marks its sample FAILED with the reason and the run goes on. An engine error is not
-  swallowed: it ends the step with a clear `EngineError` (after ``rollout.retries`` retries).
+  swallowed: it ends the step with a clear `EngineError` (after ``rollout.requests.retries`` retries).
 * Group filters (dynamic sampling): ``filter_zero_variance`` and every plugin's ``filter_group``.
   Dropped groups are replaced by fresh prompts until the batch is full, at most
   ``max_oversample_rounds`` × ``n_prompts`` prompts per step.
@@ -57,7 +57,7 @@ class RolloutManager:
         self.abort_all = abort_all
         self.generator = plugins.build("generators", self.rc.generator)
         self.rewards = Rewards(self.rc.rewards, plugins, self.rc)
-        self.sem = asyncio.Semaphore(self.rc.max_concurrency)
+        self.sem = asyncio.Semaphore(self.rc.requests.max_concurrency)
         self.next_group_id = 0
         self.next_sample_id = 0
         self.pending: list[Group] = []  # partial groups to resume first

@@ -1,15 +1,15 @@
 """Building reward components from config and calling them, sync or async, with a time limit.
 
 A reward's exception, time-out, crash or non-finite score (NaN, inf) never escapes: the sample is marked
-FAILED with the reason and the run goes on. Where rewards run (``rollout.reward_isolation``):
+FAILED with the reason and the run goes on. Where rewards run (``rollout.scoring.isolation``):
 
-* ``process`` (the default): sync rewards run in up to ``rollout.reward_workers`` worker processes
-  (`RewardProcesses`). A reward that runs past ``reward_timeout_s`` has its worker killed, one that crashes
+* ``process`` (the default): sync rewards run in up to ``rollout.scoring.workers`` worker processes
+  (`RewardProcesses`). A reward that runs past ``scoring.timeout_s`` has its worker killed, one that crashes
   its worker (a segfault, ``os._exit``, the OOM killer) fails only its sample, and a fresh worker takes the
   next sample. Nothing a reward does can stall the event loop, the trainer's calls or the run's exit. The
   reward is pickled once and loaded in each worker; what a reward changes on the sample or on itself stays
   in the worker (a reward reports through its result).
-* ``thread``: sync rewards run in up to ``reward_workers`` threads of their own (`RewardThreads`), for a
+* ``thread``: sync rewards run in up to ``scoring.workers`` threads of their own (`RewardThreads`), for a
   reward that cannot be pickled. A hung one keeps its thread (a thread cannot be killed); once all are
   hung, later calls time out waiting for one.
 
@@ -375,10 +375,9 @@ class Rewards:
 
     def __init__(self, specs: list[RewardSpec], plugins: Plugins, rc: RolloutConfig, where: str = "rollout.rewards"):
         self.bound = build_rewards(specs, plugins)
-        self.timeout_s = rc.reward_timeout_s
-        self.isolation = rc.reward_isolation
-        self.workers = rc.reward_workers
-        self.load_timeout_s = rc.reward_load_timeout_s
+        sc = rc.scoring
+        self.timeout_s, self.isolation, self.workers, self.load_timeout_s = (sc.timeout_s, sc.isolation, sc.workers,
+                                                                             sc.load_timeout_s)
         self.keys: dict[int, str] = {}  # by position in the list: two entries may share a name
         if self.isolation == "process" and any(not b.is_async for b in self.bound):
             pool = self._pool()
@@ -391,7 +390,7 @@ class Rewards:
                     raise RLXError(
                         f"{where}[{i}] ({b.name}): the reward cannot be sent to a reward worker process "
                         f"({type(e).__name__}: {e}); make it picklable (for example, build what cannot be "
-                        f"pickled on first use in score()), or set rollout.reward_isolation: thread") from None
+                        f"pickled on first use in score()), or set rollout.scoring.isolation: thread") from None
 
     def _pool(self) -> RewardProcesses:
         return reward_processes(self.workers, self.load_timeout_s)

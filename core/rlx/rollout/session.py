@@ -74,7 +74,7 @@ class RolloutSession:
         dataset = (PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
                    if self.with_data else None)
         await self.fleet.start()
-        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.retries,
+        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
                                    health=self.fleet.health, routed_experts=records_routing(self.cfg),
                                    coalesce=self.cfg.rollout.coalesces, vocab_size=vocab_size(self.cfg.model.path))
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]

@@ -7,11 +7,11 @@
   which generates a token and so fails while an engine is paused, offloaded or taking weights). A process
   that exited is out at once; ``failures`` failed probes in a row (a frozen engine: SIGSTOP, a server that
   stopped answering) take it out too. A scheduler that hangs while its HTTP server answers is not detected
-  by probes; its requests fail at ``request_timeout_s`` and are sent again. A control call (pause, abort)
+  by probes; its requests fail at ``rollout.requests.timeout_s`` and are sent again. A control call (pause, abort)
   that fails on an engine that then fails a probe takes it out at once.
 * **Out.** An engine taken out leaves the router (no new requests) and weight sync (the next push goes to
   the others). A launched one is killed (SIGKILL of its process group): a frozen process holds its
-  requests, and cutting its connections makes them fail now instead of after ``request_timeout_s``.
+  requests, and cutting its connections makes them fail now instead of after ``rollout.requests.timeout_s``.
 * **Requests sent again.** A generate request that failed because its engine failed (unreachable, 5xx) is
   sent again once an engine serves (`GenerateContext.generate`), at most ``max_resends`` times; a request
   in flight when an *attached* engine is taken out (which rlx cannot kill) is cancelled and sent again.
