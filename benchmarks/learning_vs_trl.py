@@ -172,7 +172,7 @@ def _workload_config(w: Workload, seed: int, out: Path):
         "model": {"path": MODEL, "kernels": {"matmul": "auto"}},  # as examples/smollm2.yaml
         "data": {"path": str(TRAIN_ROWS), "metadata_key": "metadata"},
         "rollout": {"n_prompts": w.prompts, "n_samples_per_prompt": w.group, "rewards": ["math"],
-                    "filter_zero_variance": False,
+                    "dynamic_sampling": {"filter_zero_variance": False},
                     "sampling": {"max_new_tokens": w.tokens, "temperature": 1.0}},
         "train": {"mode": "async" if w.async_mode else "sync", "num_steps": w.steps,
                   "max_tokens_per_micro_batch": w.micro_batch_tokens,

@@ -26,7 +26,7 @@ def buffer(tiny_model_path):
 
     cfg = parse_config(json.dumps({"model": {"path": tiny_model_path},
                                    "rollout": {"source": "buffer", "buffer": {"api_key": "bk"},
-                                               "filter_zero_variance": True}}))
+                                               "dynamic_sampling": {"filter_zero_variance": True}}}))
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     buf = TrajectoryBuffer(cfg, tok, build_plugins(entry_points=False), max_len=200)
     with BackgroundLoop(buf.start, buf.stop):

@@ -66,7 +66,7 @@ def test_rl_rollout_writes_scored_groups(tiny_model_path, tmp_path):
 
 
 def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny_model_path, tmp_path):
-    cfg = config(tmp_path, n_prompts=2, partial_rollout=True, over_sampling=3.0,
+    cfg = config(tmp_path, n_prompts=2, partial_rollout={"enabled": True, "over_sampling": 3.0},
                  sampling={"max_new_tokens": 1500}, requests={"max_concurrency": 12})
 
     async def go():
@@ -78,7 +78,7 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(tiny
             # No fresh prompts from here on: the next two steps must finish exactly the kept groups. (With
             # over-sampling, fresh groups race the resumed ones, and which finish first is up to the lengths
             # the random model samples.)
-            s.manager.rc.over_sampling = 1.0
+            s.manager.rc.partial_rollout.over_sampling = 1.0
             later = [await s.manager.next_batch(2), await s.manager.next_batch(3)]
             return b1, kept, pending, later, s.manager.pending
 

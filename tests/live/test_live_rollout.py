@@ -20,8 +20,8 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(sgla
     cfg = parse_config(json.dumps({
         "run": {"output_dir": str(tmp_path / "run")}, "model": {"path": "builtin://tiny-qwen3"},
         "data": {"path": str(data)}, "ray": {"enabled": False},
-        "rollout": {"n_prompts": 2, "n_samples_per_prompt": 2, "rewards": ["exact_match"], "partial_rollout": True,
-                    "over_sampling": 3.0, "requests": {"max_concurrency": 12}, "sampling": {"max_new_tokens": 1500},
+        "rollout": {"n_prompts": 2, "n_samples_per_prompt": 2, "rewards": ["exact_match"], "partial_rollout": {"enabled": True, "over_sampling": 3.0},
+                    "requests": {"max_concurrency": 12}, "sampling": {"max_new_tokens": 1500},
                     "engines": [{"backend": "sglang", "python": sglang_py}]}}))
 
     async def go():
@@ -30,7 +30,7 @@ def test_partial_rollout_aborts_at_the_boundary_and_resumes_from_the_prefix(sgla
             kept = [g.group_id for g in s.manager.pending]
             pending = {x.sample_id: list(x.response_ids) for g in s.manager.pending for x in g.samples
                        if x.status == SampleStatus.ABORTED}
-            s.manager.rc.over_sampling = 1.0  # from here on only the kept groups finish
+            s.manager.rc.partial_rollout.over_sampling = 1.0  # from here on only the kept groups finish
             later = [await s.manager.next_batch(2), await s.manager.next_batch(3)]
             return b1, kept, pending, later, s.manager.pending
 

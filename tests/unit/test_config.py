@@ -167,8 +167,8 @@ def test_settings_of_the_other_training_mode_are_errors():
         parse_config("model: {path: /m}\ntrain:\n  async: {swap: drain}\n")
     assert "<config>:3: train.async.swap: applies to train.mode: async only" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        parse_config("model: {path: /m}\nrollout: {partial_rollout: true}\ntrain: {mode: async}\n")
-    assert "rollout.partial_rollout: applies to sync mode" in str(e.value)
+        parse_config("model: {path: /m}\nrollout: {partial_rollout: {enabled: true}}\ntrain: {mode: async}\n")
+    assert "rollout.partial_rollout.enabled: applies to sync mode" in str(e.value)
     cfg = parse_config("model: {path: /m}\ntrain: {mode: async, async: {swap: drain, max_staleness: 3}}\n")
     assert cfg.train.async_.swap == "drain" and cfg.train.async_.max_staleness == 3
     with pytest.raises(ConfigError) as e:

@@ -176,7 +176,7 @@ def test_batch_has_n_groups_of_n_samples_with_unique_ids_and_rewards(tmp_path):
 def test_zero_variance_groups_are_dropped_and_replaced(tmp_path):
     rows = [{"prompt": "same", "label": "x"}, *ROWS]
     m = make(tmp_path, rows, n_prompts=3, n_samples_per_prompt=2, rewards=["exact_match"],
-             filter_zero_variance=True)
+             dynamic_sampling={"filter_zero_variance": True})
     batch = asyncio.run(m.next_batch(1))
     assert len(batch.groups) == 3 and batch.metrics["rollout/groups_filtered"] == 1
     assert all(g.prompt_index != 0 for g in batch.groups)
@@ -184,7 +184,7 @@ def test_zero_variance_groups_are_dropped_and_replaced(tmp_path):
 
 def test_all_filtered_is_a_clear_error(tmp_path):
     m = make(tmp_path, [{"prompt": "same", "label": "x"}], n_prompts=2, n_samples_per_prompt=2,
-             rewards=["exact_match"], filter_zero_variance=True, max_oversample_rounds=2)
+             rewards=["exact_match"], dynamic_sampling={"filter_zero_variance": True, "max_rounds": 2})
     with pytest.raises(RLXError, match="every group was filtered out"):
         asyncio.run(m.next_batch(1))
 
@@ -215,7 +215,7 @@ def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_traine
     from rlx.rollout import rewards
 
     monkeypatch.setattr(rewards, "_THREADS", {})
-    m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], max_oversample_rounds=1,
+    m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], dynamic_sampling={"max_rounds": 1},
              scoring={"timeout_s": 0.2, "isolation": "thread", "workers": 2})
 
     async def go():
@@ -234,7 +234,7 @@ def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_traine
 
 def test_a_reward_hung_on_one_sample_in_eight_is_killed_at_its_time_out_and_the_others_score(tmp_path):
     pid_file = tmp_path / "hung.pid"
-    m = make(tmp_path, ROWS[:2], n_prompts=2, n_samples_per_prompt=4, scoring={"timeout_s": 1}, max_oversample_rounds=1,
+    m = make(tmp_path, ROWS[:2], n_prompts=2, n_samples_per_prompt=4, scoring={"timeout_s": 1}, dynamic_sampling={"max_rounds": 1},
              rewards=[{"name": "hangs_on_one", "args": {"pid_file": str(pid_file)}}])
     batch = asyncio.run(m.next_batch(1))
     failed = [s for s in batch.samples if s.status == SampleStatus.FAILED]
@@ -245,7 +245,7 @@ def test_a_reward_hung_on_one_sample_in_eight_is_killed_at_its_time_out_and_the_
 
 
 def test_a_reward_that_crashes_its_worker_fails_only_its_sample_and_a_fresh_worker_goes_on(tmp_path):
-    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=4, rewards=["crashes"], max_oversample_rounds=1)
+    m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=4, rewards=["crashes"], dynamic_sampling={"max_rounds": 1})
     batch = asyncio.run(m.next_batch(1))
     errors = sorted((s.index, s.error) for s in batch.samples if s.status == SampleStatus.FAILED)
     assert errors == [(1, "reward 'crashes' crashed its worker process (exit code 3)")] * 3 + \
@@ -255,7 +255,7 @@ def test_a_reward_that_crashes_its_worker_fails_only_its_sample_and_a_fresh_work
 
 def test_scoring_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd):
     m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=2, rewards=["timed"], scoring={"workers": 2},
-             max_oversample_rounds=1)
+             dynamic_sampling={"max_rounds": 1})
     batch = asyncio.run(m.next_batch(1))
     infos = [s.rewards["timed"].info for s in batch.samples]
     assert len(infos) == 6 and len({i["pid"] for i in infos}) <= 2 and os.getpid() not in {i["pid"] for i in infos}
@@ -275,7 +275,7 @@ def test_a_reward_that_cannot_be_pickled_is_named_at_start_and_runs_in_threads_w
 
 def test_a_slow_reward_times_out_per_sample(tmp_path):
     m = make(tmp_path, ROWS[:1], n_prompts=1, n_samples_per_prompt=2, rewards=["slow"], scoring={"timeout_s": 0.05},
-             max_oversample_rounds=1)
+             dynamic_sampling={"max_rounds": 1})
     with pytest.raises(RLXError, match=r"2 samples failed, e.g. reward 'slow' timed out after 0.05s"):
         asyncio.run(m.next_batch(1))
 

@@ -136,6 +136,21 @@ def unique_rewards(specs: list[RewardSpec] | None) -> list[RewardSpec] | None:
     return specs
 
 
+class DynamicSamplingConfig(Section):
+    """Group filters (DAPO's dynamic sampling): groups a filter drops (this one, or a plugin's ``filter_group``)
+    are replaced by groups of fresh prompts."""
+
+    filter_zero_variance: bool = False  # drop groups whose rewards are all equal (no GRPO signal)
+    max_rounds: int = Field(4, ge=1)  # at most this many x n_prompts fresh prompts a step to fill the batch
+
+
+class PartialRolloutConfig(Section):
+    """Sync mode: in-flight requests are aborted at a step boundary and resume from their prefix the next step."""
+
+    enabled: bool = False
+    over_sampling: float = Field(1.0, ge=1.0)  # start this many x n_prompts groups; the first to finish are kept
+
+
 class RequestsConfig(Section):
     """The generate requests a rollout sends to the engines."""
 
@@ -181,13 +196,11 @@ class RolloutConfig(Section):
     requests: RequestsConfig = Field(default_factory=lambda: RequestsConfig())  # generate requests to the engines
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)  # dead/frozen engines
     scoring: ScoringConfig = Field(default_factory=lambda: ScoringConfig())  # where and how long rewards run
-    filter_zero_variance: bool = False  # dynamic sampling: drop groups whose rewards are all equal
-    max_oversample_rounds: int = Field(4, ge=1)  # with filters: at most this many rounds to fill a batch
-    partial_rollout: bool = False  # sync: abort in-flight requests at a step boundary, resume them next step
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=lambda: DynamicSamplingConfig())
+    partial_rollout: PartialRolloutConfig = Field(default_factory=lambda: PartialRolloutConfig())
     routed_experts: bool = False  # MoE: engines report the experts each token was routed to (SGLang's
     #   --enable-return-routed-experts, set on engines rlx launches), and the trainer logs how often its own
     #   routing agrees (moe/routing_agreement); train.objective.routing_replay implies it
-    over_sampling: float = Field(1.0, ge=1.0)  # with partial_rollout: start this many x n_prompts groups
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
     source: Literal["generate", "buffer"] = "generate"  # buffer: train on trajectories POSTed by external agents
@@ -532,18 +545,18 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "mode"), "async mode overlaps generation with training; with rollout.source: "
                          "buffer the trajectories come from outside, so use sync"))
     if cfg.train.mode == "async":
-        if cfg.rollout.partial_rollout:
-            problems.append((("rollout", "partial_rollout"), "applies to sync mode; async mode always carries "
-                             "in-flight samples over (see train.async.swap)"))
+        if cfg.rollout.partial_rollout.enabled:
+            problems.append((("rollout", "partial_rollout", "enabled"), "applies to sync mode; async mode always "
+                             "carries in-flight samples over (see train.async.swap)"))
         if cfg.rollout.offload_during_train:
             problems.append((("rollout", "offload_during_train"), "async mode generates while it trains, so "
                              "engines cannot release their memory"))
         if cfg.train.offload:
             problems.append((("train", "offload"), "async mode trains while the engines generate, so the trainer "
                              "cannot give its memory to them"))
-        if cfg.rollout.over_sampling != 1.0:
-            problems.append((("rollout", "over_sampling"), "applies to sync partial rollout; in async mode "
-                             "train.async.max_staleness sets how many groups run ahead"))
+        if cfg.rollout.partial_rollout.over_sampling != 1.0:
+            problems.append((("rollout", "partial_rollout", "over_sampling"), "applies to sync partial rollout; in "
+                             "async mode train.async.max_staleness sets how many groups run ahead"))
         if cfg.train.async_.max_staleness < cfg.weight_sync.interval:
             problems.append((("train", "async", "max_staleness"), f"must be at least weight_sync.interval "
                              f"({cfg.weight_sync.interval}): between pushes the engines serve weights up to "

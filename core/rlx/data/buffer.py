@@ -269,8 +269,9 @@ class TrajectoryBuffer:
         return prompt, resp, mask
 
     def keep(self, group: Group) -> bool:
-        if self.cfg.rollout.filter_zero_variance and len({s.reward for s in group.samples}) <= 1:
-            group.metadata["filtered"] = "filtered: every trajectory has the same reward (filter_zero_variance)"
+        if self.cfg.rollout.dynamic_sampling.filter_zero_variance and len({s.reward for s in group.samples}) <= 1:
+            group.metadata["filtered"] = ("filtered: every trajectory has the same reward "
+                                          "(rollout.dynamic_sampling.filter_zero_variance)")
             return False
         if not self.plugins.keep_group(group):
             group.metadata["filtered"] = "filtered by a plugin's filter_group"

@@ -7,10 +7,10 @@ Choices:
 * Rewards run after generation (sync or async, each with ``rollout.scoring.timeout_s``); a reward that raises
   or times out marks its sample FAILED with the reason and the run goes on. An engine error is not
   swallowed: it ends the step with a clear `EngineError` (after ``rollout.requests.retries`` retries).
-* Group filters (dynamic sampling): ``filter_zero_variance`` and every plugin's ``filter_group``.
+* Group filters (``rollout.dynamic_sampling``): ``filter_zero_variance`` and every plugin's ``filter_group``.
   Dropped groups are replaced by fresh prompts until the batch is full, at most
-  ``max_oversample_rounds`` × ``n_prompts`` prompts per step.
-* Partial rollout: with ``partial_rollout`` the manager starts ``over_sampling`` × ``n_prompts``
+  ``max_rounds`` × ``n_prompts`` prompts per step.
+* Partial rollout: with ``rollout.partial_rollout`` the manager starts ``over_sampling`` × ``n_prompts``
   groups; once the batch is full it aborts what is still running and keeps those samples, with the
   tokens they already have, to resume first in the next step.
 * `next_batch` returns one step's batch (sync); `run_stream` keeps a bounded queue of finished groups
@@ -174,7 +174,7 @@ class RolloutManager:
         """Apply the group filters; marks a dropped group's samples FILTERED."""
         trainable = group.trainable
         keep = bool(trainable)
-        if keep and self.rc.filter_zero_variance:
+        if keep and self.rc.dynamic_sampling.filter_zero_variance:
             keep = len({s.reward for s in trainable}) > 1
         if keep:
             keep = self.plugins.keep_group(group)
@@ -189,8 +189,9 @@ class RolloutManager:
     async def next_batch(self, step: int, weight_version: int = 0) -> RolloutBatch:
         t0 = time.monotonic()
         target = self.rc.n_prompts
-        budget = self.rc.max_oversample_rounds * target  # fresh prompts this step may use
-        start = target if not self.rc.partial_rollout else int(round(self.rc.over_sampling * target))
+        budget = self.rc.dynamic_sampling.max_rounds * target  # fresh prompts this step may use
+        partial = self.rc.partial_rollout
+        start = target if not partial.enabled else int(round(partial.over_sampling * target))
         kept: list[Group] = []
         dropped = 0
         errors: list[str] = []
@@ -231,7 +232,7 @@ class RolloutManager:
             log.warning("step %d: only %d of %d groups kept after filtering %d", step, len(kept), target, dropped)
         if not kept:
             why = (f"{len(errors)} samples failed, e.g. {errors[0]}" if errors
-                   else "loosen the filters or raise rollout.max_oversample_rounds")
+                   else "loosen the filters or raise rollout.dynamic_sampling.max_rounds")
             raise RLXError(f"rollout step {step}: every group was filtered out ({dropped} dropped); {why}")
         kept.sort(key=lambda g: g.group_id)  # training order must not depend on which group finished first
         batch = RolloutBatch(step, kept, weight_version)
@@ -241,7 +242,7 @@ class RolloutManager:
 
     async def _cut(self, running: dict[asyncio.Task, Group]) -> None:
         """The batch is full: abort what still runs (partial rollout) or wait for it to finish."""
-        if self.rc.partial_rollout and self.abort_all is not None:
+        if self.rc.partial_rollout.enabled and self.abort_all is not None:
             await self.abort_all()
         groups = await asyncio.gather(*running)
         self.pending.extend(groups)

@@ -135,7 +135,8 @@ class EngineFleet:
                                f"CUDA (torch.cuda.cudart), which fails without a GPU; use backend: embedded for "
                                f"routing replay on a CPU")
             rc = self.rc
-            requests = min(rc.requests.max_concurrency, round(rc.n_prompts * rc.n_samples_per_prompt * rc.over_sampling))
+            requests = min(rc.requests.max_concurrency, round(rc.n_prompts * rc.n_samples_per_prompt *
+                                                                 rc.partial_rollout.over_sampling))
             n = sum(x.num_engines for x in rc.engines)
             for k, v in sglang_cpu_args(path, requests=-(-requests // n), new_tokens=rc.sampling.max_new_tokens,
                                         engines=n).items():
