@@ -32,15 +32,10 @@ SetOpt = Annotated[
 ]
 
 
-_built: list = []  # the plugin manager of this invocation, built once
-
-
 def _plugins():
-    from rlx.plugins import build_plugins
+    from rlx.plugins import process_plugins
 
-    if not _built:
-        _built.append(build_plugins())
-    return _built[0]
+    return process_plugins()
 
 
 @app.command("plugins")
@@ -233,7 +228,9 @@ def plot_cmd(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
-    _built.clear()
+    from rlx.plugins import reset_process_plugins
+
+    reset_process_plugins()  # an invocation sees the plugins installed now (tests call main() again)
     try:
         try:
             _plugins().add_commands(app)

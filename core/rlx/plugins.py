@@ -2,7 +2,8 @@
 
 Choices:
 
-* The manager is built by `build_plugins()`, never at import time; tests build a fresh one each.
+* The manager is built by `build_plugins()`, never at import time: once per process (`process_plugins`) where no
+  caller hands one over; tests build a fresh one each.
 * Built-in features are ordinary plugins (`BUILTIN_PLUGINS`), registered exactly like
   third-party ones.
 * ``RLX_LOAD_PLUGINS=a,b`` loads only those entry-point plugins (empty: none);
@@ -314,6 +315,22 @@ FAMILY_PLUGINS = {
     "glm4_moe_lite": ("rlx-model-glm", "plugins/models/glm"),
     "deepseek_v3": ("rlx-model-deepseek", "plugins/models/deepseek"),
 }
+
+
+_PROCESS: list[Plugins] = []  # `process_plugins`' manager, once built
+
+
+def process_plugins() -> Plugins:
+    """This process's plugin manager over the installed plugins, built on first use: one per process, shared by
+    whatever needs the plugins and is not handed a manager (the CLI, a trainer rank, an engine, a model spec)."""
+    if not _PROCESS:
+        _PROCESS.append(build_plugins())
+    return _PROCESS[0]
+
+
+def reset_process_plugins() -> None:
+    """Forget `process_plugins`' manager (a new CLI invocation in the same process; a test's own)."""
+    _PROCESS.clear()
 
 
 def build_plugins(

@@ -30,8 +30,7 @@ def test_functions_load_from_files_and_registered_agents(tmp_path, monkeypatch):
     mod.register_agents = hookimpl(lambda register: register(Registered))
     import rlx.plugins as plugins
 
-    real = plugins.build_plugins
-    monkeypatch.setattr(plugins, "build_plugins", lambda **kw: real(extra=[("agents-plugin", mod)]))
+    monkeypatch.setattr(plugins, "process_plugins", lambda: plugins.build_plugins(extra=[("agents-plugin", mod)]))
     assert load_function("echo_agent").__qualname__.endswith("Registered.run")
 
 
@@ -101,8 +100,7 @@ def test_a_registered_agent_gets_its_agent_args_checked_against_its_config(monke
     mod.register_agents = hookimpl(lambda register: register(Configured))
     import rlx.plugins as plugins
 
-    real = plugins.build_plugins
-    monkeypatch.setattr(plugins, "build_plugins", lambda **kw: real(extra=[("agents-plugin", mod)]))
+    monkeypatch.setattr(plugins, "process_plugins", lambda: plugins.build_plugins(extra=[("agents-plugin", mod)]))
     assert load_function("configured_agent", {"turns": 3}).__self__.config.turns == 3
     with pytest.raises(RLXError, match=r"agent_args \(agent 'configured_agent'\): turnz: Extra inputs"):
         load_function("configured_agent", {"turnz": 3})

@@ -46,9 +46,9 @@ def load_function(spec: str, args: dict[str, Any] | None = None) -> Any:
     `args` (``rollout.generator.args.agent_args``, checked against the agent's ``Config``)."""
     if ":" not in spec:
         from rlx.config import ComponentSpec
-        from rlx.plugins import build_plugins
+        from rlx.plugins import process_plugins
 
-        plugins = build_plugins()
+        plugins = process_plugins()
         if spec not in plugins.names("agents"):
             known = ", ".join(plugins.names("agents")) or "none installed"
             raise RLXError(f"rollout.generator.args.function: {spec!r} is neither module:name, file.py:name nor "

@@ -55,11 +55,11 @@ class TrainerWorker:
 
     def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
         join_ranks(rank, world, master_addr, master_port, self.host)
-        from rlx.plugins import build_plugins
+        from rlx.plugins import process_plugins
         from rlx.train.trainer import Trainer
         from rlx.transport.sender import WeightSender
 
-        plugins = build_plugins()
+        plugins = process_plugins()
         self.trainer = Trainer(self.cfg, plugins, master_addr)
         ws = self.cfg.weight_sync
         self.sender = WeightSender(self.trainer, plugins, ws.transport, ws.verify, ws.verify_full_interval,
@@ -128,10 +128,10 @@ class CriticWorker:
 
     def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
         join_ranks(rank, world, master_addr, master_port, self.host)
-        from rlx.plugins import build_plugins
+        from rlx.plugins import process_plugins
         from rlx.train.ppo import CriticTrainer
 
-        self.trainer = CriticTrainer(self.cfg, build_plugins(), master_addr)
+        self.trainer = CriticTrainer(self.cfg, process_plugins(), master_addr)
 
     set_threads = TrainerWorker.set_threads
     wait_policy = TrainerWorker.wait_policy

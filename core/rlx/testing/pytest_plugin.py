@@ -52,6 +52,9 @@ def _sweep(var: str, where: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _kill_what_the_test_left():
+    from rlx.plugins import reset_process_plugins
+
+    reset_process_plugins()  # each test builds the installed plugins afresh (its environment may differ)
     os.environ["RLX_TEST_ID"] = uuid.uuid4().hex
     yield
     _sweep("RLX_TEST_ID", os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])

@@ -205,11 +205,11 @@ class ModelSpec(ABC):
         """The kernel for `op` that ``model.kernels`` chooses (``auto`` if it names none) and that can run `query`
         (device, dtype...): `rlx.train.kernels.select` over the run's plugins (the installed ones when the spec
         was made without them)."""
-        from rlx.plugins import build_plugins
+        from rlx.plugins import process_plugins
         from rlx.train.kernels import select
 
         if self.plugins is None:
-            self.plugins = build_plugins()
+            self.plugins = process_plugins()
         return select(self.plugins, op, self.kernel_choices.get(op, "auto"), where="model.kernels", **query)
 
 

@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))
-    from rlx.plugins import build_plugins
+    from rlx.plugins import process_plugins
     from rlx.train.kernels import matmul_choice, use_matmul
 
-    matmul = use_matmul(build_plugins(), matmul_choice(json.loads(args.kernels)), device,
+    matmul = use_matmul(process_plugins(), matmul_choice(json.loads(args.kernels)), device,
                         getattr(torch, dtype), model.config.get_text_config().hidden_size, fallback=True)
     scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
                           max_context=args.context_length, capture_experts=args.enable_return_routed_experts,

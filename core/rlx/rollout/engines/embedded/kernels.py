@@ -30,10 +30,10 @@ def use_gdn_kernel(model: Any, choice: str = "auto") -> Callable[[], None] | Non
     if not modules:
         return None
     from rlx.errors import RLXError
-    from rlx.plugins import build_plugins
+    from rlx.plugins import process_plugins
     from rlx.train.kernels import candidates, select
 
-    plugins = build_plugins()
+    plugins = process_plugins()
     if not candidates(plugins, "gdn"):
         print("rlx: kernel for gdn: transformers' own (no gdn kernel plugin installed: rlx-kernel-flashqla)",
               file=sys.stderr, flush=True)
