@@ -74,6 +74,7 @@ class NotANumber:
 
 
 HUNG = threading.Event()
+HUNG_CALLS: list[int] = []  # one entry per Hung.score call begun
 
 
 class Hung:
@@ -82,6 +83,7 @@ class Hung:
     name = "hung"
 
     def score(self, sample):
+        HUNG_CALLS.append(sample.sample_id)
         HUNG.wait(60)
         return 1.0
 
@@ -219,8 +221,13 @@ def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_traine
              scoring={"timeout_s": 0.2, "isolation": "thread", "workers": 2})
 
     async def go():
+        HUNG_CALLS.clear()
         task = asyncio.create_task(m.next_batch(1))
-        await asyncio.sleep(0.1)  # every reward is called (or waiting for a reward thread) by now
+        async def both_threads_taken():  # by hung rewards (the others wait for a thread)
+            while len(HUNG_CALLS) < 2:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(both_threads_taken(), 30)
         other = await asyncio.wait_for(asyncio.to_thread(lambda: "trainer call"), 2)
         with pytest.raises(RLXError, match="16 samples failed, e.g. reward 'hung' timed out after 0.2s"):
             await task
