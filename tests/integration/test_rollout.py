@@ -137,7 +137,7 @@ def test_the_only_engine_killed_or_frozen_mid_rollout_is_restarted_and_the_batch
 
 def test_with_two_engines_a_dead_one_is_retried_on_the_other(tiny_model_path, tmp_path):
     cfg = config(tmp_path, engines=[{"num_engines": 2, "server_args": {"num_threads": 1}}],
-                 router={"policy": "round_robin"}, retries=2)
+                 router={"policy": "round_robin"}, requests={"retries": 2})
 
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:
