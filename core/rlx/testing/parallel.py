@@ -1,4 +1,4 @@
-"""Train a model a few steps under a parallel layout (torchrun, gloo on CPU) and read back what came out, for
+"""Train a model a few steps under a parallel layout (gloo on CPU, ranks forked warm: `rlx.testing.warm`) and read back what came out, for
 tests that show a layout trains exactly like one process: model plugins' tests use it on their tiny models.
 
 `run(folder, model_path, nproc, tp=..., pp=..., ep=..., replay=...)` runs two GRPO steps (two optimizer updates
@@ -11,9 +11,6 @@ samples carry the routing and log-probs of an "engine": the same model with nois
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -99,17 +96,14 @@ WORKER = textwrap.dedent("""
 def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
         noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU)."""
-    from rlx.net import free_port
+    from rlx.testing.warm import world
 
     folder = Path(folder)
     script = folder / "parallel_worker.py"
     script.write_text(WORKER)
     out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}.json"
     args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                        f"--master-port={free_port('127.0.0.1')}", "--master-addr=127.0.0.1", str(script),
-                        json.dumps(args)],
-                       capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    r = world(script, [json.dumps(args)], nproc, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout_s)
     if r.returncode != 0:
         raise AssertionError(f"{nproc} processes, tp={tp} pp={pp} ep={ep} replay={replay}:\n{r.stderr[-4000:]}")
     return json.loads(out.read_text())

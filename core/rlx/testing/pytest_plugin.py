@@ -62,6 +62,10 @@ def _kill_what_the_test_left():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    if warm := sys.modules.get("rlx.testing.warm"):
+        warm.close()  # the parallel worlds' warm process, which the session keeps on purpose
     _sweep("RLX_TEST_SESSION", "the session's fixtures")
 
 
