@@ -242,7 +242,7 @@ def test_an_engine_started_by_hand_with_its_agent_trains_end_to_end(model_path, 
                            tmp_path / "agent.log")
     agent.start()
     try:
-        cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [engine.url]},
+        cfg = small_run_config(tmp_path, "run", rollout={"external_engines": [engine.url]}, ray={"enabled": False},
                                train={"num_steps": 3, "mode": mode},
                                weight_sync={"transport": {"name": "delta", "args": {
                                    "path": str(store), "agents": "external", "full_every": 10}}})
