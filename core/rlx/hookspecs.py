@@ -160,7 +160,8 @@ def filter_group(group: Group) -> bool | None:
 
 @hookspec
 def on_rollout_end(batch: RolloutBatch) -> None:
-    """Called once a rollout step's batch is complete, before training sees it.
+    """Called once per batch, when it is complete and before training sees it, whatever its source (sync,
+    async or the rollout buffer): by the training step, or by ``rl rollout`` for the batches it writes.
 
     :param batch: the batch; implementations may read it and add to ``batch.metrics``.
     """

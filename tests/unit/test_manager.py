@@ -299,14 +299,52 @@ def test_state_round_trip_continues_with_the_same_prompts_and_ids(tmp_path):
 
 
 def test_plugin_group_filter_and_rollout_end_hook(tmp_path):
-    seen = []
+    """The filter drops groups in the manager. ``on_rollout_end`` is called once per batch by the training step
+    (`one_step`), after the batch source (sync, async or the rollout buffer) returns it and before training."""
+    from types import SimpleNamespace
+
+    from rlx.orchestrate.loop import one_step
+
+    events = []
     mod = types.ModuleType("flt")
     mod.filter_group = hookimpl(lambda group: group.prompt_index != 1)
-    mod.on_rollout_end = hookimpl(lambda batch: seen.append(batch.step))
+    mod.on_rollout_end = hookimpl(lambda batch: events.append(("rollout_end", batch.step)))
     m = make(tmp_path, ROWS, n_prompts=2, n_samples_per_prompt=2, rewards=["exact_match"])
     m.plugins = build_plugins(entry_points=False, extra=[("gen", plugins().pm.get_plugin("test-gen")), ("flt", mod)])
     batch = asyncio.run(m.next_batch(7))
-    assert [g.prompt_index for g in batch.groups] == [0, 2] and seen == [7]
+    assert [g.prompt_index for g in batch.groups] == [0, 2] and events == []  # not the source's call
+
+    class Source:  # the sync source, without engines
+        async def next_batch(self, step, version):
+            return await m.next_batch(step)
+
+        async def before_train(self):
+            pass
+
+        async def after_train(self):
+            pass
+
+        async def swap(self, push):
+            await push()
+
+    class Weights:
+        trainer = SimpleNamespace(cpu_seconds=lambda: [])
+        fleet = SimpleNamespace(serving=[])
+
+        async def train(self, batch):
+            events.append(("train", batch.step))
+            return {}
+
+        async def push(self, version):
+            events.append(("push", version))
+
+        def metrics(self):
+            return {}
+
+    cfg = parse_config(json.dumps({"model": {"path": "/m"}, "data": {"path": "/d"}}))
+    batch, record = asyncio.run(one_step(cfg, m.plugins, Source(), Weights(), 8, 3))
+    assert events == [("rollout_end", 8), ("train", 8), ("push", 4)]
+    assert record["step"] == 8 and record["weight_version"] == 4 and batch.step == 8
 
 
 def test_stream_mode_fills_a_bounded_queue_and_keeps_unfinished_groups(tmp_path):

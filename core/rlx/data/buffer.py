@@ -314,7 +314,6 @@ class BufferBatches:
                               "buffer/rejected": float(self.buffer.counts["rejected"]),
                               "buffer/filtered": float(self.buffer.counts["filtered"]),
                               "time/rollout_s": time.monotonic() - t0})
-        self.buffer.plugins.on_rollout_end(batch)
         return batch
 
     async def before_train(self) -> None:

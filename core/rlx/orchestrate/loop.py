@@ -145,7 +145,7 @@ class Run:
             if self.stop.signum is not None:
                 await self.stop_here()
             try:
-                batch, record = await one_step(cfg, self.batches, self.weights, self.step, self.version,
+                batch, record = await one_step(cfg, self.plugins, self.batches, self.weights, self.step, self.version,
                                                self.evals.wait if self.evals else None)
                 await self.report(batch, record)
                 every = cfg.train.checkpoint.interval
@@ -266,16 +266,18 @@ async def make_batches(cfg: Config, session: RolloutSession, plugins: Plugins) -
     return batches
 
 
-async def one_step(cfg: Config, batches: BatchSource, weights: Weights, step: int,
+async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights: Weights, step: int,
                    version: int, settle: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
-    """Get a batch, train on it, push weights when it is time; the batch and the step's metrics.
-    `settle`: awaited before the engines' weights or memory change (an evaluation still running on them)."""
+    """Get a batch (and tell the plugins, ``on_rollout_end``), train on it, push weights when it is time; the
+    batch and the step's metrics. `settle`: awaited before the engines' weights or memory change (an evaluation
+    still running on them)."""
     from rlx.cpu.meter import CoreMeter
 
     meter = CoreMeter(weights.trainer.cpu_seconds, lambda: weights.fleet.serving)
     await meter.mark()
     t0 = time.monotonic()
     batch = await batches.next_batch(step, version)
+    plugins.on_rollout_end(batch)
     t1 = time.monotonic()
     await meter.mark()  # phases are timed without the marks' calls
     t1_ = time.monotonic()

@@ -171,7 +171,6 @@ class AsyncBatches:
             "async/masked_tokens": float(masked),
             "async/queued_groups": float(self.queue.qsize() + len(self.queued)),
         })
-        self.manager.plugins.on_rollout_end(batch)
         return batch
 
     def _mask_stale(self, group: Group, version: int) -> int:

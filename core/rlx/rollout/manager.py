@@ -237,7 +237,6 @@ class RolloutManager:
         kept.sort(key=lambda g: g.group_id)  # training order must not depend on which group finished first
         batch = RolloutBatch(step, kept, weight_version)
         batch.metrics.update(self.batch_metrics(batch, dropped, time.monotonic() - t0))
-        self.plugins.on_rollout_end(batch)
         return batch
 
     async def _cut(self, running: dict[asyncio.Task, Group]) -> None:

@@ -128,6 +128,7 @@ async def rollout_only(cfg: Config, plugins: Plugins, out_path: Path | None = No
         with open(out, "w") as f:
             for step in range(1, cfg.rollout.num_steps + 1):
                 batch = await session.manager.next_batch(step)
+                plugins.on_rollout_end(batch)
                 for rec in group_records(batch):
                     f.write(json.dumps(rec) + "\n")
                 f.flush()
