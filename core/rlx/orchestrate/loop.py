@@ -81,6 +81,8 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
         write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
         weights = Weights(trainer, session.fleet, out)
         await weights.setup()
+        if session.fleet.health is not None:
+            stack.push_async_callback(_cancel, asyncio.create_task(weights.joins()))
         run = Run(cfg, plugins, placement, trainers, weights, await make_batches(cfg, session, plugins), session,
                   loggers, stop, progress)
         await run.begin(resume)
@@ -94,6 +96,11 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
             await asyncio.to_thread(run.trainer.export_hf, save_hf)
         await asyncio.to_thread(run.trainer.close)
     return out
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 class Run:

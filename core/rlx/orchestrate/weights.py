@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ class Weights:
         self.version = version  # the trainer's policy version: what a catch-up pushes
         self.urls: list[str] | None = None  # where the transport points now
         if fleet.health is not None:
-            fleet.health.catch_up = self.catch_up
+            fleet.health.joins = asyncio.Queue()  # engines back: `joins` brings each to these weights
 
     async def _point(self, engines: list[Any]) -> None:
         urls = [e.url for e in engines]
@@ -62,16 +61,27 @@ class Weights:
                     print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
                           f"that serve", file=sys.stderr, flush=True)
 
-    async def catch_up(self, engines: list[Any], admit: Callable[[], Any]) -> None:
-        """Bring `engines` (restarted or back, not yet serving) to the trainer's current weights and let them
-        in (`admit`) before the next train step or push can change those weights. The transport is set up
-        again even where the engines' addresses are those it points to (an engine back at its old address is a
-        new process: what the transport learned of the old one, such as its tensor dtypes, is gone)."""
-        async with self.lock:
-            self.urls = None
-            await self._point(engines)
-            await asyncio.to_thread(self.trainer.push_weights, self.version)
-            await admit()
+    async def joins(self) -> None:
+        """For the run's life: bring each engine the fleet's health has back (restarted or answering again, not
+        yet serving) to the trainer's current weights and admit it before the next train step or push can change
+        those weights; its future says it is in, or why not. The transport is set up again even where the
+        engine's address is one it points to (an engine back at its old address is a new process: what the
+        transport learned of the old one, such as its tensor dtypes, is gone)."""
+        health = self.fleet.health
+        while True:
+            engine, done = await health.joins.get()
+            try:
+                async with self.lock:
+                    self.urls = None
+                    await self._point([engine])
+                    await asyncio.to_thread(self.trainer.push_weights, self.version)
+                    await health.admit(engine)
+            except Exception as e:  # noqa: BLE001 - the engine stays out: its recovery says why
+                if not done.done():
+                    done.set_exception(e)
+            else:
+                if not done.done():
+                    done.set_result(None)
 
     def metrics(self) -> dict[str, float]:
         return self.fleet.health.metrics() if self.fleet.health is not None else {}

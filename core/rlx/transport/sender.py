@@ -47,7 +47,7 @@ class WeightSender:
         self.ctx: TransportContext | None = None
         # each engine's dtype per tensor (None: it cannot say), asked at its first push after `setup`: set by how
         # the engine was launched, so not asked again at every push (an engine restarted or back gets a new setup:
-        # `Weights.catch_up`)
+        # `Weights.joins`)
         self.served: dict[str, dict[str, str] | None] = {}
         # one event loop for every call to the engines, and one kept-open client per engine on it: a push's calls
         # reuse their connections instead of opening one each (and a loop each)

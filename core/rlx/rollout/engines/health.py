@@ -19,8 +19,8 @@
   tokens it had: a multi-turn or partial-rollout sample from its prefix, never a token twice.
 * **Back in.** A launched engine is restarted in its place (same bundle, same log, appended), up to
   ``max_restarts`` times; an attached one is probed until it answers. Before it serves it is brought to
-  the trainer's current weights (`catch_up`, set by the training loop: a push to that engine alone), then
-  it rejoins the router and weight sync, both while the trainer's weights cannot change. Prefill/decode
+  the trainer's current weights (it waits in ``joins``, which the training loop serves: a push to that engine
+  alone), then it rejoins the router and weight sync, both while the trainer's weights cannot change. Prefill/decode
   engines are taken out but not restarted (the router's prefill and decode lists are fixed at its start).
 * **Metrics:** ``engines/serving``, ``engines/taken_out``, ``engines/restarts``, ``engines/rejoined`` and
   ``rollout/resent_requests`` (totals since the start), logged with every step.
@@ -32,7 +32,6 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from rlx.config import FaultToleranceConfig
@@ -60,10 +59,10 @@ class FleetHealth:
         self.fleet = fleet
         self.cfg = cfg
         self.startup_timeout_s = startup_timeout_s
-        #: ``await catch_up(engines, admit)`` brings engines to the trainer's weights and calls ``await admit()``
-        #: before the weights can change again (set by the training loop; None: rollout alone, the engines
-        #: keep the weights they start with).
-        self.catch_up: Callable[[list[Engine], Callable[[], Awaitable[None]]], Awaitable[None]] | None = None
+        #: Engines back that must first get the trainer's current weights, each with a future to set once it was
+        #: admitted (`admit`) or could not be: a training run serves them (`rlx.orchestrate.weights.Weights.joins`).
+        #: None (rollout alone, `rl serve`): engines keep the weights they start with and are admitted at once.
+        self.joins: asyncio.Queue[tuple[Engine, asyncio.Future]] | None = None
         self.counts = {"engines/taken_out": 0, "engines/restarts": 0, "engines/rejoined": 0,
                        "rollout/resent_requests": 0}
         self.fails: dict[str, int] = {}  # consecutive failed probes per URL
@@ -189,22 +188,24 @@ class FleetHealth:
 
     async def rejoin(self, e: Engine) -> None:
         e.state = "joining"
-
-        async def admit() -> None:
-            if self.fleet.router is not None:
-                await self.fleet.router.add_worker(e.url)
-            else:  # the single engine, at its new address
-                self.fleet.url = self.fleet.front.base_url = e.url
-            e.state = "serving"
-
-        if self.catch_up is not None and e.update_weights:
-            await self.catch_up([e], admit)  # admitted before the trainer's weights can change again
+        if self.joins is not None and e.update_weights:
+            done = asyncio.get_running_loop().create_future()
+            await self.joins.put((e, done))
+            await done  # brought to the trainer's weights and admitted before they can change again, or why not
         else:
-            await admit()
+            await self.admit(e)
         self.fails[e.url] = 0
         self.counts["engines/rejoined"] += 1
         self._serving.set()
         say(f"engine {e.url} serves again; {len(self.fleet.serving)} of {len(self.fleet.engines)} engines serve")
+
+    async def admit(self, e: Engine) -> None:
+        """Let `e` serve: into the router, or as the single engine at its new address."""
+        if self.fleet.router is not None:
+            await self.fleet.router.add_worker(e.url)
+        else:
+            self.fleet.url = self.fleet.front.base_url = e.url
+        e.state = "serving"
 
     # -- what requests wait for ------------------------------------------------------------------
 
