@@ -171,6 +171,13 @@ def _shape(model_dir: Path, key: tuple[Any, ...], par: Any) -> list[Problem]:
                                   f"stages split the layers evenly; {model_dir / 'config.json'})"))
     if par.world_size % (par.tp * par.pp):
         out.append(((*key, "world_size"), f"{par.world_size} is not a multiple of tp*pp = {par.tp * par.pp}"))
+    elif par.ep > 1 and (par.world_size // par.pp) % (par.ep * par.expert_tp):
+        out.append(((*key, "ep"), f"ep*etp = {par.ep}*{par.expert_tp} does not divide the {par.world_size // par.pp} "
+                                  f"ranks of a pipeline stage (world_size / pp; etp defaults to tp)"))
+    experts = next((hf[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in hf), None)
+    if isinstance(experts, int) and experts % par.ep:
+        out.append(((*key, "ep"), f"{par.ep} does not divide the model's {experts} experts "
+                                  f"({model_dir / 'config.json'})"))
     return out
 
 

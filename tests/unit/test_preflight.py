@@ -12,11 +12,11 @@ from rlx.preflight import config_checks
 GOOD = json.dumps({"prompt": "what is 1 + 1", "label": "2"})
 
 
-def model(tmp_path, heads=8, kv=4, layers=6):
+def model(tmp_path, heads=8, kv=4, layers=6, **more):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv,
-                                                    "num_hidden_layers": layers}))
+                                                    "num_hidden_layers": layers, **more}))
     return folder
 
 
@@ -56,6 +56,10 @@ def test_missing_model_not_an_hf_folder_and_bad_prompt_files_are_all_reported(tm
     ({"heads": 8, "kv": 4, "layers": 6}, "tp: 3, world_size: 3", "3 does not divide the model's 8 attention heads"),
     ({"heads": 8, "kv": 2, "layers": 6}, "tp: 4, world_size: 4", "4 does not divide the model's 2 key-value heads"),
     ({"heads": 8, "kv": 4, "layers": 6}, "pp: 4, world_size: 4", "4 does not divide the model's 6 layers"),
+    # megatron's expert layout: ep * etp ranks within each stage (etp defaults to tp), ep dividing the experts
+    ({"num_experts": 8}, "tp: 2, ep: 4, world_size: 4", "ep*etp = 4*2 does not divide the 4 ranks of a pipeline"),
+    ({"num_experts": 6}, "ep: 4, world_size: 4", "4 does not divide the model's 6 experts"),
+    ({"n_routed_experts": 6}, "tp: 2, ep: 4, etp: 1, world_size: 4", "4 does not divide the model's 6 experts"),
 ])
 def test_a_parallel_layout_that_does_not_fit_the_model(tmp_path, shape, par, message):
     m = model(tmp_path, **shape)
