@@ -182,13 +182,32 @@ def train_cmd(
 
         out_dir = asyncio.run(train(cfg, _plugins(), resume=resume, save_hf=save_hf, progress=progress,
                                     verbose=verbose))
-    rows = __import__("rlx.orchestrate.metrics", fromlist=["read"]).read(out_dir)
-    first, last = rows[:5], rows[-5:]
-    mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
-    out.print(f"done: {len(rows)} steps in {out_dir}; mean reward first 5 steps {mean(first):.3f}, "
-              f"last 5 steps {mean(last):.3f}")
+    for line in _summary(out_dir):
+        out.print(line, soft_wrap=True, highlight=False)
     if save_hf:
-        out.print(f"HF checkpoint: {save_hf}")
+        out.print(f"HF checkpoint: {save_hf}", soft_wrap=True, highlight=False)
+
+
+def _summary(out_dir: Path) -> list[str]:
+    """What a run did, a sentence a line: its steps, its mean reward then and now, each held-out pass@1 then and
+    now (from metrics.jsonl and eval.jsonl)."""
+    from rlx.orchestrate.metrics import read, read_eval
+
+    rows = read(out_dir)
+    lines = [f"done: {len(rows)} steps in {out_dir}."]
+    if rows:
+        first, last = rows[:5], rows[-5:]
+        mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
+        lines.append(f"mean reward: {mean(first):.3f} over the first {len(first)} steps, {mean(last):.3f} over the "
+                     f"last {len(last)}.")
+    evals: dict[str, list[dict]] = {}
+    for r in read_eval(out_dir):
+        evals.setdefault(r["dataset"], []).append(r)
+    for name, rs in evals.items():
+        a, b = rs[0], rs[-1]
+        lines.append(f"held-out {name}: pass@1 {a['pass@1']:.3f} at step {a['step']}, {b['pass@1']:.3f} at step "
+                     f"{b['step']}.")
+    return lines
 
 
 @app.command("eval")

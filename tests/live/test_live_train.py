@@ -47,15 +47,18 @@ def test_the_quickstart_learns_through_live_sglang(sglang_py, tiny_model_path, t
     out = tmp_path / "run"
     r = rl_train(ROOT / "examples" / "quickstart.yaml", "--set", f"run.output_dir={out}",
                  "--set", "rollout.engines.0.backend=sglang", "--set", f"rollout.engines.0.python={sglang_py}",
-                 "--set", "eval.interval=0")
+                 "--set", "eval.interval=60")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(out)
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-5:]) / 5
     diff = max(r["train_rollout_logprob_diff"] for r in rows)
-    print(f"quickstart through live SGLang: reward {first:.3f} -> {last:.3f}, "
-          f"{sum(r['time/step_s'] for r in rows) / len(rows):.2f} s/step, largest log-prob diff {diff:.2e}")
-    assert last - first > 0.15
+    greedy = [e["pass@1"] for e in map(json.loads, (out / "eval.jsonl").read_text().splitlines())
+              if e["dataset"] == "heldout"]
+    print(f"quickstart through live SGLang: reward {first:.3f} -> {last:.3f}, held-out greedy pass@1 "
+          f"{greedy[0]:.3f} -> {greedy[-1]:.3f}, {sum(r['time/step_s'] for r in rows) / len(rows):.2f} s/step, "
+          f"largest log-prob diff {diff:.2e}")
+    assert len(greedy) == 2 and greedy[-1] - greedy[0] >= 0.15  # 0.15 -> 0.43-0.53 through the embedded engine
     assert diff < 1e-3  # fp32 on both sides
 
 
