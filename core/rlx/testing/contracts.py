@@ -276,8 +276,9 @@ class GeneratorContract(_Contract):
 
 class TransportContract(_Contract):
     """A transport moves the tensors it is sent into real engines: after `send` on every sender and
-    `commit`, each engine reports the version and serves exactly the new values. Runs the embedded
-    engine with the built-in tiny model (an integration test: it starts a server).
+    `commit`, each engine reports the version and serves exactly the new values. Runs against an embedded
+    engine on the built-in tiny model that the session's transport contracts share (``contract_engine``, from
+    rlx's pytest plugin; an integration test: it starts a server), loaded back to the model's weights first.
     Set `transport_name`; `senders` > 1 splits the tensors as pipeline stages would."""
 
     kind = "transports"
@@ -288,54 +289,51 @@ class TransportContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.transport_name
 
-    def test_push_reaches_the_engine(self, tmp_path):
+    def test_push_reaches_the_engine(self, tmp_path, contract_engine):
         import torch
         from safetensors.torch import load_file
 
-        from rlx.models.tiny import resolve_model_path
         from rlx.rollout.engines.fleet import Engine
-        from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
         from rlx.transport import TransportContext
 
-        path = resolve_model_path("builtin://tiny-qwen3")
+        url, path = contract_engine
         state = load_file(f"{path}/model.safetensors")
-        port = free_port()
-        proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": 1}), tmp_path / "engine.log")
-        proc.start()
-        try:
-            url = f"http://{HOST}:{port}"
-            asyncio.run(wait_healthy(url, proc, 120))
-            engines = [Engine(url, "target")]
-            new = {k: v + 0.25 for k, v in state.items()}
-            names = list(new)
-            parts = [names[i::self.senders] for i in range(self.senders)]
+        engines = [Engine(url, "target")]
 
-            async def push(version: int) -> None:
-                transports = [self.build() for _ in parts]
-                ctxs = [TransportContext(engines, tmp_path, sender=i, senders=len(parts)) for i in range(len(parts))]
-                for t, c in zip(transports, ctxs, strict=True):
-                    await t.setup(c)
-                for t, c, p in zip(transports, ctxs, parts, strict=True):
-                    await t.send(iter([(n, new[n]) for n in p]), version, c)
-                await transports[0].commit(version, ctxs[0])
-                for t in transports:
-                    await t.close()
+        async def reset() -> None:  # the engine is the session's: the model's own weights back, version "0"
+            async with engines[0].client() as c:
+                await c.update_weights_from_disk(path, weight_version="0")
+                assert await c.weight_version() == "0"
 
-            asyncio.run(push(5))
+        asyncio.run(reset())  # without it, what the test before pushed would pass for this push
+        new = {k: v + 0.25 for k, v in state.items()}
+        names = list(new)
+        parts = [names[i::self.senders] for i in range(self.senders)]
 
-            async def check() -> None:
-                from rlx.transport.wire import tensor_hash
+        async def push(version: int) -> None:
+            transports = [self.build() for _ in parts]
+            ctxs = [TransportContext(engines, tmp_path, sender=i, senders=len(parts)) for i in range(len(parts))]
+            for t, c in zip(transports, ctxs, strict=True):
+                await t.setup(c)
+            for t, c, p in zip(transports, ctxs, parts, strict=True):
+                await t.send(iter([(n, new[n]) for n in p]), version, c)
+            await transports[0].commit(version, ctxs[0])
+            for t in transports:
+                await t.close()
 
-                async with engines[0].client() as c:
-                    assert await c.weight_version() == "5"
-                    served = await c.weights_checksum(names)  # every tensor, exactly as the engine holds it
-                    for name in names:
-                        dtype = getattr(torch, served["dtypes"][name])
-                        assert served["checksums"][name] == tensor_hash(new[name], dtype), name
+        asyncio.run(push(5))
 
-            asyncio.run(check())
-        finally:
-            proc.stop()
+        async def check() -> None:
+            from rlx.transport.wire import tensor_hash
+
+            async with engines[0].client() as c:
+                assert await c.weight_version() == "5"
+                served = await c.weights_checksum(names)  # every tensor, exactly as the engine holds it
+                for name in names:
+                    dtype = getattr(torch, served["dtypes"][name])
+                    assert served["checksums"][name] == tensor_hash(new[name], dtype), name
+
+        asyncio.run(check())
 
 
 # -- loggers ---------------------------------------------------------------------------------------

@@ -87,6 +87,26 @@ def tiny_model_path(tmp_path_factory):
     return resolve_model_path("builtin://tiny-qwen3")
 
 
+@pytest.fixture(scope="session")
+def contract_engine(tiny_model_path, tmp_path_factory):
+    """An embedded engine on the built-in tiny model, shared by the session's transport contracts (a start costs
+    about 5 s): ``(its URL, the model's folder)``. Each contract test loads the model's own weights back first."""
+    import asyncio
+
+    from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
+
+    port = free_port()
+    proc = ManagedProcess(embedded_command(tiny_model_path, port, server_args={"num_threads": 1}),
+                          tmp_path_factory.mktemp("contract-engine") / "engine.log")
+    proc.start()
+    try:
+        url = f"http://{HOST}:{port}"
+        asyncio.run(wait_healthy(url, proc, 120))
+        yield url, tiny_model_path
+    finally:
+        proc.stop()
+
+
 @pytest.fixture
 def rlx_plugins():
     """A fresh plugin manager with built-ins and installed entry points."""
