@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
 
 def config(folder: Path, enabled: bool, interval: float, failures: int, patience: float):
     from rlx.config import parse_config
-    from rlx.data.tasks import arithmetic, write_jsonl
+    from rlx.tasks import arithmetic, write_jsonl
 
     data = write_jsonl(arithmetic(400), folder / "data.jsonl")
     doc = {"run": {"output_dir": str(folder / "run")}, "model": {"path": "builtin://tiny-qwen3"},

@@ -71,7 +71,7 @@ class Run:
 def heldout_rows(n: int = 100, seed: int = 20261126) -> list[dict]:
     """`n` arithmetic prompts of the training file's kind (operands 0-20, + and -) that the training file
     does not contain, deterministic."""
-    from rlx.data.tasks import arithmetic
+    from rlx.tasks import arithmetic
 
     seen = {json.loads(line)["prompt"] for line in TRAIN_ROWS.read_text().splitlines()}
     out: list[dict] = []

@@ -90,7 +90,7 @@ def main() -> None:
     if args.metrics:
         rows = [json.loads(line) for line in args.metrics.read_text().splitlines() if line.strip()]
     else:
-        from rlx.data.tasks import arithmetic, write_jsonl
+        from rlx.tasks import arithmetic, write_jsonl
 
         with tempfile.TemporaryDirectory(prefix="rlx-limits-") as folder:  # the run's checkpoint: GBs for SmolLM2
             tmp = Path(folder)

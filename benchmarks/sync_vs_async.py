@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
 
-    from rlx.data.tasks import arithmetic, write_jsonl
+    from rlx.tasks import arithmetic, write_jsonl
 
     with tempfile.TemporaryDirectory() as tmp:
         data = write_jsonl(arithmetic(2000, seed=5), Path(tmp) / "data.jsonl")

@@ -185,7 +185,7 @@ def main() -> None:
 
 def measure(w: Workload, tmp: Path) -> dict[str, dict[str, float | None]]:
     """Each framework's medians over the timed steps, runs in `tmp`."""
-    from rlx.data.tasks import arithmetic, write_jsonl
+    from rlx.tasks import arithmetic, write_jsonl
 
     data = write_jsonl(arithmetic(512), tmp / "data.jsonl")
     runs = {"rlx sync": lambda: run_rlx(w, data, tmp / "rlx-sync", "sync"),

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rlx.builtins.loggers import read_events
-from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.tasks import arithmetic, write_jsonl
 from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from rlx.config import parse_config
-from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.tasks import arithmetic, write_jsonl
 from rlx.errors import RLXError
 from rlx.plugins import build_plugins
 from rlx.rollout.session import RolloutSession

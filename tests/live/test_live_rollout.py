@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlx.config import parse_config
-from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.tasks import arithmetic, write_jsonl
 from rlx.plugins import build_plugins
 from rlx.rollout.session import RolloutSession
 from rlx.types import SampleStatus

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.data.tasks import arithmetic
+from rlx.tasks import arithmetic
 
 ROOT = Path(__file__).parents[2]
 HELDOUT = [json.loads(line) for line in (ROOT / "examples" / "data" / "arithmetic_eval.jsonl").open()]

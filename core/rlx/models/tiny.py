@@ -233,14 +233,14 @@ def _no_progress_bars() -> Iterator[None]:
 
 def warm_start(out: Path, base: str, steps: int, seed: int = 0) -> Path:
     """The built-in `base`, then `steps` steps of supervised training (AdamW, batches of 64) on the answers to
-    the quickstart's training prompts (`rlx.data.tasks.arithmetic(512, seed=0)`, which is
+    the quickstart's training prompts (`rlx.tasks.arithmetic(512, seed=0)`, which is
     ``examples/data/arithmetic.jsonl``; the held-out prompts are none of them): the answer's tokens and the end of
     the turn after the chat template's prompt, the loss on the answer only. About 5 s on 2 CPU cores; the model
     then answers about a third of the training prompts and a sixth of the held-out ones right when greedy."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlx.data.tasks import arithmetic
+    from rlx.tasks import arithmetic
 
     build_tiny_model(out, base, seed)
     tok = AutoTokenizer.from_pretrained(out)

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from rlx.data.tasks import arithmetic, write_jsonl
+from rlx.tasks import arithmetic, write_jsonl
 
 
 def small_run_config(folder: Path, name: str, *, seed: int = 1, **sections: dict[str, Any]) -> Path:
