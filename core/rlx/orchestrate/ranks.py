@@ -38,12 +38,15 @@ def weight_target(url: str, timeout_s: float) -> Any:
 
 
 class TrainerWorker:
-    """One trainer rank: the trainer and the sending side of weight sync. Built empty so that Ray can
-    place it first; `start` then joins the ranks at the address rank 0 reported (`address`)."""
+    """One trainer rank. ``role="trainer"``: the trainer (the actor, its reference model, and the critic when it
+    shares the actor's ranks) and the sending side of weight sync; ``role="critic"``: a rank of a critic with a
+    layout of its own (``train.critic.parallel``), in its own megatron world on the actor's bundles. Built empty
+    so that Ray can place it first; `start` then joins the ranks at the address rank 0 reported (`address`)."""
 
-    def __init__(self, cfg: Config, host: str | None = None):
+    def __init__(self, cfg: Config, host: str | None = None, role: str = "trainer"):
         self.cfg = cfg  # already validated, paths absolute: workers never re-read or re-resolve it
         self.host = host or node_ip()
+        self.role = role
         self.trainer: Any = None
         self.sender: Any = None
 
@@ -56,10 +59,14 @@ class TrainerWorker:
     def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
         join_ranks(rank, world, master_addr, master_port, self.host)
         from rlx.plugins import process_plugins
+        from rlx.train.ppo import CriticTrainer
         from rlx.train.trainer import Trainer
         from rlx.transport.sender import WeightSender
 
         plugins = process_plugins()
+        if self.role == "critic":
+            self.trainer = CriticTrainer(self.cfg, plugins, master_addr)
+            return
         self.trainer = Trainer(self.cfg, plugins, master_addr)
         ws = self.cfg.weight_sync
         self.sender = WeightSender(self.trainer, plugins, ws.transport, ws.verify, ws.verify_full_interval,
@@ -92,6 +99,12 @@ class TrainerWorker:
     def ppo_train_actor(self) -> dict[str, float]:
         return self.trainer.ppo_train_actor()
 
+    def values(self, batch: Any) -> Any:  # a critic rank's
+        return self.trainer.values(batch)
+
+    def train_critic(self, batch: Any, returns: Any, values: Any) -> dict[str, float]:  # a critic rank's
+        return self.trainer.train(batch, returns, values)
+
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self.sender.setup(engine_urls, output_dir, self.host)
 
@@ -112,45 +125,6 @@ class TrainerWorker:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
-
-
-class CriticWorker:
-    """One rank of a critic with a layout of its own (``train.critic.parallel``): its own megatron world, placed
-    on the actor's bundles. Built empty like `TrainerWorker`, then `start`."""
-
-    def __init__(self, cfg: Config, host: str | None = None):
-        self.cfg = cfg
-        self.host = host or node_ip()
-        self.trainer: Any = None
-
-    address = TrainerWorker.address
-    node = TrainerWorker.node
-
-    def start(self, rank: int, world: int, master_addr: str, master_port: int) -> None:
-        join_ranks(rank, world, master_addr, master_port, self.host)
-        from rlx.plugins import process_plugins
-        from rlx.train.ppo import CriticTrainer
-
-        self.trainer = CriticTrainer(self.cfg, process_plugins(), master_addr)
-
-    set_threads = TrainerWorker.set_threads
-    wait_policy = TrainerWorker.wait_policy
-    cpu_seconds = TrainerWorker.cpu_seconds
-
-    def values(self, batch: Any) -> Any:
-        return self.trainer.values(batch)
-
-    def train_critic(self, batch: Any, returns: Any, values: Any) -> dict[str, float]:
-        return self.trainer.train(batch, returns, values)
-
-    def save(self, folder: str) -> None:
-        self.trainer.save(Path(folder))
-
-    def load(self, folder: str) -> None:
-        self.trainer.load(Path(folder))
-
-    def close(self) -> None:
-        pass
 
 
 class TrainerGroup(ABC):
@@ -228,8 +202,8 @@ class LocalTrainerGroup(TrainerGroup):
 
 class RayTrainerGroup(TrainerGroup):
     """`world_size` TrainerWorker actors in a placement group (rank r on bundle r); rank 0's node hosts the
-    rendezvous. With ``role="critic"``: the critic's own ranks (`CriticWorker`, ``train.critic.parallel``), on
-    the same bundles as the actor's."""
+    rendezvous. With ``role="critic"``: the critic's own ranks (``train.critic.parallel``), on the same bundles as
+    the actor's."""
 
     def __init__(self, cfg: Config, placement_group: Any, first_bundle: int, role: str = "trainer"):
         import ray
@@ -241,13 +215,14 @@ class RayTrainerGroup(TrainerGroup):
         world = critic.world_size if role == "critic" else cfg.train.parallel.world_size
         other = 0 if cfg.train.critic.placement == "own" else (  # ranks of the other role on the same bundles
             cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
-        actor = ray.remote(num_cpus=rc.cpus_per_trainer)(CriticWorker if role == "critic" else TrainerWorker)
+        actor = ray.remote(num_cpus=rc.cpus_per_trainer)(TrainerWorker)
         env = process_env(cfg.train.mode, cfg.cpu.async_cores)  # before the process loads torch (rlx.cpu)
         self.workers = [
             actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
                           **({"runtime_env": {"env_vars": env}} if env else {}),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              placement_group, placement_group_bundle_index=first_bundle + rank)).remote(cfg)
+                              placement_group, placement_group_bundle_index=first_bundle + rank)).remote(
+                cfg, role=role)
             for rank in range(world)
         ]
         try:

@@ -34,11 +34,13 @@ def environ(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def wait_gone(tag: str, timeout: float = 20, var: str = "RLX_TEST_TAG") -> list[int]:
-    """Wait until no process carries the tag; returns those still there after `timeout` seconds."""
+def wait_gone(tag: str, timeout: float = 20, var: str = "RLX_TEST_TAG",
+              keep: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Wait until no process carries the tag but those in `keep`; returns the others still there after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
-    while (left := processes_tagged(tag, var)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while (left := [p for p in processes_tagged(tag, var) if p not in keep]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return left
 
 

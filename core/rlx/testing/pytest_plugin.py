@@ -29,19 +29,15 @@ def _sweep(var: str, where: str) -> None:
     """Kill the live processes tagged with this process's ``var`` (after a short grace for those stopping), but
     those this process keeps for its life on purpose (the shared reward workers, `rlx.rollout.rewards`)."""
     import sys
-    import time
 
-    from rlx.testing.processes import processes_tagged
+    from rlx.testing.processes import wait_gone
 
     tag = os.environ.get(var)
     if not tag:
         return
     rewards = sys.modules.get("rlx.rollout.rewards")
     kept = {os.getpid(), *(rewards.shared_worker_pids() if rewards else ())}
-    deadline = time.monotonic() + 5
-    while (left := set(processes_tagged(tag, var)) - kept) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in sorted(left):
+    for pid in sorted(wait_gone(tag, 5, var, keep=kept)):
         try:
             command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")[:160]
             os.kill(pid, signal.SIGKILL)
