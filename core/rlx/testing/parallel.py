@@ -1,5 +1,6 @@
-"""Train a model a few steps under a parallel layout (gloo on CPU, ranks forked warm: `rlx.testing.warm`) and read back what came out, for
-tests that show a layout trains exactly like one process: model plugins' tests use it on their tiny models.
+"""Train a model a few steps under a parallel layout (gloo on CPU, the ranks forked warm by `rlx.testing.warm`) and
+read back what came out, for tests that show a layout trains exactly like one process: model plugins' tests use it
+on their tiny models.
 
 `run(folder, model_path, nproc, tp=..., pp=..., ep=..., replay=...)` runs two GRPO steps (two optimizer updates
 each, a reference model for the KL) on fixed samples with ragged lengths and returns ``{"m1", "m2", "weights"}``:
