@@ -93,11 +93,8 @@ class TrainerWorker:
     def train_step(self, batch: Any) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
-    def ppo_prepare(self, batch: Any, values: Any) -> Any:
-        return self.trainer.ppo_prepare(batch, values)
-
-    def ppo_train_actor(self) -> dict[str, float]:
-        return self.trainer.ppo_train_actor()
+    def train_actor(self, batch: Any, values: Any) -> tuple[dict[str, float], Any]:  # beside a critic's ranks
+        return self.trainer.train_actor(batch, values)
 
     def values(self, batch: Any) -> Any:  # a critic rank's
         return self.trainer.values(batch)
@@ -273,7 +270,8 @@ class RayTrainerGroup(TrainerGroup):
 
 class CriticTrainerGroup(TrainerGroup):
     """The actor's ranks and a critic's ranks of its own (``train.critic.parallel``), as one trainer group: each
-    step the critic's values, the actor's advantages and returns, the critic's update, then the actor's. Weight
+    step the critic's values, then the actor's advantages and update (which return the critic's targets), then the
+    critic's update; the two updates are independent, so the order is the one that keeps no state between calls. Weight
     pushes and HF export are the actor's; checkpoints hold both."""
 
     def __init__(self, actor: TrainerGroup, critic: TrainerGroup):
@@ -299,9 +297,8 @@ class CriticTrainerGroup(TrainerGroup):
 
     def train_step(self, batch: Any) -> dict[str, float]:
         values = self.critic._all("values", batch)[0]
-        returns = self.actor._all("ppo_prepare", batch, values)[0]
-        metrics = self.critic._all("train_critic", batch, returns, values)[0]
-        return {**metrics, **self.actor._all("ppo_train_actor")[0]}
+        metrics, returns = self.actor._all("train_actor", batch, values)[0]
+        return {**self.critic._all("train_critic", batch, returns, values)[0], **metrics}
 
     def save(self, folder: Path) -> None:
         self.actor.save(folder)

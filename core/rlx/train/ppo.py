@@ -8,7 +8,8 @@
    advantages (whitened over the whole batch) are the same everywhere.
 2. The estimator's per-token advantages and returns.
 3. The critic trains on the returns (value loss, clipped around the values of step 1), on the same
-   mini-batches as the actor, before the actor; during ``train.critic.warmup_steps`` it trains alone.
+   mini-batches as the actor, before the actor (after it when the critic has ranks of its own: the updates are
+   independent); during ``train.critic.warmup_steps`` it trains alone.
 4. The actor trains on the advantages with the configured policy loss (`RLStep.run`). With ``kl_in_reward``
    the KL is in the reward and not in the loss.
 
@@ -235,8 +236,11 @@ class CriticTrainer:
         self.memory.hold()
 
     def values(self, batch: RolloutBatch) -> dict[int, torch.Tensor]:
-        self.memory.hold(critic="all")  # resident from here to the end of `train`: the actor's ranks prepare
-        return self.step_fn.values(scored(batch))
+        self.memory.hold(critic="all")
+        try:
+            return self.step_fn.values(scored(batch))
+        finally:
+            self.memory.hold()  # the actor's ranks train next
 
     def train(self, batch: RolloutBatch, returns: dict[int, torch.Tensor],
               values: dict[int, torch.Tensor]) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,7 +55,6 @@ class Trainer:
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.critic: ModelRole | None = None
         self.critic_step: CriticStep | None = None
-        self._pending: Any = None  # with a critic in ranks of its own: the TrainBatch ppo_prepare made
         if getattr(self.estimator, "needs_critic", False) and tc.critic.parallel is not None:
             # the critic has ranks of its own (CriticTrainer): this side makes advantages and trains the actor
             self.critic_step = CriticStep(tc, self.estimator, self.step_fn, None, self.loss_norm)
@@ -76,7 +75,7 @@ class Trainer:
         """Train on every trainable sample of the batch; returns global metrics."""
         if self.critic_step is not None and self.critic is None:
             raise RLXError("the critic has ranks of its own (train.critic.parallel): the trainer group runs the "
-                           "step (ppo_prepare, the critic's update, ppo_train_actor)")
+                           "step (the critic's values, train_actor, the critic's update)")
         if self.critic_step is not None:
             metrics = self.critic_step.run(batch, self.actor, self.reference, self.step, self._hold_actor,
                                            lambda: self.memory.hold(critic="all"))
@@ -91,22 +90,16 @@ class Trainer:
     def _hold_actor(self) -> None:
         self.memory.hold(actor="all", **({"reference": "weights"} if self.reference is not None else {}))
 
-    def ppo_prepare(self, batch: RolloutBatch, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """With a critic in ranks of its own: advantages from its `values`, kept for `ppo_train_actor`; returns
-        the critic's targets."""
+    def train_actor(self, batch: RolloutBatch,
+                    values: dict[int, torch.Tensor]) -> tuple[dict[str, float | None], dict[int, torch.Tensor]]:
+        """With a critic in ranks of its own: the actor's half of the step from the critic's `values` (advantages,
+        then the actor's update, none during the critic's warm-up); returns its metrics and the critic's targets."""
         self._hold_actor()
-        self._pending = self.critic_step.prepare(batch, self.actor, self.reference, values)
-        self.memory.hold()  # the critic's ranks train next (on the same GPUs when colocated)
-        return self._pending.returns
-
-    def ppo_train_actor(self) -> dict[str, float | None]:
-        """The actor's part of the step `ppo_prepare` began (nothing but metrics during the critic's warm-up)."""
-        tb, self._pending = self._pending, None
-        self._hold_actor()
+        tb = self.critic_step.prepare(batch, self.actor, self.reference, values)
         metrics = self.critic_step.train_actor(tb, self.actor, self.reference, self.step)
-        self.memory.hold()
+        self.memory.hold()  # the critic's ranks train next (on the same GPUs when they share them)
         self.step += 1
-        return metrics
+        return metrics, tb.returns
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The actor's HF tensors of this rank's pipeline stage, one at a time. Every rank of the stage's
