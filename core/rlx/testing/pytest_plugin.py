@@ -57,6 +57,7 @@ def _kill_what_the_test_left():
     del os.environ["RLX_TEST_ID"]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's controller has ended its workers
 def pytest_sessionfinish(session, exitstatus):
     import sys
 
