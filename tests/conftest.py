@@ -13,28 +13,11 @@ def _isolate_plugin_env(monkeypatch):
     yield
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``scripts/test`` runs 2 or more workers), the tests of one file go to one worker, so a
-    module's shared run is made once, and the live tier's (which share one SGLang server) all to one. Files go out
-    in the order `pytest_collection_modifyitems` puts them in: the long ones first, the unit tests last to fill the
-    end. (pytest-xdist's ``xdist_group`` marks do nothing under pytest 9.2, which no longer reads the node ids they
-    rewrite.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    if config.getvalue("dist") != "load":  # a --dist of the caller's own
-        return None
-
-    class ByFile(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "tests/live/" if path.startswith("tests/live/") else path
-
-    config.option.loadscopereorder = False  # it would order files by their number of tests
-    return ByFile(config, log)
-
-
 def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):  # an xdist worker: the order its controller hands files out in
+    """Under pytest-xdist (``scripts/test``: ``--dist loadfile --no-loadscope-reorder``, a file's tests in one
+    worker, so a module's shared run is made once) the files go out in this order: the live tier's first, then the
+    other integration tests, then the short ones to fill the end."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection's order is the one files go out in
         items.sort(key=lambda item: 0 if item.get_closest_marker("live") else
                    1 if item.get_closest_marker("integration") else 2)
 
