@@ -162,11 +162,13 @@ def test_a_warm_world_ends_when_a_rank_fails_or_at_its_timeout_and_leaves_no_ran
     os.mkfifo(tmp_path / "never")  # opening it to read waits for a writer that never comes
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent("""
-        import os, pathlib, sys
+        import os, pathlib, sys, time
         rank = int(os.environ["RANK"])
-        pathlib.Path(sys.argv[1], str(os.getpid())).touch()
         print("rank", rank, "of", os.environ["WORLD_SIZE"], flush=True)
+        pathlib.Path(sys.argv[1], str(os.getpid())).touch()
         if rank == 1 and sys.argv[2] == "fail":
+            while sum(p.name.isdigit() for p in pathlib.Path(sys.argv[1]).iterdir()) < 3:
+                time.sleep(0.01)  # every rank has started: the others are killed, not never forked
             raise SystemExit("rank 1 gives up")
         open(sys.argv[3]).read()
     """))
@@ -186,6 +188,10 @@ def test_a_warm_world_ends_when_a_rank_fails_or_at_its_timeout_and_leaves_no_ran
     with pytest.raises(subprocess.TimeoutExpired):
         world(script, [tmp_path, "wait", tmp_path / "never"], 3, timeout=5)
     assert ranks_left() == []
+    # a rank that fails at once may end the others before they begin (nothing written): still its code, no error
+    quick = tmp_path / "quick.py"
+    quick.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\nopen(sys.argv[1]).read()\n")
+    assert world(quick, [tmp_path / "never"], 3, timeout=600).returncode == 3
 
 
 @pytest.fixture(scope="module")

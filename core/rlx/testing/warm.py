@@ -49,7 +49,9 @@ def world(script: str | Path, args: list[str], nproc: int, *, env: dict[str, str
         reply = json.loads(_server.stdout.readline() or '{"code": null}')
         if reply["code"] is None:
             raise RuntimeError("rlx.testing.warm died while running a world")
-        text = [(Path(out) / f"{r}.{k}").read_text(errors="replace") for k in ("out", "err") for r in range(nproc)]
+        files = [Path(out) / f"{r}.{k}" for k in ("out", "err") for r in range(nproc)]
+        # a rank killed before it began (another failed first) has written nothing
+        text = [f.read_text(errors="replace") if f.exists() else "" for f in files]
     command = [sys.executable, str(script), *map(str, args)]
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired(command, timeout, "".join(text[:nproc]), "".join(text[nproc:]))
