@@ -49,6 +49,10 @@ def plugins_cmd(
     failed = [i for i in infos if i.error]
     if as_json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
+    elif not out.is_terminal:  # piped: whole lines, never cut to a table's 80 columns
+        for i in infos:
+            regs = "; ".join(f"{k}: {', '.join(v)}" for k, v in i.registers.items()) or "(hooks only)"
+            print(f"{i.name} ({i.distribution} {i.version}): {f'failed: {i.error}' if i.error else regs}")
     else:
         table = Table(title="rlx plugins")
         for col in ("name", "distribution", "version", "registers"):
@@ -252,9 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     reset_process_plugins()  # an invocation sees the plugins installed now (tests call main() again)
     try:
         try:
-            _plugins().add_commands(app)
+            plugins = _plugins()
+            plugins.add_commands(app)
         except RLXError:
             pass  # reported below by whichever command builds the plugins again
+        else:
+            args = sys.argv[1:] if argv is None else argv
+            for info in plugins.failed if args[:1] != ["plugins"] else []:  # `rl plugins` shows them in its table
+                err.print(Text(f"warning: plugin {info.name!r} ({info.distribution}) failed to load and is left out: "
+                               f"{info.error}", style="yellow"), soft_wrap=True)
         code = app(args=argv, standalone_mode=False)  # typer.Exit(n) in a command: click returns n
     except Interrupted as e:  # a signal stopped a run: what was saved, not an error
         err.print(Text(f"rlx: {e}"), soft_wrap=True)

@@ -32,7 +32,7 @@ import pluggy
 from rlx import hookspecs
 from rlx.errors import PluginError, RLXError
 from rlx.hookspecs import KINDS, PROJECT
-from rlx.protocols import as_component, contract_problems, describe_contract
+from rlx.protocols import FunctionComponent, as_component, contract_problems, describe_contract
 
 if TYPE_CHECKING:
     import typer
@@ -124,7 +124,10 @@ class Plugins:
                 by_name[comp.plugin].registers.setdefault(kind, []).append(comp.name)
 
     def _add(self, kind: str, obj: Any, plugin: str) -> None:
-        obj = as_component(kind, obj)
+        try:
+            obj = as_component(kind, obj)
+        except ValueError as e:
+            raise PluginError(f"plugin {plugin!r} registered a {KIND_NAMES[kind]} that cannot be one: {e}", plugin) from None
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name:
             raise PluginError(
@@ -161,7 +164,19 @@ class Plugins:
         comps = self.components[_check_kind(kind)]
         if name in comps:
             return comps[name].obj
-        raise RLXError(unknown_component_message(kind, name, list(comps)))
+        raise RLXError(self.unknown_message(kind, name))
+
+    def unknown_message(self, kind: str, name: str) -> str:
+        """Why no component of `kind` is called `name`: the choices, and the plugins that failed to load (one of
+        them may be the one that provides it)."""
+        msg = unknown_component_message(kind, name, self.names(kind))
+        return msg + "".join(f"; plugin {i.name!r} ({i.distribution}) failed to load and may be the one: {i.error}"
+                             for i in self.failed)
+
+    @property
+    def failed(self) -> list[PluginInfo]:
+        """The plugins left out because they failed to load (`build_plugins(keep_going=True)`)."""
+        return [i for i in self.infos if i.error]
 
     def component(self, kind: str, name: str) -> Component:
         self.get(kind, name)
@@ -194,6 +209,10 @@ class Plugins:
     def bridge_for(self, model_type: str) -> Any:
         """The model bridge (an instance) that claims `model_type`."""
         comp = self._bridges.get(model_type)
+        if comp is None and self.failed:
+            raise RLXError(f"model.path: no model bridge for model_type {model_type!r}, and "
+                           + "; ".join(f"plugin {i.name!r} ({i.distribution}) failed to load: {i.error}"
+                                       for i in self.failed))
         if comp is None and model_type in FAMILY_PLUGINS:
             dist, folder = FAMILY_PLUGINS[model_type]
             raise RLXError(f"model.path: a {model_type!r} checkpoint needs the {dist} model plugin, which is not "
@@ -241,6 +260,7 @@ def _check_kind(kind: str) -> str:
 
 
 def _qualname(obj: Any) -> str:
+    obj = obj.function if isinstance(obj, FunctionComponent) else obj
     o = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
     return f"{o.__module__}.{o.__qualname__}"
 
@@ -323,8 +343,8 @@ _PROCESS: list[Plugins] = []  # `process_plugins`' manager, once built
 def process_plugins() -> Plugins:
     """This process's plugin manager over the installed plugins, built on first use: one per process, shared by
     whatever needs the plugins and is not handed a manager (the CLI, a trainer rank, an engine, a model spec)."""
-    if not _PROCESS:
-        _PROCESS.append(build_plugins())
+    if not _PROCESS:  # a broken plugin fails only the configs that name what it would provide (`unknown_message`)
+        _PROCESS.append(build_plugins(keep_going=True))
     return _PROCESS[0]
 
 

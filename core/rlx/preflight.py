@@ -29,7 +29,7 @@ Problem = tuple[tuple[Any, ...], str]
 
 def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
     """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
-    given), then, when those pass, the files the config names (with `files`)."""
+    given), and the files the config names (with `files`); every problem of each is reported at once."""
     out: list[Any] = []
     if plugins is not None:
         out.append(lambda cfg: check_components(cfg, plugins))
@@ -40,8 +40,6 @@ def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
 
 def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
     """Every component name exists, and its args validate against the component's ``Config``."""
-    from rlx.plugins import unknown_component_message
-
     problems: list[Problem] = []
     fields: list[tuple[tuple[Any, ...], str, Any]] = []
     for path, kind in COMPONENT_FIELDS:
@@ -56,14 +54,17 @@ def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
         for i, spec in specs:
             base = path + ((i,) if i is not None else ())
             if spec.name not in plugins.components[kind]:
-                problems.append((base + ("name",), unknown_component_message(kind, spec.name, plugins.names(kind))))
+                problems.append((base + ("name",), plugins.unknown_message(kind, spec.name)))
                 continue
+            component = plugins.get(kind, spec.name)
             try:
-                component_config(plugins.get(kind, spec.name), spec.args)
+                component_config(component, spec.args)
             except ValidationError as e:
+                conf_cls = getattr(component, "Config", None)
+                known = [f.alias or n for n, f in conf_cls.model_fields.items()] if conf_cls is not None else []
                 for err in e.errors():
                     loc = base + ("args",) + tuple(err["loc"])
-                    problems.append((loc, describe_error(err, loc)))
+                    problems.append((loc, describe_error(err, loc, known if len(err["loc"]) == 1 else None)))
     return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
 
 
@@ -130,9 +131,10 @@ def check(cfg: Any) -> list[Problem]:
 
 def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Path | None:
     if path.startswith("builtin://"):
-        from rlx.models.tiny import SCHEME, SHAPES, resolve_model_path
+        from rlx.models.tiny import SCHEME, SHAPES, check_builtin, resolve_model_path
 
-        try:  # the built-in tiny models build in a moment; a packaged one may take a while: not here
+        try:  # the built-in tiny models build in a moment; a warm, packaged or plugin's one may take a while: not here
+            check_builtin(path)
             return Path(resolve_model_path(path)) if path[len(SCHEME):] in SHAPES else None
         except RLXError as e:
             problems.append((where, str(e)))

@@ -203,17 +203,37 @@ ATTRIBUTES: dict[str, list[tuple[str, type]]] = {
 }
 
 
+class FunctionComponent:
+    """A plain function registered as a component whose contract is one method: an object with that method (the
+    function itself, so ``async def`` stays async) and the function's ``name`` attribute or else its own name.
+
+    A class at module level, so that the object pickles wherever its function does: a reward goes to its worker
+    processes this way (`rlx.rollout.rewards`), by reference for a module's function and by value (cloudpickle)
+    for a closure made by a factory."""
+
+    def __init__(self, fn: Any, method: str):
+        self.name: str = getattr(fn, "name", fn.__name__)
+        self.function = fn
+        self.__doc__ = fn.__doc__
+        setattr(self, method, fn)  # in the instance's __dict__: the contract check finds it there
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: {getattr(self.function, '__module__', '?')}.{self.function.__qualname__}>"
+
+
 def as_component(kind: str, obj: Any) -> Any:
     """A plain function registered as a component whose contract is one method (a reward's ``score``, a loss's
     ``loss``, an estimator's ``advantages``, a balancer's ``partition``, a generator's ``generate``, an agent's
-    ``run``, a bridge's ``spec``) becomes an object with that method, named by its ``name`` attribute or else the
-    function's own name, as TRL and slime take reward functions. Anything else is returned as it is."""
+    ``run``, a bridge's ``spec``) becomes a `FunctionComponent` with that method, as TRL and slime take reward
+    functions. A lambda needs a ``name`` attribute (config selects components by name, and ``<lambda>`` names
+    none). Anything else is returned as it is."""
     methods = CONTRACTS.get(kind, [])
     if not inspect.isfunction(obj) or len(methods) != 1:
         return obj
-    attrs = {"name": getattr(obj, "name", obj.__name__), methods[0].name: staticmethod(obj), "__doc__": obj.__doc__,
-             "function": staticmethod(obj)}
-    return type(obj.__name__, (), attrs)()
+    if obj.__name__ == "<lambda>" and not isinstance(getattr(obj, "name", None), str):
+        raise ValueError(f"a lambda ({obj.__module__}, line {obj.__code__.co_firstlineno}) has no name for config to "
+                         f"select it by: write it as a def, or set its name first (fn.name = 'my_reward')")
+    return FunctionComponent(obj, methods[0].name)
 
 
 def contract_problems(kind: str, obj: Any) -> list[str]:

@@ -48,7 +48,18 @@ def test_plugins_json_is_json_when_a_plugin_fails_to_load(capsys, monkeypatch):
     assert code == 2 and "failed:" in out and "exact_match" in out
 
 
-def test_plugins_table(capsys):
+def test_plugins_piped_is_a_whole_line_each(capsys):
+    code, out, _ = run(capsys, "plugins")  # captured: not a terminal
+    line = next(x for x in out.splitlines() if x.startswith("rlx.builtins.rewards "))
+    assert code == 0 and line.startswith("rlx.builtins.rewards (rlx ") and "rewards: exact_match, digits" in line
+
+
+def test_plugins_table_on_a_terminal(capsys, monkeypatch):
+    from rich.console import Console
+
+    from rlx_cli import main as cli
+
+    monkeypatch.setattr(cli, "out", Console(force_terminal=True, width=200))
     code, out, _ = run(capsys, "plugins")
     assert code == 0 and "exact_match" in out and "distribution" in out
 
@@ -141,3 +152,44 @@ def test_register_commands_hook_adds_a_subcommand(monkeypatch, capsys):
     cli.app.command("plugins")(cli.plugins_cmd)
     code, out, _ = run(capsys, "hello")
     assert code == 0 and "hello from a plugin" in out
+
+
+def test_validate_reports_every_problem_at_once_each_where_it_was_made(tmp_path, capsys):
+    """What `rl train` would refuse, `rl config validate` reports first, all of it, without starting anything: a
+    schema error does not hide a component's name, its args (with the keys it takes), the built-in model's name
+    or the files; a --set mistake is located at the --set."""
+    (tmp_path / "ok.jsonl").write_text('{"prompt": "1+1=", "label": "2"}\n')
+    p = write(tmp_path, """
+        model:
+          path: builtin://tiny-qwen4
+        data:
+          path: nope.jsonl
+        rollout:
+          rewards:
+            - {name: exact_match, args: {strp: true, foo: 1}}
+            - digitz
+        train:
+          num_steps: abc
+        eval:
+          datasets:
+            - {name: h, path: missing.jsonl}
+            - {name: g, path: ok.jsonl}
+        """)
+    code, _, err = run(capsys, "config", "validate", str(p), "--set", "rollout.n_prompts=0", "--set",
+                       "eval.datasets.1.path=gone.jsonl")
+    lines = [" ".join(x.split()) for x in err.split("\n  ")[1:]]
+    assert code == 2 and err.startswith("error: 9 problems in config"), err
+    want = [
+        "--set rollout.n_prompts=0: rollout.n_prompts: Input should be greater than or equal to 1 (got 0)",
+        "c.yaml:11: train.num_steps: Input should be a valid integer",
+        "c.yaml:8: rollout.rewards[0].args.strp: unknown key (did you mean 'strip'?)",
+        "c.yaml:8: rollout.rewards[0].args.foo: unknown key; known keys: strip, case_sensitive",
+        "c.yaml:9: rollout.rewards[1].name: no reward named 'digitz' (did you mean 'digits'?)",
+        "c.yaml:3: model.path: unknown built-in model 'builtin://tiny-qwen4'; did you mean 'builtin://tiny-qwen3'?",
+        f"c.yaml:5: data.path: {tmp_path}/nope.jsonl does not exist",
+        f"c.yaml:14: eval.datasets[0].path: {tmp_path}/missing.jsonl does not exist",
+        f"--set eval.datasets.1.path=gone.jsonl: eval.datasets[1].path: {tmp_path}/gone.jsonl does not exist",
+    ]
+    assert len(lines) == len(want), lines
+    for line, w in zip(lines, want, strict=True):
+        assert line.startswith(w) or line.startswith(f"{p}:" + w.removeprefix("c.yaml:")), (line, w)

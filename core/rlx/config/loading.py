@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import types
@@ -74,31 +75,66 @@ def parse_config(
             problems.append((f"--set {ov}", str(e)))
 
     def locate(loc: tuple[Any, ...]) -> str:
+        # a --set first: it replaced what the file's lines say there (also where it set a key below `loc`)
+        for keys, ov in overridden.items():
+            if keys[:len(loc)] == loc or loc[:len(keys)] == keys:
+                return f"{ov}: {format_path(loc)}"
         for n in range(len(loc), -1, -1):
-            if loc[:n] in overridden:
-                return f"{overridden[loc[:n]]}: {format_path(loc)}"
             if loc[:n] in lines:
                 return f"{where}:{lines[loc[:n]]}: {format_path(loc)}"
         return f"{where}: {format_path(loc)}"
 
     cfg: Config | None = None
+    dropped: list[tuple[Any, ...]] = []
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         for err in e.errors():
             loc = tuple(err["loc"])
             problems.append((locate(loc), describe_error(err, loc)))
+        cfg, dropped = _without_refused(data, e)
     if cfg is not None:
         problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
+        resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
+        for check in checks:  # all of them, so that one problem does not hide the next
+            problems += [(locate(loc), msg) for loc, msg in check(cfg)
+                         if not any(loc[:len(d)] == d for d in dropped)]
     if problems:
         raise ConfigError(problems, source=where)
     assert cfg is not None
-    resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
-    for check in checks:
-        problems = [(locate(loc), msg) for loc, msg in check(cfg)]
-        if problems:
-            raise ConfigError(problems, source=where)
     return cfg
+
+
+def _without_refused(data: dict[str, Any], error: ValidationError) -> tuple[Config | None, list[tuple[Any, ...]]]:
+    """The config with each value the schema refused taken out (its default in its place), so that the checks
+    past the schema (component names, files) run as well and every problem is reported at once; and the key paths
+    taken out, whose checks would only see defaults. None where that does not validate (a required key is
+    missing)."""
+    data = copy.deepcopy(data)
+    dropped: list[tuple[Any, ...]] = []
+    for _ in range(3):  # a value taken out may uncover a refusal further up (a list item's own type)
+        removed = [loc for loc in (tuple(e["loc"]) for e in error.errors()) if _remove(data, loc)]
+        if not removed:
+            return None, dropped
+        dropped += removed
+        try:
+            return Config.model_validate(data), dropped
+        except ValidationError as e:
+            error = e
+    return None, dropped
+
+
+def _remove(data: Any, loc: tuple[Any, ...]) -> bool:
+    node = data
+    for key in loc[:-1]:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
 
 
 def resolve_paths(cfg: Config, base: Path) -> None:
@@ -165,11 +201,15 @@ def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "<root>"
 
 
-def describe_error(err: dict[str, Any], loc: tuple[Any, ...]) -> str:
+def describe_error(err: dict[str, Any], loc: tuple[Any, ...], known: list[str] | None = None) -> str:
+    """One pydantic error as a sentence; `known`: the keys the mapping at ``loc[:-1]`` takes, where the config
+    schema cannot tell them (a component's ``args``: its own ``Config``'s fields)."""
     kind = err["type"]
     if kind == "extra_forbidden":
         msg = "unknown key"
-        known = _known_keys(loc[:-1])
+        known = _known_keys(loc[:-1]) if known is None else known
+        if not known and loc[-2:-1] == ("args",):
+            return msg + " (this component takes no args)"
         close = difflib.get_close_matches(str(loc[-1]), known, n=1) if known else []
         if close:
             msg += f" (did you mean {close[0]!r}?)"

@@ -72,13 +72,13 @@ class PromptDataset:
 
     def _read(self) -> list[PromptRow]:
         if not self.path.exists():
-            raise RLXError(f"data.path: {self.path} does not exist")
+            raise RLXError(f"{self.path} does not exist")
         if self.path.suffix == ".parquet":
             raw = self._parquet()
         elif self.path.suffix in (".jsonl", ".json", ".ndjson"):
             raw = self._jsonl()
         else:
-            raise RLXError(f"data.path: {self.path}: expected a .jsonl or .parquet file")
+            raise RLXError(f"{self.path}: expected a .jsonl or .parquet file")
         rows = []
         for line, obj in raw:
             try:

@@ -20,6 +20,7 @@ CPU can train in minutes, not one that knows anything.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import os
 import random
@@ -81,11 +82,7 @@ def resolve_model_path(path: str) -> str:
     if not path.startswith(SCHEME):
         return path
     name = path[len(SCHEME):]
-    plugged = plugin_builders()
-    if name not in SHAPES and name not in WARM and name not in PACKAGED and name not in plugged:
-        known = ", ".join(SCHEME + n for n in [*SHAPES, *WARM, *PACKAGED, *plugged])
-        raise RLXError(f"unknown built-in model {path!r}; built-ins: {known} (model plugins add their "
-                       f"families' tiny models)")
+    plugged = check_builtin(path)
     recipe = VERSION if name not in plugged else f"{VERSION}-{plugged[name].dist.version if plugged[name].dist else 0}"
     if name in STDLIB_TOKENIZER:  # another library (a patch release, a distribution's) trains another vocabulary
         recipe += f"-py{sys.version_info[0]}{sys.version_info[1]}-{stdlib_fingerprint()}"
@@ -109,6 +106,19 @@ def resolve_model_path(path: str) -> str:
             shutil.rmtree(target, ignore_errors=True)
             tmp.rename(target)
     return str(target)
+
+
+def check_builtin(path: str) -> dict:
+    """Raise unless `path` names a built-in model (this module's, or a plugin's); the plugins' builders."""
+    name = path[len(SCHEME):]
+    plugged = plugin_builders()
+    if name not in SHAPES and name not in WARM and name not in PACKAGED and name not in plugged:
+        known = [*SHAPES, *WARM, *PACKAGED, *plugged]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean '{SCHEME}{close[0]}'? " if close else ""
+        raise RLXError(f"unknown built-in model {path!r}; {hint}built-ins: {', '.join(SCHEME + n for n in known)} "
+                       f"(model plugins add their families' tiny models)")
+    return plugged
 
 
 def model_config(path: str) -> dict:

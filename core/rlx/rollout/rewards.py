@@ -7,8 +7,9 @@ FAILED with the reason and the run goes on. Where rewards run (``rollout.scoring
   (`RewardProcesses`). A reward that runs past ``scoring.timeout_s`` has its worker killed, one that crashes
   its worker (a segfault, ``os._exit``, the OOM killer) fails only its sample, and a fresh worker takes the
   next sample. Nothing a reward does can stall the event loop, the trainer's calls or the run's exit. The
-  reward is pickled once and loaded in each worker; what a reward changes on the sample or on itself stays
-  in the worker (a reward reports through its result).
+  reward is pickled once (cloudpickle: a module's classes and functions by reference, a closure made by a
+  factory or a class of ``__main__`` by value) and loaded in each worker; what a reward changes on the sample
+  or on itself stays in the worker (a reward reports through its result).
 * ``thread``: sync rewards run in up to ``scoring.workers`` threads of their own (`RewardThreads`), for a
   reward that cannot be pickled. A hung one keeps its thread (a thread cannot be killed); once all are
   hung, later calls time out waiting for one.
@@ -36,6 +37,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import cloudpickle
 
 from rlx.config import RewardSpec, RolloutConfig
 from rlx.errors import RLXError
@@ -288,7 +291,7 @@ class RewardProcesses:
 
     def register(self, reward: Any) -> str:
         """Pickle `reward` once (a `pickle` error if it cannot be); the key its calls use."""
-        payload = pickle.dumps(reward)
+        payload = cloudpickle.dumps(reward)
         key = hashlib.blake2b(payload, digest_size=16).hexdigest()  # one config's reward loads once per worker
         self.payloads[key] = payload
         return key

@@ -71,8 +71,12 @@ class RolloutSession:
         if self.with_data and self.cfg.data.path is None:
             raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
-        dataset = (PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
-                   if self.with_data else None)
+        dataset = None
+        if self.with_data:
+            try:
+                dataset = PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
+            except RLXError as e:
+                raise RLXError(f"data.path: {e}") from None
         await self.fleet.start()
         self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
                                    health=self.fleet.health, routed_experts=records_routing(self.cfg),

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import pytest
 
 from rlx.plugins import build_plugins
-from rlx.rollout.rewards import call_reward
+from rlx.config import RewardSpec, RolloutConfig
+from rlx.rollout.rewards import Rewards
 from rlx.types import Group, RewardResult, Sample, SampleStatus
 
 ODD_RESPONSES = [
@@ -65,44 +66,59 @@ class RewardCase:
 
 
 class RewardContract(_Contract):
-    """The reward contract. Set `reward_name` and `cases`; optionally `args`, `plugin`, `score_range`."""
+    """The reward contract. Set `reward_name` and `cases`; optionally `args`, `plugin`, `score_range`.
+
+    Every case is scored the way ``rl train`` scores it: through `rlx.rollout.rewards.Rewards`, so a sync reward is
+    pickled and run in a reward worker process (``rollout.scoring.isolation: process``, the default) and, for
+    `test_cases`, in a thread of this process as well (``isolation: thread``). A reward that cannot be sent to a
+    worker fails here, not in a run."""
 
     kind = "rewards"
     reward_name: ClassVar[str]
     cases: ClassVar[list[RewardCase]] = []
     score_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    isolations: ClassVar[tuple[str, ...]] = ("process", "thread")
 
     @property
     def component_name(self) -> str:  # type: ignore[override]
         return self.reward_name
 
-    def _score(self, reward: Any, response: str, label: Any) -> RewardResult:
+    def rewards(self, isolation: str = "process") -> Rewards:
+        """The reward as a run holds it, from a config entry with this suite's `args`."""
+        rc = RolloutConfig(scoring={"isolation": isolation, "workers": 2})
+        return Rewards([RewardSpec(name=self.reward_name, args=self.args)], self._plugins(), rc)
+
+    def _score(self, rewards: Rewards, response: str, label: Any) -> RewardResult:
         sample = Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], response_text=response, label=label)
-        return asyncio.run(call_reward(reward, sample, self.reward_name))
+        scored = asyncio.run(rewards.score(sample))
+        assert scored.status != SampleStatus.FAILED, f"{response[:40]!r}/{label!r}: {scored.error}"
+        return scored.rewards[self.reward_name]
 
     def test_has_cases(self):
         assert len(self.cases) >= 2, "give at least one case scoring high and one scoring low"
         assert len({c.score for c in self.cases}) >= 2, "cases must not all expect the same score"
 
     def test_cases(self):
-        reward = self.build()
-        for case in self.cases:
-            got = self._score(reward, case.response, case.label).score
-            assert got == case.score, f"{case.response!r} vs label {case.label!r}: {got} != {case.score}"
+        for isolation in self.isolations:
+            rewards = self.rewards(isolation)
+            for case in self.cases:
+                got = self._score(rewards, case.response, case.label).score
+                assert got == case.score, (f"{case.response!r} vs label {case.label!r} (isolation {isolation}): "
+                                           f"{got} != {case.score}")
 
     def test_odd_input_never_raises_and_stays_in_range(self):
-        reward = self.build()
+        rewards = self.rewards()
         lo, hi = self.score_range
         labels = [c.label for c in self.cases[:1]] + [None, ""]
         for response in ODD_RESPONSES:
             for label in labels:
-                got = self._score(reward, response, label).score
+                got = self._score(rewards, response, label).score
                 assert lo <= got <= hi, f"{response[:40]!r}/{label!r}: {got} outside {self.score_range}"
 
     def test_deterministic(self):
-        reward = self.build()
+        rewards = self.rewards()
         for case in self.cases:
-            assert self._score(reward, case.response, case.label) == self._score(reward, case.response, case.label)
+            assert self._score(rewards, case.response, case.label) == self._score(rewards, case.response, case.label)
 
 
 # -- advantage estimators and policy losses --------------------------------------------------------
