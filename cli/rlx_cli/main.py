@@ -38,6 +38,15 @@ def _plugins():
     return process_plugins()
 
 
+def _load(file: Path, sets: list[str] | None, files: bool = False, download: bool = False):
+    """The config at `file` with `sets`, checked against the installed plugins and, with `files`, the files it
+    names (`rlx.preflight.config_checks`; `download`: a model named by Hub id is downloaded)."""
+    from rlx.config import load_config
+    from rlx.preflight import config_checks
+
+    return load_config(file, sets or [], checks=config_checks(_plugins(), files=files, download=download))
+
+
 @app.command("plugins")
 def plugins_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
@@ -68,20 +77,16 @@ def plugins_cmd(
 @config_app.command("validate")
 def config_validate(file: ConfigArg, set_: SetOpt = None) -> None:
     """Check a config: types, unknown keys, required fields, component names and their args."""
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
 
-    load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
+    _load(file, set_, files=True)
     out.print(f"[green]ok[/green] {file}")
 
 
 @config_app.command("show")
 def config_show(file: ConfigArg, set_: SetOpt = None) -> None:
     """Print the resolved config, defaults included, as YAML."""
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
 
-    cfg = load_config(file, set_ or [], checks=config_checks(_plugins()))
+    cfg = _load(file, set_)
     print(cfg.to_yaml(), end="")
 
 
@@ -94,11 +99,9 @@ def rollout_cmd(
     """Generate and score rollouts with no training; write the groups as JSONL."""
     import asyncio
 
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
     from rlx.rollout.session import rollout_only
 
-    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
+    cfg = _load(file, set_, files=True, download=True)
 
     def progress(step, batch):
         m = batch.metrics
@@ -127,11 +130,9 @@ def serve_cmd(
     import asyncio
 
     from rlx.agent.server import AgentAdapter, serve_forever
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
     from rlx.rollout.session import RolloutSession
 
-    cfg = load_config(file, set_ or [], checks=config_checks(_plugins()))
+    cfg = _load(file, set_)
 
     async def main() -> None:
         import signal
@@ -167,13 +168,11 @@ def train_cmd(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
     from rlx.orchestrate.loop import train
 
-    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
-    err.print(f"logs (Ray, engines, trainers): {Path(cfg.run.output_dir) / 'logs'}", highlight=False,
-              soft_wrap=True)
+    cfg = _load(file, set_, files=True, download=True)
+    err.print(f"run: {cfg.run.output_dir} (run.output_dir, relative to the config's folder); logs (Ray, engines, "
+              f"trainers) in its logs/", highlight=False, soft_wrap=True)
     with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=err) as bar:
         task = bar.add_task("train", total=cfg.train.num_steps, info="starting engines and trainer")
@@ -199,18 +198,23 @@ def _summary(out_dir: Path) -> list[str]:
 
     rows = read(out_dir)
     lines = [f"done: {len(rows)} steps in {out_dir}."]
-    if rows:
+    if len(rows) >= 10:
         first, last = rows[:5], rows[-5:]
         mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
         lines.append(f"mean reward: {mean(first):.3f} over the first {len(first)} steps, {mean(last):.3f} over the "
                      f"last {len(last)}.")
+    elif rows:  # too few steps for two windows of five that do not overlap
+        a, b = rows[0], rows[-1]
+        lines.append(f"mean reward: {a['reward/mean']:.3f} at step {a['step']}"
+                     + (f", {b['reward/mean']:.3f} at step {b['step']}." if b is not a else "."))
     evals: dict[str, list[dict]] = {}
     for r in read_eval(out_dir):
         evals.setdefault(r["dataset"], []).append(r)
     for name, rs in evals.items():
         a, b = rs[0], rs[-1]
-        lines.append(f"held-out {name}: pass@1 {a['pass@1']:.3f} at step {a['step']}, {b['pass@1']:.3f} at step "
-                     f"{b['step']}.")
+        then = f"held-out {name}: pass@1 {a['pass@1']:.3f} at step {a['step']}"
+        lines.append(then + (f", {b['pass@1']:.3f} at step {b['step']}." if b is not a else
+                             " (evaluated once: the run ended before eval.interval steps)."))
     return lines
 
 
@@ -225,12 +229,10 @@ def eval_cmd(
     """Evaluate a policy on the config's eval datasets: a table here, a row per dataset in eval.jsonl."""
     import asyncio
 
-    from rlx.config import load_config
-    from rlx.preflight import config_checks
     from rlx.orchestrate.evaluation import evaluate
     from rlx.rollout.evaluate import table
 
-    cfg = load_config(file, set_ or [], checks=config_checks(_plugins(), files=True))
+    cfg = _load(file, set_, files=True, download=True)
     err.print(f"logs (engines): {Path(cfg.run.output_dir) / 'logs'}", highlight=False, soft_wrap=True)
     metrics, path = asyncio.run(evaluate(cfg, _plugins(), checkpoint))
     out.print(table(metrics, [d.name for d in cfg.eval.datasets]), highlight=False, soft_wrap=True)

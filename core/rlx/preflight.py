@@ -27,14 +27,16 @@ if TYPE_CHECKING:
 Problem = tuple[tuple[Any, ...], str]
 
 
-def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
+def config_checks(plugins: Plugins = None, files: bool = False, download: bool = False) -> list[Any]:
     """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
-    given), and the files the config names (with `files`); every problem of each is reported at once."""
+    given), and the files the config names (with `files`); every problem of each is reported at once. A model
+    named by Hugging Face Hub id is taken from the cache, or with `download` downloaded into it (`rlx.models.hub`)
+    and checked as a folder; without, one not in the cache is left to the run."""
     out: list[Any] = []
     if plugins is not None:
         out.append(lambda cfg: check_components(cfg, plugins))
     if files:
-        out.append(check)
+        out.append(lambda cfg: check(cfg, download))
     return out
 
 
@@ -103,12 +105,12 @@ def _check_critic(cfg: Any, plugins: Plugins) -> list[Problem]:
     return problems
 
 
-def check(cfg: Any) -> list[Problem]:
-    problems: list[Problem] = []
+def check(cfg: Any, download: bool = False) -> list[Problem]:
+    problems = _hub_models(cfg, download)
     model_dir = _model_dir(cfg.model.path, ("model", "path"), problems)
     if cfg.model.tokenizer:
         tok = Path(cfg.model.tokenizer)
-        if "://" not in cfg.model.tokenizer and not tok.is_dir():
+        if tok.is_absolute() and not tok.is_dir():  # (not a URL, nor a Hub id left to the run)
             problems.append((("model", "tokenizer"), f"{tok} does not exist"))
     for i, g in enumerate(cfg.rollout.engines):
         if g.model_path:
@@ -129,6 +131,29 @@ def check(cfg: Any) -> list[Problem]:
     return problems
 
 
+def _hub_models(cfg: Any, download: bool) -> list[Problem]:
+    """Each model named by Hub id becomes its folder in the Hugging Face cache (downloaded first with `download`)."""
+    from rlx.config import format_path
+    from rlx.models.hub import cached, is_hub_id, local_folder
+
+    fields: list[tuple[Any, tuple[Any, ...]]] = [(cfg.model, ("model", "path")), (cfg.model, ("model", "tokenizer")),
+                                                (cfg.train.critic, ("train", "critic", "model_path"))]
+    fields += [(g, ("rollout", "engines", i, "model_path")) for i, g in enumerate(cfg.rollout.engines)]
+    problems: list[Problem] = []
+    for node, keys in fields:
+        value = getattr(node, keys[-1])
+        if not value or value.startswith("/") or not is_hub_id(value):
+            continue
+        try:
+            folder = local_folder(value, format_path(keys)) if download else cached(value)
+        except RLXError as e:
+            problems.append((keys, str(e)))
+            continue
+        if folder is not None:
+            setattr(node, keys[-1], folder)
+    return problems
+
+
 def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Path | None:
     if path.startswith("builtin://"):
         from rlx.models.tiny import SCHEME, SHAPES, check_builtin, resolve_model_path
@@ -139,7 +164,7 @@ def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Pa
         except RLXError as e:
             problems.append((where, str(e)))
             return None
-    if "://" in path:
+    if "://" in path or not path.startswith("/"):  # a URL, or a Hub id not downloaded yet (`_hub_models`)
         return None
     p = Path(path)
     if not p.exists():

@@ -59,8 +59,9 @@ def uninterrupted(tiny_model_path, tmp_path_factory):
     assert "Traceback" not in err
     # the terminal shows rlx's own lines only: Ray's go to the run's logs, which the first line names
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines[0] == f"logs (Ray, engines, trainers): {tmp / 'run' / 'logs'}", lines
-    assert all(line.startswith(("logs (", "train ", "rlx: ")) for line in lines), lines
+    assert lines[0] == (f"run: {tmp / 'run'} (run.output_dir, relative to the config's folder); logs (Ray, engines, "
+                        f"trainers) in its logs/"), lines
+    assert all(line.startswith(("run: ", "train ", "rlx: ")) for line in lines), lines
     assert "Connecting to existing Ray cluster" in (tmp / "run" / "logs" / "driver.log").read_text()
     assert wait_gone(tag) == [], "rl train left processes behind"
     return tmp
@@ -102,6 +103,17 @@ def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_then_resume(uninterrup
     rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["critic/value_loss"] > 0 and r["critic/lr"] > 0 for r in rows)
     assert wait_gone(tag) == [], "rl train left processes behind"
+
+
+def test_resume_of_a_finished_run_says_so_and_starts_nothing(uninterrupted):
+    driver_log = (uninterrupted / "run" / "logs" / "driver.log").read_text()
+    p = rl("train", uninterrupted / "run.yaml", "--resume", tag=uuid.uuid4().hex)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert (f"rlx: nothing to resume: {uninterrupted / 'run'} finished, its newest checkpoint is step {STEPS} of "
+            f"train.num_steps {STEPS}") in err
+    assert out.startswith(f"done: {STEPS} steps in {uninterrupted / 'run'}.")
+    assert (uninterrupted / "run" / "logs" / "driver.log").read_text() == driver_log  # no Ray, no engines
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tiny_model_path, tmp_path):

@@ -193,3 +193,20 @@ def test_validate_reports_every_problem_at_once_each_where_it_was_made(tmp_path,
     assert len(lines) == len(want), lines
     for line, w in zip(lines, want, strict=True):
         assert line.startswith(w) or line.startswith(f"{p}:" + w.removeprefix("c.yaml:")), (line, w)
+
+
+def test_the_summary_says_what_it_measured(tmp_path):
+    def rows(n):
+        return "".join(json.dumps({"step": i, "reward/mean": i / 10}) + "\n" for i in range(1, n + 1))
+
+    (tmp_path / "metrics.jsonl").write_text(rows(12))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"dataset": "h", "step": 0, "pass@1": 0.15}) + "\n"
+                                         + json.dumps({"dataset": "h", "step": 12, "pass@1": 0.5}) + "\n")
+    assert cli._summary(tmp_path) == [f"done: 12 steps in {tmp_path}.",
+                                      "mean reward: 0.300 over the first 5 steps, 1.000 over the last 5.",
+                                      "held-out h: pass@1 0.150 at step 0, 0.500 at step 12."]
+    (tmp_path / "metrics.jsonl").write_text(rows(3))  # shorter than two windows, and than eval.interval
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"dataset": "h", "step": 0, "pass@1": 0.15}) + "\n")
+    assert cli._summary(tmp_path)[1:] == [
+        "mean reward: 0.100 at step 1, 0.300 at step 3.",
+        "held-out h: pass@1 0.150 at step 0 (evaluated once: the run ended before eval.interval steps)."]

@@ -78,3 +78,39 @@ def test_a_critic_layout_of_its_own_is_checked_against_the_model_and_needs_ray(t
     assert got[f"{p}:4: train.critic.parallel.world_size"] == "13 is not a multiple of tp*pp = 12"
     got, p = problems(tmp_path, text + "ray: {enabled: false}\n")
     assert got[f"{p}:4: train.critic.parallel"].startswith("a critic layout of its own runs in processes of its own")
+
+
+def test_a_hub_id_is_its_snapshot_in_the_hugging_face_cache_or_says_how_to_get_it(tmp_path, monkeypatch):
+    """``org/name`` that is no folder beside the config is a Hub id: taken from the cache (the layout
+    huggingface_hub writes), checked as a folder; not cached and not reachable, a located error naming the command
+    that downloads it. `rl config validate` (no download) leaves an uncached one to the run."""
+    cache = tmp_path / "hf"
+    snap = cache / "models--acme--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
+    (snap / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_hidden_layers": 3}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what an unreachable Hub gives, without trying the network
+    (tmp_path / "p.jsonl").write_text(GOOD + "\n")
+    p = tmp_path / "c.yaml"
+    p.write_text("model: {path: acme/tiny}\ndata: {path: p.jsonl}\ntrain: {parallel: {world_size: 2, pp: 2}}\n")
+    with pytest.raises(ConfigError) as e:  # the cached checkpoint is checked like a folder
+        load_config(p, checks=config_checks(files=True, download=True))
+    assert dict(e.value.problems) == {f"{p}:3: train.parallel.pp": f"2 does not divide the model's 3 layers (pipeline "
+                                      f"stages split the layers evenly; {snap / 'config.json'})"}
+    cfg = load_config(p, ["train.parallel.pp=1"], checks=config_checks(files=True, download=True))
+    assert cfg.model.path == str(snap)
+
+    p.write_text("model: {path: acme/other}\ndata: {path: p.jsonl}\n")
+    assert load_config(p, checks=config_checks(files=True)).model.path == "acme/other"  # validate: left to the run
+    with pytest.raises(ConfigError) as e:
+        load_config(p, checks=config_checks(files=True, download=True))
+    (where, why), = e.value.problems
+    assert where == f"{p}:1: model.path" and why.startswith("'acme/other' is not a folder beside the config and was "
+                                                            "taken for a Hugging Face Hub id")
+    assert why.endswith("run `hf download acme/other` (into the cache: HF_HOME) and copy the cache here, or set "
+                        "model.path to the model's folder")
+    (tmp_path / "acme" / "other").mkdir(parents=True)  # a folder of that name beside the config is the folder
+    assert dict(problems(tmp_path, p.read_text())[0]) == {
+        f"{p}:1: model.path": f"{tmp_path / 'acme' / 'other'} has no config.json: not an HF model folder"}

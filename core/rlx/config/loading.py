@@ -22,8 +22,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlx.config.schema import PATH_FIELDS, Config, check_modes
+from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, check_modes
 from rlx.errors import ConfigError
+from rlx.models.hub import is_hub_id
 
 
 # A check beyond the schema (`rlx.preflight.config_checks`: the installed plugins, the files named): the problems
@@ -138,20 +139,26 @@ def _remove(data: Any, loc: tuple[Any, ...]) -> bool:
 
 
 def resolve_paths(cfg: Config, base: Path) -> None:
-    """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay)."""
+    """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay, and so does a
+    model path ``org/name`` that is not a folder there: a Hugging Face Hub id, `rlx.models.hub`)."""
+    def resolve(value: str, model: bool) -> str:
+        if "://" in value or (model and is_hub_id(value) and not (base / value).exists()):
+            return value
+        return str((base / Path(value).expanduser()).resolve())
+
     for keys in PATH_FIELDS:
         node: Any = cfg
         for k in keys[:-1]:
             node = getattr(node, k)
         value = getattr(node, keys[-1])
-        if value and "://" not in value:
-            setattr(node, keys[-1], str((base / Path(value).expanduser()).resolve()))
+        if value:
+            setattr(node, keys[-1], resolve(value, keys in MODEL_FIELDS))
     for d in cfg.eval.datasets:
         if "://" not in d.path:
             d.path = str((base / Path(d.path).expanduser()).resolve())
     for g in cfg.rollout.engines:
-        if g.model_path and "://" not in g.model_path:
-            g.model_path = str((base / Path(g.model_path).expanduser()).resolve())
+        if g.model_path:
+            g.model_path = resolve(g.model_path, True)
         if g.python and "/" in g.python:  # a bare name is looked up on PATH when the engine starts
             g.python = os.path.normpath(base.absolute() / Path(g.python).expanduser())  # a venv's python is a link
 

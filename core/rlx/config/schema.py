@@ -513,6 +513,9 @@ PATH_FIELDS: list[tuple[str, ...]] = [
     ("model", "path"), ("model", "tokenizer"), ("data", "path"), ("run", "output_dir"), ("rollout", "output"),
     ("train", "critic", "model_path"),
 ]
+#: Those of them that name a model (a folder, builtin://, or a Hugging Face Hub id), beside each engine group's
+#: ``model_path``.
+MODEL_FIELDS: list[tuple[str, ...]] = [("model", "path"), ("model", "tokenizer"), ("train", "critic", "model_path")]
 
 
 def records_routing(cfg: Config) -> bool:

@@ -43,7 +43,12 @@ async def train(cfg: Config, plugins: Plugins, *, resume: bool = False, save_hf:
                 progress: Callable[[int, dict[str, Any]], None] | None = None, verbose: bool = False) -> Path:
     """Train as ``cfg`` says; returns the run's output folder. `progress(step, record)` after each step."""
     if resume:  # before anything starts: nothing to resume is an error in a second, not after Ray and engines
-        checkpoint.resume_folder(Path(cfg.run.output_dir) / "checkpoints")
+        done = int(checkpoint.resume_folder(Path(cfg.run.output_dir) / "checkpoints").name.removeprefix("step_"))
+        if done >= cfg.train.num_steps and save_hf is None:  # (an export still needs the trainer: it goes on)
+            print(f"rlx: nothing to resume: {cfg.run.output_dir} finished, its newest checkpoint is step {done} "
+                  f"of train.num_steps {cfg.train.num_steps} (raise train.num_steps to train on)", file=sys.stderr,
+                  flush=True)
+            return Path(cfg.run.output_dir)
     for line in objective_notes(cfg, plugins):
         print(f"rlx: note: {line}", file=sys.stderr, flush=True)
     save_hf = save_hf.resolve() if save_hf is not None else None  # workers run in other folders
