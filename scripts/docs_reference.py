@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Write the docs' reference pages from the code: every config key (type, default, and its comment in
 `rlx.config.schema`), every `rl` command (its help and options, from the CLI, plugins' commands included), and
-every hook and component contract (`rlx.hookspecs`, `rlx.protocols`).
+every hook and component contract (`rlx.hookspecs`, `rlx.protocols`), and the types components are handed
+(`rlx.types`).
 
     .venv/bin/python scripts/docs_reference.py          # rewrite docs/reference/*.md
     .venv/bin/python scripts/docs_reference.py --check  # exit 1, naming the stale pages (tests/unit/test_docs.py)
@@ -193,7 +194,33 @@ def hooks_page() -> str:
     return "".join(parts)
 
 
-PAGES = {"config.md": config_page, "cli.md": cli_page, "hooks.md": hooks_page}
+# -- types ------------------------------------------------------------------------------------------------------
+
+def types_page() -> str:
+    """What components are handed and return (`rlx.types`): each dataclass's fields, their types and comments."""
+    import dataclasses
+
+    from rlx import types as rlx_types
+
+    comments = _comments(rlx_types)
+    parts = [HEAD, "# Types\n\n", "What rewards, generators and estimators are handed and return (`rlx.types`). A "
+             "reward reads a `Sample`: `response_text` is the decoded response, `label` the dataset row's reference "
+             "answer (`data.label_key`), `metadata` the row's `data.metadata_key` object; the token ids are what "
+             "the engine sampled (token in, token out). Text is for rewards and people; training uses the ids.\n"]
+    for name in ("Sample", "RewardResult", "SampleStatus", "Group", "RolloutBatch"):
+        cls = getattr(rlx_types, name)
+        parts.append(f"\n## `{name}`\n\n{inspect.getdoc(cls)}\n\n")
+        if dataclasses.is_dataclass(cls):
+            parts.append("| field | type | what it holds |\n|---|---|---|\n")
+            for f in dataclasses.fields(cls):
+                typ = str(f.type).replace("|", "\\|")  # a table cell's pipe, even in code
+                parts.append(f"| `{f.name}` | `{typ}` | {comments.get((name, f.name), '')} |\n")
+        else:
+            parts.append(", ".join(f"`{m.name}` (`{m.value!r}`)" for m in cls) + "\n")
+    return "".join(parts)
+
+
+PAGES = {"config.md": config_page, "cli.md": cli_page, "hooks.md": hooks_page, "types.md": types_page}
 
 
 def main(argv: list[str]) -> int:

@@ -56,7 +56,7 @@ class Sample:
     label: Any = None  # the reference answer from the dataset, given to rewards
     reward: float | None = None  # the combined reward used for advantages
     rewards: dict[str, RewardResult] = field(default_factory=dict)  # each reward's own result, by name
-    status: SampleStatus = SampleStatus.PENDING
+    status: SampleStatus = SampleStatus.PENDING  # where it is in its life; FAILED: a reward or the generator failed
     finish_reason: str | None = None  # the engine's: "stop", "length", "abort"
     error: str | None = None  # why the sample FAILED
     group_id: int = -1  # which prompt group this sample belongs to

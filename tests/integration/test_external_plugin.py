@@ -3,6 +3,7 @@ into a scratch virtualenv, is discovered, listed, selected by config and gone on
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -200,20 +201,9 @@ def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path
                                                                                                  "setup(ctx), async send(named, version, ctx), async commit(version, ctx), async close()]"), line
 
 
-USER_REWARDS = '''
-import asyncio
-
-from rlx import hookimpl
-
-
-def close_answer(sample):
-    """1 for the reference answer, 0.5 one off (the README's plain-function reward)."""
-    try:
-        gap = abs(int(sample.response_text.strip()) - int(sample.label))
-    except ValueError:
-        return 0.0
-    return 1.0 if gap == 0 else 0.5 if gap == 1 else 0.0
-
+README_REWARD = next(b for b in re.findall(r"```python\n(.*?)```", (Path(__file__).parents[2] / "README.md").read_text(),
+                                          re.S) if "register_rewards" in b)
+MORE_REWARDS = '''
 
 async def async_close(sample):
     await asyncio.sleep(0)
@@ -233,18 +223,15 @@ class Length:
 
     def score(self, sample):
         return min(len(sample.response_text) / 100, 1.0)
-
-
-@hookimpl
-def register_rewards(register):
-    for r in (close_answer, async_close, within(1), Length):
-        register(r)
 '''
+# the README's module, with an async function, a closure from a factory and a class registered beside its function
+USER_REWARDS = ("import asyncio\n" + README_REWARD.replace("    register(close_answer)", "    for r in (close_answer, "
+                "async_close, within(1), Length):\n        register(r)") + MORE_REWARDS)
 
 
 def test_rewards_as_users_write_them_train_from_an_installed_package(tmp_path, scratch_venv):
-    """A plain function, an async function, a closure from a factory and a class, from a pip-installed package,
-    train three steps with the default isolation (sync rewards in reward worker processes)."""
+    """The README's plain-function reward, an async function, a closure from a factory and a class, from a
+    pip-installed package, train three steps with the default isolation (sync rewards in reward worker processes)."""
     src = tmp_path / "rlx-reward-close"
     (src / "rlx_reward_close").mkdir(parents=True)
     (src / "pyproject.toml").write_text(PYPROJECT.replace("rlx-reward-length", "rlx-reward-close")

@@ -20,7 +20,7 @@ def generator():
     return mod
 
 
-@pytest.mark.parametrize("page", ["config.md", "cli.md", "hooks.md"])
+@pytest.mark.parametrize("page", ["config.md", "cli.md", "hooks.md", "types.md"])
 def test_the_reference_page_is_what_the_code_generates(generator, page):
     assert (ROOT / "docs" / "reference" / page).read_text() == generator.PAGES[page](), (
         f"docs/reference/{page} is stale: run .venv/bin/python scripts/docs_reference.py")

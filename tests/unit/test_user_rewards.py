@@ -94,3 +94,30 @@ def test_a_function_component_says_what_it_wraps():
     comp = plugin(close_answer).get("rewards", "close_answer")
     assert comp.score is close_answer and comp.__doc__ == close_answer.__doc__
     assert repr(comp) == f"<close_answer: {__name__}.close_answer>"
+
+
+class HoldsALock:
+    name = "holds_a_lock"
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()  # no pickler sends a lock
+
+    def score(self, sample):
+        return 1.0
+
+
+def test_the_contract_suite_fails_a_reward_a_run_could_not_send_to_its_workers():
+    from rlx.errors import RLXError
+    from rlx.testing import RewardCase, RewardContract
+
+    mod = types.SimpleNamespace(register_rewards=hookimpl(lambda register: register(HoldsALock)))
+
+    class TestHoldsALock(RewardContract):
+        reward_name = "holds_a_lock"
+        plugin = mod
+        cases = [RewardCase("a", None, 1.0), RewardCase("b", None, 1.0)]
+
+    with pytest.raises(RLXError, match="the reward cannot be sent to a reward worker process"):
+        TestHoldsALock().test_cases()
