@@ -1,10 +1,12 @@
 """Two hosts on one machine: two network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2), each
-a Ray node. A run joins that cluster with the trainer on one host and the engine on the other, trains, and
-syncs weights across them by broadcast. Every address comes from Ray; nothing is reached but the two
+a Ray node started as docs/guides/many-hosts.md starts one (`ray start --head`, `ray start --address`, one
+authentication token for the cluster). A run joins that cluster with the trainer on one host and the engine on the
+other, trains, and syncs weights across them by broadcast. Every address comes from Ray; nothing is reached but the two
 namespaces this test makes."""
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -32,6 +34,7 @@ class TwoHosts:
         self.a, self.b = f"rlxA{suffix}", f"rlxB{suffix}"
         self.temp = Path(f"/tmp/rlx2h-{suffix}")  # Ray's socket paths must stay short
         self.procs: list[subprocess.Popen] = []
+        self.token = secrets.token_hex(32)
 
     def up(self) -> None:
         sh("ip", "netns", "add", self.a)
@@ -46,7 +49,8 @@ class TwoHosts:
             sh("ip", "-n", ns, "link", "set", "veth0", "up")
 
     def start(self, ns: str, cmd: list[str], log: Path) -> subprocess.Popen:
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        # as docs/guides/many-hosts.md launches a cluster: one token for every node and the driver
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
         p = subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         self.procs.append(p)

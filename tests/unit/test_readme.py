@@ -49,3 +49,31 @@ def test_quickstart_has_exactly_two_commands_and_ci_runs_the_second():
     assert blocks[1].strip() == "scripts/test"
     ci = (Path(__file__).parents[2] / ".ci" / "run").read_text()
     assert "scripts/test" in ci
+
+
+def test_the_gpu_walkthrough_reward_and_config_work_as_written(tmp_path):
+    """docs/guides/gpu.md: its reward plugin scores in a reward worker, and its config validates (Qwen3-8B's shape
+    standing in for the checkpoint, which no machine here has)."""
+    import json
+
+    from rlx.config import load_config
+    from rlx.preflight import config_checks
+
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "gpu.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "register_rewards" in b)
+    mod = types.ModuleType("my_reward")
+    exec(compile(code, "gpu.md", "exec"), mod.__dict__)
+    p = build_plugins(extra=[("my_reward", mod)])
+    rewards = Rewards([RewardSpec(name="boxed_answer")], p, RolloutConfig())
+    for response, want in [("so \\boxed{7}", 1.0), ("\\boxed{6} then \\boxed{7}", 1.0), ("7", 0.0)]:
+        assert asyncio.run(rewards.score(Sample([1], response_text=response, label="7"))).reward == want, response
+
+    config = re.findall(r"```yaml\n(.*?)```", guide[guide.index("## The config"):], re.S)[0]
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 32,
+                                                             "num_key_value_heads": 8, "num_hidden_layers": 36}))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    (tmp_path / "c.yaml").write_text(config.replace("/models/Qwen3-8B", "m").replace("/data/my-prompts.jsonl", "p.jsonl")
+                                     .replace("/data/my-heldout.jsonl", "p.jsonl").replace("/shared/runs", "runs"))
+    cfg = load_config(tmp_path / "c.yaml", checks=config_checks(p, files=True))
+    assert cfg.train.parallel.world_size == cfg.rollout.engines[0].num_engines * cfg.rollout.engines[0].tp_size == 8

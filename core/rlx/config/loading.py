@@ -95,11 +95,14 @@ def parse_config(
             problems.append((locate(loc), describe_error(err, loc)))
         cfg, dropped = _without_refused(data, e)
     if cfg is not None:
-        problems += [(locate(loc), msg) for loc, msg in check_modes(cfg)]
+        def kept(found: list[tuple[tuple[Any, ...], str]]) -> list[tuple[str, str]]:
+            """The problems not about a value taken out (what a check says of its default would mislead)."""
+            return [(locate(loc), msg) for loc, msg in found if not any(loc[:len(d)] == d for d in dropped)]
+
+        problems += kept(check_modes(cfg))
         resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
         for check in checks:  # all of them, so that one problem does not hide the next
-            problems += [(locate(loc), msg) for loc, msg in check(cfg)
-                         if not any(loc[:len(d)] == d for d in dropped)]
+            problems += kept(check(cfg))
     if problems:
         raise ConfigError(problems, source=where)
     assert cfg is not None
