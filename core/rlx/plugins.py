@@ -25,7 +25,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pluggy
 
@@ -36,6 +36,8 @@ from rlx.protocols import FunctionComponent, as_component, contract_problems, de
 
 if TYPE_CHECKING:
     import typer
+
+    from rlx.protocols import AdvantageEstimator, Agent, Balancer, Generator, Logger, PolicyLoss, Reward, Transport
 
     from rlx.types import Group, RolloutBatch
 
@@ -182,10 +184,29 @@ class Plugins:
         self.get(kind, name)
         return self.components[kind][name]
 
+    @overload
+    def build(self, kind: Literal["rewards"], spec: Any) -> Reward: ...
+    @overload
+    def build(self, kind: Literal["generators"], spec: Any) -> Generator: ...
+    @overload
+    def build(self, kind: Literal["advantages"], spec: Any) -> AdvantageEstimator: ...
+    @overload
+    def build(self, kind: Literal["losses"], spec: Any) -> PolicyLoss: ...
+    @overload
+    def build(self, kind: Literal["balancers"], spec: Any) -> Balancer: ...
+    @overload
+    def build(self, kind: Literal["transports"], spec: Any) -> Transport: ...
+    @overload
+    def build(self, kind: Literal["agents"], spec: Any) -> Agent: ...
+    @overload
+    def build(self, kind: Literal["loggers"], spec: Any) -> Logger: ...
+    @overload
+    def build(self, kind: str, spec: Any) -> Any: ...
+
     def build(self, kind: str, spec: Any) -> Any:
         """An instance of the component a config entry selects (a ``ComponentSpec``, or a bare name):
         a class is instantiated with its ``Config`` validated from the entry's ``args``; an object is
-        returned as it is."""
+        returned as it is. Typed per kind: the caller holds the kind's Protocol (`rlx.protocols`)."""
         from rlx.config import ComponentSpec, component_config
 
         spec = ComponentSpec.coerce(spec)

@@ -9,7 +9,7 @@ import torch
 from rlx.config import component_config
 from rlx.plugins import build_plugins
 from rlx.train.advantages import grpo_advantages, reinforce_pp_baseline_advantages, token_weights
-from rlx.train.losses import ClipConfig, entropy_from_logits, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
+from rlx.train.losses import ClipConfig, gspo_loss, kl_penalty, ppo_clip_loss, tis_weights
 from rlx.config import ObjectiveConfig
 from rlx.train.objective import LossInputs, metric_keys, objective
 from rlx.types import Group, Sample, SampleStatus
@@ -87,11 +87,10 @@ def test_kl_estimators():
     assert kl_penalty(T([0.0]), T([-30.0]), "low_var").item() == pytest.approx(10.0)
 
 
-def test_tis_and_entropy():
+def test_tis_weights_cap_or_mask():
     assert tis_weights(T([3.0, 0.5]), cap=2.0).tolist() == pytest.approx([2.0, 0.5])
     # masked: a ratio above the cap drops the token, one below keeps its ratio
     assert tis_weights(T([3.0, 0.5]), cap=2.0, mode="mask").tolist() == pytest.approx([0.0, 0.5])
-    assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
 
 
 def test_objective_combines_terms_with_weights():

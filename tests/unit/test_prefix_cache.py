@@ -43,10 +43,13 @@ def test_least_recently_used_entries_go_past_the_budget_and_their_nodes_with_the
     c.insert([5, 6, 7], kv([5, 6, 7]))  # 11 tokens > 10
     assert list(c.entries) == [(1, 2, 3, 4), (5, 6, 7)] and c.tokens == 7
     assert c.match([1, 2, 7, 8, 9])[0] == 2  # the shared [1, 2] now leads to the first entry
-    c.evict((1, 2, 3, 4))
-    assert c.match([1, 2, 3]) is None and c.root.children.keys() == {5}
+    c.insert([8, 9, 10], kv([8, 9, 10]))  # 10 tokens: none goes
+    c.match([5, 6, 7, 0])
+    c.insert([11], kv([11]))  # 11 tokens: the least recently used goes, [1, 2, 3, 4], and the nodes only it held
+    assert list(c.entries) == [(8, 9, 10), (5, 6, 7), (11,)] and c.tokens == 7
+    assert c.match([1, 2, 3]) is None and c.root.children.keys() == {5, 8, 11}
     c.insert(list(range(11)), kv(list(range(11))))  # longer than the whole budget: not kept
-    assert list(c.entries) == [(5, 6, 7)]
+    assert list(c.entries) == [(8, 9, 10), (5, 6, 7), (11,)]
     c.clear()
     assert len(c) == 0 and c.tokens == 0 and c.match([5, 6, 7]) is None
 

@@ -102,7 +102,3 @@ def parser_for(name: str, model_type: str | None = None) -> Callable[[str], Pars
         raise RLXError(f"agent parser {name!r} is unknown; known: {', '.join(sorted(_PARSERS))}")
     return _PARSERS[name]
 
-
-def render_tool_call(call: ToolCall) -> str:
-    """How the hermes format writes a call (used by templates without tool support)."""
-    return f'<tool_call>\n{{"name": {json.dumps(call.name)}, "arguments": {call.arguments or "{}"}}}\n</tool_call>'

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
+from rlx.cpu.meter import CoreMeter
 from rlx.errors import Interrupted
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.evaluation import Evals
@@ -78,7 +79,8 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
         if shares_gpu(cfg):  # engines size their KV cache by the memory they find free: the trainers' must be taken
             await trainers.ready()
         loggers = [plugins.build("loggers", spec) for spec in cfg.run.loggers]
-        stack.callback(lambda: [logger.close() for logger in loggers])
+        for logger in loggers:
+            stack.callback(logger.close)  # (closed last to first)
         spawn = placement.engine_spawner(cfg) if placement else None
         session = await stack.enter_async_context(
             RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate"))
@@ -268,9 +270,7 @@ async def make_batches(cfg: Config, session: RolloutSession, plugins: Plugins) -
     """Where batches come from: generated (sync or async), or POSTed to the rollout buffer service."""
     if cfg.rollout.source == "generate":
         return batch_source(cfg, session.manager, session.fleet)
-    import sys
-
-    from rlx.data.buffer import BufferBatches, TrajectoryBuffer
+    from rlx.data.buffer import BufferBatches, TrajectoryBuffer  # the buffer service's runs only
 
     batches = BufferBatches(cfg, TrajectoryBuffer(cfg, session.ctx.tokenizer, plugins), session.fleet,
                             announce=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -283,8 +283,6 @@ async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights:
     """Get a batch (and tell the plugins, ``on_rollout_end``), train on it, push weights when it is time; the
     batch and the step's metrics. `settle`: awaited before the engines' weights or memory change (an evaluation
     still running on them)."""
-    from rlx.cpu.meter import CoreMeter
-
     meter = CoreMeter(weights.trainer.cpu_seconds, lambda: weights.fleet.serving)
     await meter.mark()
     t0 = time.monotonic()

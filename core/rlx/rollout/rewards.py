@@ -47,6 +47,7 @@ from rlx.types import RewardResult, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.protocols import Reward
 
 
 @dataclass
@@ -55,7 +56,7 @@ class BoundReward:
 
     name: str
     weight: float
-    reward: Any
+    reward: Reward
 
     @property
     def is_async(self) -> bool:
@@ -134,7 +135,7 @@ def reward_threads(n: int = 8) -> RewardThreads:
     return _THREADS[n]
 
 
-async def call_reward(reward: Any, sample: Sample, name: str = "?", threads: int = 8) -> RewardResult:
+async def call_reward(reward: Reward, sample: Sample, name: str = "?", threads: int = 8) -> RewardResult:
     """Call `reward.score(sample)` in this process, sync or async, and normalise the result."""
     fn = reward.score
     if inspect.iscoroutinefunction(fn):

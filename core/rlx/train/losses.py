@@ -127,12 +127,6 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return ppo_clip_loss(token_log_ratio, torch.zeros_like(token_log_ratio), advantages, clip)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of the categorical distribution given by `logits` ``[T, V]``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                clip: ClipConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1, eq. 4): ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log p``: the importance

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,8 +34,12 @@ from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logp
 from rlx.train.packing import PackedBatch, micro_batches, pack
 from rlx.types import RolloutBatch, Sample
 
+if TYPE_CHECKING:
+    from rlx.config import ObjectiveConfig, TrainConfig
+    from rlx.protocols import AdvantageEstimator, Balancer, PolicyLoss
 
-def prepare(batch: RolloutBatch, estimator: Any, loss_norm: str) -> TrainBatch:
+
+def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: str) -> TrainBatch:
     """Advantages and normalisation weights of every trainable sample of the batch."""
     groups = [g for g in batch.groups if g.trainable]
     adv = estimator.advantages(groups)
@@ -80,12 +84,12 @@ def mini_batch_scales(tb: TrainBatch, cuts: list[list[Sample]]) -> list[float]:
     return [1.0 / (sum(float(tb.weights[s.sample_id].sum()) for s in cut) or 1.0) for cut in cuts]
 
 
-def loss_norm(objective_cfg: Any, policy_loss: Any) -> str:
+def loss_norm(objective_cfg: ObjectiveConfig, policy_loss: PolicyLoss) -> str:
     """``train.objective.loss_norm``, or when unset the policy loss's own (``default_norm``; token)."""
-    return objective_cfg.loss_norm or getattr(policy_loss, "default_norm", "token")
+    return objective_cfg.loss_norm or str(getattr(policy_loss, "default_norm", "token"))
 
 
-def _per_token(value: float | Sequence[float], s: Sample, estimator: Any) -> torch.Tensor:
+def _per_token(value: float | Sequence[float], s: Sample, estimator: AdvantageEstimator) -> torch.Tensor:
     n = len(s.response_ids)
     t = torch.as_tensor(value, dtype=torch.float32)
     if t.ndim == 0:  # one advantage for the whole sample (a float, a numpy or 0-d torch scalar)
@@ -100,7 +104,8 @@ def _per_token(value: float | Sequence[float], s: Sample, estimator: Any) -> tor
 class RLStep:
     """Trains the actor on a `TrainBatch` with the configured objective."""
 
-    def __init__(self, train_cfg: Any, policy_loss: Any, balancer: Any, flops: FlopsModel, par: ParallelState):
+    def __init__(self, train_cfg: TrainConfig, policy_loss: PolicyLoss | None, balancer: Balancer, flops: FlopsModel,
+                 par: ParallelState):
         self.tc = train_cfg
         self.obj = train_cfg.objective
         self.policy_loss = policy_loss

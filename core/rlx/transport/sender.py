@@ -19,6 +19,7 @@ from rlx.transport.verify import Fingerprints, served_dtypes, verify
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.protocols import Transport
 
 
 
@@ -43,7 +44,7 @@ class WeightSender:
         self.full_interval = full_interval
         self.engine_for = engine_for
         self.pushes = 0
-        self.transport: Any = None
+        self.transport: Transport | None = None
         self.ctx: TransportContext | None = None
         # each engine's dtype per tensor (None: it cannot say), asked at its first push after `setup`: set by how
         # the engine was launched, so not asked again at every push (an engine restarted or back gets a new setup:
@@ -98,7 +99,13 @@ class WeightSender:
             except Exception as e:  # noqa: BLE001 - its engines may be the ones that died
                 print(f"rlx: closing the previous weight transport: {e}", flush=True)
         self.transport = self.plugins.build("transports", self.spec)
-        self.run(self.transport.setup(self.ctx))
+        transport, ctx = self._ready()
+        self.run(transport.setup(ctx))
+
+    def _ready(self) -> tuple[Transport, TransportContext]:
+        """The transport and its context, once `setup` has made them."""
+        assert self.transport is not None and self.ctx is not None, "setup() first"
+        return self.transport, self.ctx
 
     def push(self, version: int) -> None:
         """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify.
@@ -126,16 +133,22 @@ class WeightSender:
                 self._agree(self._send_stage, version, prints)
             else:
                 self._agree(lambda: None)
-        self._agree(lambda: self.run(self.transport.commit(version, self.ctx)) if self.par.rank == 0 else None)
+        self._agree(self._commit, version)
         if self.verify_weights != "off":
             check = verify(self.ctx.engines, prints, version, dtypes, full) if self.sending else None
             self._agree(lambda: self.run(check) if check is not None else None)
+
+    def _commit(self, version: int) -> None:
+        if self.par.rank == 0:  # sender 0 commits for every stage
+            transport, ctx = self._ready()
+            self.run(transport.commit(version, ctx))
 
     def _send_stage(self, version: int, prints: Fingerprints) -> None:
         named = self.trainer.hf_tensors()
         try:
             if self.sending:
-                self.run(self.transport.send(prints.watch(named), version, self.ctx))
+                transport, ctx = self._ready()
+                self.run(transport.send(prints.watch(named), version, ctx))
         finally:
             if self.par.gathers:
                 for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure

@@ -126,14 +126,6 @@ class PrefixCache:
         seq, _ = self._entries.pop(eid)
         self.tokens -= len(seq)
 
-    def evict(self, ids: tuple[int, ...] | list[int]) -> None:
-        """Drop the entry holding exactly `ids`."""
-        path, n, into = self._walk(tuple(ids))
-        eid = path[-1].entry if n == len(ids) and into == len(path[-1].label) else None
-        if eid is None or self._entries[eid][0] != tuple(ids):
-            raise KeyError(f"no cached sequence of {len(ids)} ids like that")
-        self._evict(eid)
-
     def _evict(self, eid: int) -> None:
         """Drop an entry and the nodes only it used; nodes it shares point at another entry."""
         key = self._entries[eid][0]
