@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlx.rollout.engines.launch import HOST, ManagedProcess, free_port, sglang_command, sglang_cpu_args, wait_healthy
+from rlx.rollout.engines.launch import (HOST, NO_AMX_ENV, ManagedProcess, free_port, sglang_command, sglang_cpu_args,
+                                        wait_healthy)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +41,7 @@ def start_sglang(python: str, model_path: str, log: Path, **server_args) -> tupl
     port = free_port()
     args = sglang_cpu_args(model_path, requests=16, new_tokens=64, engines=1) | {"dtype": "float32"} | server_args
     proc = ManagedProcess(sglang_command(model_path, port, server_args=args, python=python), log)
-    proc.start({"SGLANG_USE_CPU_ENGINE": "1"})
+    proc.start({"SGLANG_USE_CPU_ENGINE": "1", NO_AMX_ENV: "1"})  # fp32 (see NO_AMX_ENV)
     url = f"http://{HOST}:{port}"
     try:
         asyncio.run(wait_healthy(url, proc, 300, what="SGLang"))

@@ -19,8 +19,8 @@ from typing import Any
 from rlx.config import Config, EngineGroupConfig, engines_offload, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.rollout.engines.launch import (HOST, ManagedProcess, embedded_command, free_port, sglang_command,
-                                        sglang_cpu_args, wait_healthy)
+from rlx.rollout.engines.launch import (HOST, NO_AMX_ENV, ManagedProcess, embedded_command, free_port,
+                                        sglang_command, sglang_cpu_args, wait_healthy)
 from rlx.rollout.engines.protocol import EngineClient, EngineError
 from rlx.rollout.engines.router import Router
 
@@ -160,6 +160,8 @@ class EngineFleet:
         env = process_env(self.cfg.train.mode, self.cfg.cpu.async_cores)
         if g.backend == "sglang" and sglang_on_cpu(self.cfg, g):
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+            if g.server_args.get("dtype", self.cfg.model.dtype) in ("auto", "float32"):
+                env[NO_AMX_ENV] = "1"  # SGLang's AMX kernels hold no fp32 (`rlx.rollout.engines.launch`)
         return env
 
     async def start(self) -> None:

@@ -63,6 +63,13 @@ def sglang_command(model_path: str, port: int, *, tp_size: int = 1, mem_fraction
     return cmd + flags(server_args or {})
 
 
+#: Set in an fp32 SGLang server's environment on a CPU. SGLang takes its AMX kernels wherever the CPU has AMX (Intel
+#: Xeon from Sapphire Rapids on), and their CPU build holds bf16 and fp16 only: an fp32 model dies at its first forward
+#: ("rmsnorm_kernel" not implemented for 'Float'). rlx serves fp32 on CPUs (the trainer's precision), so the SGLang CPU
+#: environment that scripts/sglang-cpu-env makes reads this and takes SGLang's torch path, as on CPUs without AMX.
+NO_AMX_ENV = "RLX_SGLANG_NO_AMX"
+
+
 def sglang_cpu_args(model_path: str, *, requests: int, new_tokens: int, engines: int) -> dict[str, Any]:
     """What SGLang needs to serve on a CPU beside ``--device cpu`` (and ``SGLANG_USE_CPU_ENGINE=1`` in its
     environment): its scheduler without the overlap thread and asleep when idle, and a KV pool bounded by what
