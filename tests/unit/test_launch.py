@@ -78,6 +78,7 @@ rollout:
     assert "--sleep-on-idle" in cmd
     assert arg("--dtype") == "float32"  # as the trainer on a CPU
     assert fleet._env(a)["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert fleet._env(a)["RLX_SGLANG_NO_AMX"] == "1"  # fp32: SGLang's AMX kernels hold none
     # a quarter of the free memory, over 2 engines, at 256 B a token: 1000 tokens, raised to the 1024 floor
     monkeypatch.setattr("rlx.rollout.engines.launch._mem_available", lambda: 4 * 2 * 256 * 1000)
     cmd = fleet._command(a, "127.0.0.1", 1)
@@ -93,10 +94,12 @@ rollout:
     cfg.rollout.engines[0].server_args = {"max_total_tokens": 500}
     cmd = fleet._command(a, "127.0.0.1", 1)
     assert arg("--max-total-tokens") == "500"
+    cfg.rollout.engines[0].server_args = {"dtype": "bfloat16"}  # AMX kernels welcome
+    assert "RLX_SGLANG_NO_AMX" not in fleet._env(a)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     cmd = fleet._command(b, "127.0.0.1", 1)
     assert "--device" not in cmd and "--max-total-tokens" not in cmd and "--dtype" not in cmd
-    assert "SGLANG_USE_CPU_ENGINE" not in fleet._env(b)
+    assert "SGLANG_USE_CPU_ENGINE" not in fleet._env(b) and "RLX_SGLANG_NO_AMX" not in fleet._env(b)
 
 
 def test_routing_replay_on_sglang_on_a_cpu_is_refused_with_the_reason(tmp_path, monkeypatch):
