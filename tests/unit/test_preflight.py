@@ -90,8 +90,10 @@ def test_a_hub_id_is_its_snapshot_in_the_hugging_face_cache_or_says_how_to_get_i
     (cache / "models--acme--tiny" / "refs").mkdir()
     (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
     (snap / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_hidden_layers": 3}))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what an unreachable Hub gives, without trying the network
+    from huggingface_hub import constants  # which reads HF_HUB_CACHE and HF_HUB_OFFLINE once, when imported
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what an unreachable Hub gives, without trying the network
     (tmp_path / "p.jsonl").write_text(GOOD + "\n")
     p = tmp_path / "c.yaml"
     p.write_text("model: {path: acme/tiny}\ndata: {path: p.jsonl}\ntrain: {parallel: {world_size: 2, pp: 2}}\n")
