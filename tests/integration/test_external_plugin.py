@@ -64,11 +64,20 @@ def run(py, *args):
     return subprocess.run([str(py), *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+def install(py, tmp_path, dist: str, entry: str, code: str) -> None:
+    """pip-install a one-module plugin distribution `dist` (module `rlx_<...>`, entry point `entry`) into `py`'s
+    venv, from a source folder as its author would have it."""
+    module = dist.replace("-", "_")
+    src = tmp_path / dist
+    (src / module).mkdir(parents=True)
+    (src / "pyproject.toml").write_text(PYPROJECT.replace("rlx-reward-length", dist)
+                                        .replace('length = "rlx_reward_length"', f'{entry} = "{module}"'))
+    (src / module / "__init__.py").write_text(code)
+    r = run(py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
+    assert r.returncode == 0, r.stderr
+
+
 def test_install_list_use_uninstall(tmp_path, scratch_venv):
-    src = tmp_path / "rlx-reward-length"
-    (src / "rlx_reward_length").mkdir(parents=True)
-    (src / "pyproject.toml").write_text(PYPROJECT)
-    (src / "rlx_reward_length" / "__init__.py").write_text(MODULE)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(textwrap.dedent("""
         model: {path: /m}
@@ -77,8 +86,7 @@ def test_install_list_use_uninstall(tmp_path, scratch_venv):
     """))
     rl = ["-m", "rlx_cli.main"]
 
-    r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
-    assert r.returncode == 0, r.stderr
+    install(scratch_venv, tmp_path, "rlx-reward-length", "length", MODULE)
 
     r = run(scratch_venv, *rl, "plugins", "--json")
     assert r.returncode == 0, r.stderr
@@ -169,13 +177,7 @@ def test_a_bridge_a_transport_and_a_loss_from_outside_work_with_no_change_to_rlx
 
 
 def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path, scratch_venv):
-    src = tmp_path / "rlx-demo-broken"
-    (src / "rlx_demo_broken").mkdir(parents=True)
-    (src / "pyproject.toml").write_text(PYPROJECT.replace("rlx-reward-length", "rlx-demo-broken")
-                                        .replace('length = "rlx_reward_length"', 'demo-broken = "rlx_demo_broken"'))
-    (src / "rlx_demo_broken" / "__init__.py").write_text(BROKEN)
-    r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
-    assert r.returncode == 0, r.stderr
+    install(scratch_venv, tmp_path, "rlx-demo-broken", "demo-broken", BROKEN)
     # a config that does not use it validates, with a warning naming the plugin and why it was left out
     (tmp_path / "c.yaml").write_text("model: {path: builtin://tiny-qwen3}\n")
     r = run(scratch_venv, "-m", "rlx_cli.main", "config", "validate", str(tmp_path / "c.yaml"))
@@ -232,13 +234,7 @@ USER_REWARDS = ("import asyncio\n" + README_REWARD.replace("    register(close_a
 def test_rewards_as_users_write_them_train_from_an_installed_package(tmp_path, scratch_venv):
     """The README's plain-function reward, an async function, a closure from a factory and a class, from a
     pip-installed package, train three steps with the default isolation (sync rewards in reward worker processes)."""
-    src = tmp_path / "rlx-reward-close"
-    (src / "rlx_reward_close").mkdir(parents=True)
-    (src / "pyproject.toml").write_text(PYPROJECT.replace("rlx-reward-length", "rlx-reward-close")
-                                        .replace('length = "rlx_reward_length"', 'close = "rlx_reward_close"'))
-    (src / "rlx_reward_close" / "__init__.py").write_text(USER_REWARDS)
-    r = run(scratch_venv, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", str(src))
-    assert r.returncode == 0, r.stderr
+    install(scratch_venv, tmp_path, "rlx-reward-close", "close", USER_REWARDS)
     cfg = small_run_config(tmp_path, "run", ray={"enabled": False},
                            rollout={"rewards": ["close_answer", "async_close", "within_1", "length"]})
     r = run(scratch_venv, "-m", "rlx_cli.main", "train", str(cfg))
