@@ -132,7 +132,7 @@ def serve_cmd(
     from rlx.agent.server import AgentAdapter, serve_forever
     from rlx.rollout.session import RolloutSession
 
-    cfg = _load(file, set_)
+    cfg = _load(file, set_, download=True)
 
     async def main() -> None:
         import signal

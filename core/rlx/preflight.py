@@ -35,8 +35,10 @@ def config_checks(plugins: Plugins = None, files: bool = False, download: bool =
     out: list[Any] = []
     if plugins is not None:
         out.append(lambda cfg: check_components(cfg, plugins))
+    if files or download:
+        out.append(lambda cfg: hub_models(cfg, download))
     if files:
-        out.append(lambda cfg: check(cfg, download))
+        out.append(check)
     return out
 
 
@@ -105,8 +107,8 @@ def _check_critic(cfg: Any, plugins: Plugins) -> list[Problem]:
     return problems
 
 
-def check(cfg: Any, download: bool = False) -> list[Problem]:
-    problems = _hub_models(cfg, download)
+def check(cfg: Any) -> list[Problem]:
+    problems: list[Problem] = []
     model_dir = _model_dir(cfg.model.path, ("model", "path"), problems)
     if cfg.model.tokenizer:
         tok = Path(cfg.model.tokenizer)
@@ -131,7 +133,7 @@ def check(cfg: Any, download: bool = False) -> list[Problem]:
     return problems
 
 
-def _hub_models(cfg: Any, download: bool) -> list[Problem]:
+def hub_models(cfg: Any, download: bool) -> list[Problem]:
     """Each model named by Hub id becomes its folder in the Hugging Face cache (downloaded first with `download`)."""
     from rlx.config import format_path
     from rlx.models.hub import cached, is_hub_id, local_folder
@@ -164,7 +166,7 @@ def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Pa
         except RLXError as e:
             problems.append((where, str(e)))
             return None
-    if "://" in path or not path.startswith("/"):  # a URL, or a Hub id not downloaded yet (`_hub_models`)
+    if "://" in path or not path.startswith("/"):  # a URL, or a Hub id not downloaded yet (`hub_models`)
         return None
     p = Path(path)
     if not p.exists():
