@@ -42,9 +42,12 @@ def _load(file: Path, sets: list[str] | None, files: bool = False, download: boo
     """The config at `file` with `sets`, checked against the installed plugins and, with `files`, the files it
     names (`rlx.preflight.config_checks`; `download`: a model named by Hub id is downloaded)."""
     from rlx.config import load_config
-    from rlx.preflight import config_checks
+    from rlx.preflight import config_checks, download_models
 
-    return load_config(file, sets or [], checks=config_checks(_plugins(), files=files, download=download))
+    cfg = load_config(file, sets or [], checks=config_checks(_plugins(), files=files))
+    if download:
+        download_models(cfg, file, files)
+    return cfg
 
 
 @app.command("plugins")

@@ -129,7 +129,8 @@ class Plugins:
         try:
             obj = as_component(kind, obj)
         except ValueError as e:
-            raise PluginError(f"plugin {plugin!r} registered a {KIND_NAMES[kind]} that cannot be one: {e}", plugin) from None
+            raise PluginError(f"plugin {plugin!r} registered a {KIND_NAMES[kind]} that cannot be one: {e}",
+                              plugin) from None
         name = getattr(obj, "name", None)
         if not isinstance(name, str) or not name:
             raise PluginError(
@@ -171,9 +172,13 @@ class Plugins:
     def unknown_message(self, kind: str, name: str) -> str:
         """Why no component of `kind` is called `name`: the choices, and the plugins that failed to load (one of
         them may be the one that provides it)."""
-        msg = unknown_component_message(kind, name, self.names(kind))
-        return msg + "".join(f"; plugin {i.name!r} ({i.distribution}) failed to load and may be the one: {i.error}"
-                             for i in self.failed)
+        return unknown_component_message(kind, name, self.names(kind)) + self._failed_note()
+
+    def _failed_note(self) -> str:
+        """What a "there is none" message adds: the plugins that failed to load (each may be the one that provides
+        what was asked for)."""
+        return "".join(f"; plugin {i.name!r} ({i.distribution}) failed to load and may be the one: {i.error}"
+                       for i in self.failed)
 
     @property
     def failed(self) -> list[PluginInfo]:
@@ -230,20 +235,17 @@ class Plugins:
     def bridge_for(self, model_type: str) -> Any:
         """The model bridge (an instance) that claims `model_type`."""
         comp = self._bridges.get(model_type)
-        if comp is None and self.failed:
-            raise RLXError(f"model.path: no model bridge for model_type {model_type!r}, and "
-                           + "; ".join(f"plugin {i.name!r} ({i.distribution}) failed to load: {i.error}"
-                                       for i in self.failed))
+        failed = self._failed_note()
         if comp is None and model_type in FAMILY_PLUGINS:
             dist, folder = FAMILY_PLUGINS[model_type]
             raise RLXError(f"model.path: a {model_type!r} checkpoint needs the {dist} model plugin, which is not "
                            f"installed (or is disabled): pip install {dist} (from the rlx repository: pip install "
-                           f"./{folder})")
+                           f"./{folder})" + failed)
         if comp is None:
             known = ", ".join(sorted(self._bridges)) or "none"
             raise RLXError(f"model.path: no model bridge for model_type {model_type!r} (bridges are installed for: "
                            f"{known}); install the model plugin for this family (`rl plugins` lists the "
-                           f"bridges under models)")
+                           f"bridges under models)" + failed)
         return comp.obj() if inspect.isclass(comp.obj) else comp.obj
 
     # -- lifecycle hooks -----------------------------------------------------------------------

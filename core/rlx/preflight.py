@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describe_error
-from rlx.errors import RLXError
+from rlx.errors import ConfigError, RLXError
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
@@ -27,19 +27,30 @@ if TYPE_CHECKING:
 Problem = tuple[tuple[Any, ...], str]
 
 
-def config_checks(plugins: Plugins = None, files: bool = False, download: bool = False) -> list[Any]:
+def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
     """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
     given), and the files the config names (with `files`); every problem of each is reported at once. A model
-    named by Hugging Face Hub id is taken from the cache, or with `download` downloaded into it (`rlx.models.hub`)
-    and checked as a folder; without, one not in the cache is left to the run."""
+    named by Hugging Face Hub id is taken from the Hugging Face cache where it is there whole (`rlx.models.hub`)
+    and checked as a folder; one that is not is left to `download_models`, once the config has no problem."""
     out: list[Any] = []
     if plugins is not None:
         out.append(lambda cfg: check_components(cfg, plugins))
-    if files or download:
-        out.append(lambda cfg: hub_models(cfg, download))
     if files:
-        out.append(check)
+        out += [lambda cfg: hub_models(cfg, download=False), check]
     return out
+
+
+def download_models(cfg: Any, source: Path, files: bool = True) -> None:
+    """Download the models the config still names by Hub id (none were in the cache whole), then, with `files`,
+    check them as folders; a `ConfigError` naming the key where that fails. For a config that passed its checks,
+    so that no download waits on a mistake found in a second."""
+    from rlx.config import format_path
+
+    problems = hub_models(cfg, download=True)
+    if not problems and files:
+        problems = check(cfg)
+    if problems:
+        raise ConfigError([(f"{source}: {format_path(keys)}", msg) for keys, msg in problems], source=str(source))
 
 
 def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
@@ -146,8 +157,9 @@ def hub_models(cfg: Any, download: bool) -> list[Problem]:
         value = getattr(node, keys[-1])
         if not value or value.startswith("/") or not is_hub_id(value):
             continue
+        weights = keys[-1] != "tokenizer"
         try:
-            folder = local_folder(value, format_path(keys)) if download else cached(value)
+            folder = local_folder(value, format_path(keys), weights) if download else cached(value, weights)
         except RLXError as e:
             problems.append((keys, str(e)))
             continue

@@ -232,3 +232,27 @@ def test_a_group_goes_as_one_request_unless_prefill_decode_workers_serve_it():
     assert not parse_config(pd).rollout.coalesces
     with pytest.raises(ConfigError, match="requests.coalesce: with prefill/decode workers"):
         parse_config(pd + "  requests: {coalesce: true}\n")
+
+
+def test_a_problem_is_located_where_it_was_given_and_checks_skip_what_a_refusal_took_out(tmp_path):
+    """A --set that set the key or a mapping above it is named; a key the file gives keeps its line (a --set beside
+    it does not take it over); a --set that made a key below is named where the file has no line. A section the
+    schema refused whole is not checked further (its checks would only see defaults: an estimator without a critic
+    flagging every train.critic key)."""
+    from rlx.config import load_config
+    from rlx.errors import ConfigError
+    from rlx.plugins import build_plugins
+    from rlx.preflight import config_checks
+
+    p = tmp_path / "c.yaml"
+    p.write_text("model: {path: builtin://tiny-qwen3}\ntrain:\n  num_steps: abc\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["train.optim.lr=x", "model.foo.bar=1"])
+    assert sorted(w for w, _ in e.value.problems) == sorted(
+        ["--set model.foo.bar=1: model.foo", f"{p}:3: train.num_steps", "--set train.optim.lr=x: train.optim.lr"])
+    p.write_text("model: {path: builtin://tiny-qwen3}\ntrain:\n  objective: {advantage: gae, tis_low: 0.5}\n"
+                 "  critic: {warmup_steps: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, checks=config_checks(build_plugins(entry_points=False)))
+    (where, why), = e.value.problems
+    assert where == f"{p}:3: train.objective" and "set tis_cap too" in why

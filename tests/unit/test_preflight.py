@@ -81,38 +81,46 @@ def test_a_critic_layout_of_its_own_is_checked_against_the_model_and_needs_ray(t
 
 
 def test_a_hub_id_is_its_snapshot_in_the_hugging_face_cache_or_says_how_to_get_it(tmp_path, monkeypatch):
-    """``org/name`` that is no folder beside the config is a Hub id: taken from the cache (the layout
-    huggingface_hub writes), checked as a folder; not cached and not reachable, a located error naming the command
-    that downloads it. `rl config validate` (no download) leaves an uncached one to the run."""
-    cache = tmp_path / "hf"
-    snap = cache / "models--acme--tiny" / "snapshots" / "abc123"
-    snap.mkdir(parents=True)
-    (cache / "models--acme--tiny" / "refs").mkdir()
-    (cache / "models--acme--tiny" / "refs" / "main").write_text("abc123")
-    (snap / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_hidden_layers": 3}))
+    """``org/name`` whose ``org`` is no folder beside the config is a Hub id: taken from the cache where it is there
+    whole (the layout huggingface_hub writes), checked as a folder; else downloaded once the config has no other
+    problem (`download_models`), or, where the Hub cannot be reached, a located error naming the command that
+    downloads it. `rl config validate` (no download) leaves an uncached one to the run."""
     from huggingface_hub import constants  # which reads HF_HUB_CACHE and HF_HUB_OFFLINE once, when imported
 
+    from rlx.preflight import download_models
+
+    cache = tmp_path / "hf"
+    for name, files in (("tiny", ["config.json", "model.safetensors"]), ("partial", ["config.json"])):
+        snap = cache / f"models--acme--{name}" / "snapshots" / "abc123"
+        snap.mkdir(parents=True)
+        (cache / f"models--acme--{name}" / "refs").mkdir()
+        (cache / f"models--acme--{name}" / "refs" / "main").write_text("abc123")
+        for f in files:
+            (snap / f).write_text(json.dumps({"num_attention_heads": 8, "num_hidden_layers": 3}))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what an unreachable Hub gives, without trying the network
     (tmp_path / "p.jsonl").write_text(GOOD + "\n")
     p = tmp_path / "c.yaml"
     p.write_text("model: {path: acme/tiny}\ndata: {path: p.jsonl}\ntrain: {parallel: {world_size: 2, pp: 2}}\n")
+    snap = cache / "models--acme--tiny" / "snapshots" / "abc123"
     with pytest.raises(ConfigError) as e:  # the cached checkpoint is checked like a folder
-        load_config(p, checks=config_checks(files=True, download=True))
+        load_config(p, checks=config_checks(files=True))
     assert dict(e.value.problems) == {f"{p}:3: train.parallel.pp": f"2 does not divide the model's 3 layers (pipeline "
                                       f"stages split the layers evenly; {snap / 'config.json'})"}
-    cfg = load_config(p, ["train.parallel.pp=1"], checks=config_checks(files=True, download=True))
+    cfg = load_config(p, ["train.parallel.pp=1"], checks=config_checks(files=True))
     assert cfg.model.path == str(snap)
 
-    p.write_text("model: {path: acme/other}\ndata: {path: p.jsonl}\n")
-    assert load_config(p, checks=config_checks(files=True)).model.path == "acme/other"  # validate: left to the run
-    with pytest.raises(ConfigError) as e:
-        load_config(p, checks=config_checks(files=True, download=True))
-    (where, why), = e.value.problems
-    assert where == f"{p}:1: model.path" and why.startswith("'acme/other' is not a folder beside the config and was "
-                                                            "taken for a Hugging Face Hub id")
-    assert why.endswith("run `hf download acme/other` (into the cache: HF_HOME) and copy the cache here, or set "
-                        "model.path to the model's folder")
-    (tmp_path / "acme" / "other").mkdir(parents=True)  # a folder of that name beside the config is the folder
+    for name in ("other", "partial"):  # not cached, or cached without its weights (what AutoConfig leaves)
+        p.write_text(f"model: {{path: acme/{name}}}\ndata: {{path: p.jsonl}}\n")
+        cfg = load_config(p, checks=config_checks(files=True))
+        assert cfg.model.path == f"acme/{name}"  # validate: left to the run
+        with pytest.raises(ConfigError) as e:
+            download_models(cfg, p)
+        (where, why), = e.value.problems
+        assert where == f"{p}: model.path" and why.startswith(f"'acme/{name}' is not a folder beside the config and "
+                                                              "was taken for a Hugging Face Hub id")
+        assert why.endswith(f"run `hf download acme/{name}` (into the cache: HF_HOME) and copy the cache here, or set "
+                            "model.path to the model's folder")
+    (tmp_path / "acme").mkdir()  # a folder of that name beside the config: a local path, which must exist
     assert dict(problems(tmp_path, p.read_text())[0]) == {
-        f"{p}:1: model.path": f"{tmp_path / 'acme' / 'other'} has no config.json: not an HF model folder"}
+        f"{p}:1: model.path": f"{tmp_path / 'acme' / 'partial'} does not exist"}

@@ -73,7 +73,9 @@ def test_the_gpu_walkthrough_reward_and_config_work_as_written(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "qwen3", "num_attention_heads": 32,
                                                              "num_key_value_heads": 8, "num_hidden_layers": 36}))
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
-    (tmp_path / "c.yaml").write_text(config.replace("/models/Qwen3-8B", "m").replace("/data/my-prompts.jsonl", "p.jsonl")
-                                     .replace("/data/my-heldout.jsonl", "p.jsonl").replace("/shared/runs", "runs"))
+    for a, b in (("/models/Qwen3-8B", "m"), ("/data/my-prompts.jsonl", "p.jsonl"),
+                 ("/data/my-heldout.jsonl", "p.jsonl"), ("/shared/runs", "runs")):
+        config = config.replace(a, b)
+    (tmp_path / "c.yaml").write_text(config)
     cfg = load_config(tmp_path / "c.yaml", checks=config_checks(p, files=True))
     assert cfg.train.parallel.world_size == cfg.rollout.engines[0].num_engines * cfg.rollout.engines[0].tp_size == 8

@@ -76,11 +76,17 @@ def parse_config(
             problems.append((f"--set {ov}", str(e)))
 
     def locate(loc: tuple[Any, ...]) -> str:
-        # a --set first: it replaced what the file's lines say there (also where it set a key below `loc`)
-        for keys, ov in overridden.items():
-            if keys[:len(loc)] == loc or loc[:len(keys)] == keys:
-                return f"{ov}: {format_path(loc)}"
-        for n in range(len(loc), -1, -1):
+        """Where `loc` was given: the --set that set it or a mapping above it (the nearest), else its line in the
+        file, else a --set that set a key below it, else the nearest line above it."""
+        above = [keys for keys in overridden if loc[:len(keys)] == keys]
+        if above:
+            return f"{overridden[max(above, key=len)]}: {format_path(loc)}"
+        if loc in lines:
+            return f"{where}:{lines[loc]}: {format_path(loc)}"
+        below = [keys for keys in overridden if keys[:len(loc)] == loc]
+        if below:
+            return f"{overridden[below[0]]}: {format_path(loc)}"
+        for n in range(len(loc) - 1, -1, -1):
             if loc[:n] in lines:
                 return f"{where}:{lines[loc[:n]]}: {format_path(loc)}"
         return f"{where}: {format_path(loc)}"
@@ -95,14 +101,15 @@ def parse_config(
             problems.append((locate(loc), describe_error(err, loc)))
         cfg, dropped = _without_refused(data, e)
     if cfg is not None:
-        def kept(found: list[tuple[tuple[Any, ...], str]]) -> list[tuple[str, str]]:
+        def check_problems(found: list[tuple[tuple[Any, ...], str]]) -> list[tuple[str, str]]:
             """The problems not about a value taken out (what a check says of its default would mislead)."""
             return [(locate(loc), msg) for loc, msg in found if not any(loc[:len(d)] == d for d in dropped)]
 
-        problems += kept(check_modes(cfg))
+        if not dropped:  # (modes are checked across keys: one taken out would mislead them)
+            problems += check_problems(check_modes(cfg))
         resolve_paths(cfg, source.resolve().parent if source else Path.cwd())
         for check in checks:  # all of them, so that one problem does not hide the next
-            problems += kept(check(cfg))
+            problems += check_problems(check(cfg))
     if problems:
         raise ConfigError(problems, source=where)
     assert cfg is not None
@@ -113,11 +120,17 @@ def _without_refused(data: dict[str, Any], error: ValidationError) -> tuple[Conf
     """The config with each value the schema refused taken out (its default in its place), so that the checks
     past the schema (component names, files) run as well and every problem is reported at once; and the key paths
     taken out, whose checks would only see defaults. None where that does not validate (a required key is
-    missing)."""
+    missing), or where a whole section was refused (a check across its keys would see only defaults)."""
     data = copy.deepcopy(data)
     dropped: list[tuple[Any, ...]] = []
     for _ in range(3):  # a value taken out may uncover a refusal further up (a list item's own type)
-        removed = [loc for loc in (tuple(e["loc"]) for e in error.errors()) if _remove(data, loc)]
+        removed = []
+        for loc in (tuple(e["loc"]) for e in error.errors()):
+            value = _remove(data, loc)
+            if isinstance(value, dict):
+                return None, dropped
+            if value is not _ABSENT:
+                removed.append(loc)
         if not removed:
             return None, dropped
         dropped += removed
@@ -128,24 +141,27 @@ def _without_refused(data: dict[str, Any], error: ValidationError) -> tuple[Conf
     return None, dropped
 
 
-def _remove(data: Any, loc: tuple[Any, ...]) -> bool:
+_ABSENT = object()
+
+
+def _remove(data: Any, loc: tuple[Any, ...]) -> Any:
+    """Take the value at `loc` out of the raw tree; the value, or `_ABSENT` where there is none to take."""
     node = data
     for key in loc[:-1]:
         try:
             node = node[key]
         except (KeyError, IndexError, TypeError):
-            return False
+            return _ABSENT
     if isinstance(node, dict) and loc and loc[-1] in node:
-        del node[loc[-1]]
-        return True
-    return False
+        return node.pop(loc[-1])
+    return _ABSENT
 
 
 def resolve_paths(cfg: Config, base: Path) -> None:
     """Make every file path in the tree absolute, relative to `base` (URLs such as builtin:// stay, and so does a
-    model path ``org/name`` that is not a folder there: a Hugging Face Hub id, `rlx.models.hub`)."""
+    model path ``org/name`` whose ``org`` is no folder there: a Hugging Face Hub id, `rlx.models.hub`)."""
     def resolve(value: str, model: bool) -> str:
-        if "://" in value or (model and is_hub_id(value) and not (base / value).exists()):
+        if "://" in value or (model and is_hub_id(value) and not (base / value).parent.exists()):
             return value
         return str((base / Path(value).expanduser()).resolve())
 

@@ -160,7 +160,7 @@ class EngineFleet:
         env = process_env(self.cfg.train.mode, self.cfg.cpu.async_cores)
         if g.backend == "sglang" and sglang_on_cpu(self.cfg, g):
             env["SGLANG_USE_CPU_ENGINE"] = "1"
-            if g.server_args.get("dtype", self.cfg.model.dtype) in ("auto", "float32"):
+            if g.server_args.get("dtype", self.cfg.model.dtype) in ("auto", "float32", "float", "fp32"):
                 env[NO_AMX_ENV] = "1"  # SGLang's AMX kernels hold no fp32 (`rlx.rollout.engines.launch`)
         return env
 
