@@ -18,6 +18,7 @@ from rlx.data.datasets import PromptDataset
 from rlx.errors import RLXError
 from rlx.plugins import build_plugins
 from rlx.rollout.context import GenerateContext
+from rlx.rollout import rewards
 from rlx.rollout.manager import RolloutManager
 from rlx.types import RewardResult, SampleStatus
 
@@ -214,7 +215,6 @@ def test_a_nan_or_inf_reward_fails_its_sample_with_the_value_and_the_step_says_w
 def test_hung_sync_rewards_in_threads_time_out_without_taking_the_threads_trainer_calls_use(tmp_path, monkeypatch):
     """scoring.isolation: thread, more hung rewards than the default thread pool has threads: they time out in
     their own pool, and a trainer-style ``asyncio.to_thread`` call still runs at once."""
-    from rlx.rollout import rewards
 
     monkeypatch.setattr(rewards, "_THREADS", {})
     m = make(tmp_path, ROWS, n_prompts=4, n_samples_per_prompt=4, rewards=["hung"], dynamic_sampling={"max_rounds": 1},
@@ -261,6 +261,9 @@ def test_a_reward_that_crashes_its_worker_fails_only_its_sample_and_a_fresh_work
 
 
 def test_scoring_workers_bounds_how_many_sync_rewards_run_at_once(tmp_path, capfd):
+    # The pools are shared by the process's rollouts: one that an earlier test started holds the stdout it
+    # was started with, not capfd's. Close them, so that this test's workers print where capfd reads.
+    rewards._close_pools()
     m = make(tmp_path, ROWS[:3], n_prompts=3, n_samples_per_prompt=2, rewards=["timed"], scoring={"workers": 2},
              dynamic_sampling={"max_rounds": 1})
     batch = asyncio.run(m.next_batch(1))
