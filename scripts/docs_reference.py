@@ -176,6 +176,7 @@ def _signature(fn: typing.Any) -> str:
 
 def hooks_page() -> str:
     from rlx import hookspecs, protocols
+    from rlx.train import spec
 
     parts = [HEAD, "# Hooks and contracts\n\n", inspect.getdoc(hookspecs), "\n\n## Hooks\n"]
     for name, fn in inspect.getmembers(hookspecs, inspect.isfunction):
@@ -183,13 +184,14 @@ def hooks_page() -> str:
             parts.append(f"\n### `{name}{_signature(fn)}`\n\n{inspect.getdoc(fn)}\n")
     parts.append("\n## Component contracts\n\nChecked when a component is registered (`rlx.protocols`): a missing "
                  "or mis-shaped method fails the plugin's load, naming the plugin, the component and the method.\n")
-    for name, cls in inspect.getmembers(protocols, inspect.isclass):
-        if getattr(cls, "_is_protocol", False) and cls.__module__ == protocols.__name__:
+    contracts = [(n, c) for n, c in inspect.getmembers(protocols, inspect.isclass) if c.__module__ == protocols.__name__]
+    for name, cls in sorted([*contracts, ("ModelBridge", spec.ModelBridge)]):
+        if getattr(cls, "_is_protocol", False):
             doc = inspect.getdoc(cls) if cls.__doc__ else ""
             attrs = ", ".join(f"`{a}`" for a in cls.__annotations__)
             methods = [f"- `{'async ' if inspect.iscoroutinefunction(m) else ''}{n}{_signature(m)}`"
                        for n, m in cls.__dict__.items() if inspect.isfunction(m) and not n.startswith("_") or n == "__call__"]
-            parts.append(f"\n### `{name}`\n\n" + (f"{doc}\n\n" if doc else "") + f"Attributes: {attrs}.\n\n"
+            parts.append(f"\n### `{name}`\n\n" + (f"{doc}\n\n" if doc else "") + (f"Attributes: {attrs}.\n\n" if attrs else "")
                          + "\n".join(methods) + "\n")
     return "".join(parts)
 
@@ -200,16 +202,18 @@ def types_page() -> str:
     """What components are handed and return (`rlx.types`): each dataclass's fields, their types and comments."""
     import dataclasses
 
+    from rlx import protocols
     from rlx import types as rlx_types
 
-    comments = _comments(rlx_types)
     parts = [HEAD, "# Types\n\n", "What rewards, generators and estimators are handed and return (`rlx.types`). A "
              "reward reads a `Sample`: `response_text` is the decoded response, `label` the dataset row's reference "
              "answer (`data.label_key`), `metadata` the row's `data.metadata_key` object; the token ids are what "
              "the engine sampled (token in, token out). Text is for rewards and people; training uses the ids.\n"]
-    for name in ("Sample", "RewardResult", "SampleStatus", "Group", "RolloutBatch"):
-        cls = getattr(rlx_types, name)
-        parts.append(f"\n## `{name}`\n\n{inspect.getdoc(cls)}\n\n")
+    for module, name in [*((rlx_types, n) for n in ("Sample", "RewardResult", "SampleStatus", "Group", "RolloutBatch",
+                                                      "GenerateResult")),
+                         *((protocols, n) for n in ("LossInputs", "TransportContext", "RunInfo"))]:
+        cls, comments = getattr(module, name), _comments(module)
+        parts.append(f"\n## `{name}`\n\n{inspect.getdoc(cls)} (`{module.__name__}`)\n\n")
         if dataclasses.is_dataclass(cls):
             parts.append("| field | type | what it holds |\n|---|---|---|\n")
             for f in dataclasses.fields(cls):

@@ -140,8 +140,10 @@ def serve_cmd(
     async def main() -> None:
         import signal
 
+        me = asyncio.current_task()
         with contextlib.suppress(RuntimeError, ValueError):  # SIGTERM stops it as Ctrl-C does (not in a thread)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+            if me is not None:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, me.cancel)
         async with RolloutSession(cfg, _plugins(), with_data=False) as session:
             adapter = AgentAdapter(session.ctx, model_name=cfg.run.name, api_key=api_key, parser=parser,
                                    max_output_tokens=max_output_tokens)

@@ -16,21 +16,35 @@ match a spec below; a misspelled name or argument is rejected when the plugin lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pluggy
 
 if TYPE_CHECKING:
     import typer
 
-    from rlx.types import Group, RolloutBatch
+    from rlx.protocols import (Agent, AdvantageEstimator, Balancer, Generator, Kernel, Logger, PolicyLoss, Reward,
+                               Transport)
+    from rlx.types import Group, RewardResult, RolloutBatch, Sample
 
 PROJECT = "rlx"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-Register = Callable[[Any], None]
+C = TypeVar("C", contravariant=True)
+
+
+class Register(Protocol[C]):
+    """What a ``register_<kind>`` hook is handed: call it once per component, a class or an instance. Typed by
+    kind, so that a type checker holds a plugin's component to the kind's contract (`rlx.protocols`), as
+    registration does: annotate the hook's argument as the spec below does (``register: Register[...]``)."""
+
+    def __call__(self, component: C, /) -> None: ...
+
+
+#: A reward may also be a plain function of the sample (sync or async) returning a number or a `RewardResult`.
+RewardFunction = Callable[["Sample"], "float | RewardResult | Awaitable[float | RewardResult]"]
 
 #: The registration kinds, in the order `rl plugins` shows them. Each has a `register_<kind>` hook.
 KINDS = ("rewards", "advantages", "losses", "balancers", "transports", "generators", "models", "kernels", "agents",
@@ -38,7 +52,7 @@ KINDS = ("rewards", "advantages", "losses", "balancers", "transports", "generato
 
 
 @hookspec
-def register_rewards(register: Register) -> None:
+def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
     """Register reward components.
 
     A reward has ``name`` and ``score(sample) -> RewardResult | float`` (a plain or ``async`` method);
@@ -50,7 +64,7 @@ def register_rewards(register: Register) -> None:
 
 
 @hookspec
-def register_advantages(register: Register) -> None:
+def register_advantages(register: Register[type[AdvantageEstimator] | AdvantageEstimator]) -> None:
     """Register advantage estimators (GRPO, REINFORCE++, ...), selected by ``train.objective.advantage``.
 
     An estimator has ``advantages(groups) -> {sample_id: float | per-token sequence}``.
@@ -60,7 +74,7 @@ def register_advantages(register: Register) -> None:
 
 
 @hookspec
-def register_losses(register: Register) -> None:
+def register_losses(register: Register[type[PolicyLoss] | PolicyLoss]) -> None:
     """Register policy losses (PPO-clip, GSPO, ...), selected by ``train.objective.loss``.
 
     A policy loss has ``loss(inputs: LossInputs) -> (per_token_loss, clipped)``.
@@ -70,7 +84,7 @@ def register_losses(register: Register) -> None:
 
 
 @hookspec
-def register_balancers(register: Register) -> None:
+def register_balancers(register: Register[type[Balancer] | Balancer]) -> None:
     """Register data balancers, which partition a step's samples across data-parallel ranks:
     ``partition(lengths, k, flops) -> [indices per rank]``.
 
@@ -79,7 +93,7 @@ def register_balancers(register: Register) -> None:
 
 
 @hookspec
-def register_transports(register: Register) -> None:
+def register_transports(register: Register[type[Transport] | Transport]) -> None:
     """Register weight transports, which move trainer weights into the engines (tensor, broadcast,
     disk, delta): ``async setup(ctx)``, ``async send(named, version, ctx)`` on every sending rank,
     ``async commit(version, ctx)`` once all have sent, ``async close()``. See `rlx.transport`.
@@ -89,7 +103,7 @@ def register_transports(register: Register) -> None:
 
 
 @hookspec
-def register_generators(register: Register) -> None:
+def register_generators(register: Register[type[Generator] | Generator]) -> None:
     """Register generators, which turn a prompt into samples by talking to the engines (single-turn,
     multi-turn, agent).
 
@@ -98,17 +112,18 @@ def register_generators(register: Register) -> None:
 
 
 @hookspec
-def register_models(register: Register) -> None:
+def register_models(register: Register[Any]) -> None:
     """Register model bridges: a class with ``name``, ``model_types`` (the HF ``model_type`` values it
-    claims) and ``spec(hf_config) -> rlx.train.spec.ModelSpec``. A checkpoint selects its bridge by its
-    ``model_type``; two bridges claiming one type is an error naming both.
+    claims) and ``spec(hf_config) -> rlx.train.spec.ModelSpec``: the contract `rlx.train.spec.ModelBridge`, beside
+    the model API it is written against (annotate ``register: Register[type[ModelBridge]]`` to have it checked).
+    A checkpoint selects its bridge by its ``model_type``; two bridges claiming one type is an error naming both.
 
     :param register: call once per model bridge class.
     """
 
 
 @hookspec
-def register_kernels(register: Register) -> None:
+def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
     """Register optional kernels (e.g. gated delta net) that model bridges may select by name: ``name``,
     ``op`` (the operation), ``supports(**query) -> None | reason`` and ``__call__``.
 
@@ -117,7 +132,7 @@ def register_kernels(register: Register) -> None:
 
 
 @hookspec
-def register_agents(register: Register) -> None:
+def register_agents(register: Register[type[Agent] | Agent]) -> None:
     """Register agent harnesses that the agent generator runs against the API adapters.
 
     An agent is a class with ``name`` and ``async def run(self, base_url, api_key, task) -> float | None``:
@@ -130,7 +145,7 @@ def register_agents(register: Register) -> None:
 
 
 @hookspec
-def register_loggers(register: Register) -> None:
+def register_loggers(register: Register[type[Logger] | Logger]) -> None:
     """Register experiment loggers, selected by ``run.loggers``: ``open(run)`` once (a `RunInfo`: output
     folder, resolved config), ``log_metrics(step, metrics)`` every step, ``log_samples(step, rows)`` every
     ``run.log_samples_interval`` steps (rows of prompt, response, reward), ``close()`` at the end.

@@ -12,7 +12,7 @@ async def serve_local(app: web.Application, host: str = "127.0.0.1", port: int =
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    return runner, f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+    return runner, f"http://{host}:{runner.addresses[0][1]}"
 
 
 def bearer_key(request: web.Request) -> str:

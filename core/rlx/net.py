@@ -108,7 +108,7 @@ def gloo_options(ip: str | None) -> Any:
     """Options for a ``ProcessGroupGloo`` made directly, bound to `ip` (None or a wildcard: gloo's default)."""
     import torch.distributed as dist
 
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's private options, not in its types
     if ip and ip not in ("0.0.0.0", "::"):
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
     else:

@@ -22,7 +22,7 @@ import importlib
 import importlib.metadata as md
 import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -219,9 +219,10 @@ class Plugins:
         component = self.get(kind, spec.name)
         if not inspect.isclass(component):
             return component
+        make: Callable[..., Any] = component  # a class of the kind's Protocol
         conf = component_config(component, spec.args)
         try:
-            return component(conf) if conf is not None else component()
+            return make(conf) if conf is not None else make()
         except RLXError:
             raise
         except Exception as e:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 Problem = tuple[tuple[Any, ...], str]
 
 
-def config_checks(plugins: Plugins = None, files: bool = False) -> list[Any]:
+def config_checks(plugins: Plugins | None = None, files: bool = False) -> list[Any]:
     """The checks `load_config(checks=...)` runs after the schema's: the components against `plugins` (when
     given), and the files the config names (with `files`); every problem of each is reported at once. A model
     named by Hugging Face Hub id is taken from the Hugging Face cache where it is there whole (`rlx.models.hub`)

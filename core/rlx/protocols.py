@@ -29,34 +29,47 @@ Only methods are checked; what they return is checked where it is used, with the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from rlx.types import GenerateResult, Group, RewardResult, Sample
 
 if TYPE_CHECKING:
     import torch
 
-    from rlx.rollout.context import GenerateContext
-    from rlx.train.balance import FlopsModel
-    from rlx.train.objective import LossInputs
-    from rlx.train.spec import ModelSpec
-    from rlx.transport import TransportContext
-    from rlx.types import Group, RewardResult, Sample
+    from rlx.config import SamplingConfig
 
 
 @runtime_checkable
 class Reward(Protocol):
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
-    def score(self, sample: Sample) -> RewardResult | float: ...
+    def score(self, sample: Sample) -> RewardResult | float | Awaitable[RewardResult | float]: ...  # or async def
+
+
+class Generation(Protocol):
+    """What a generator calls to generate (rlx passes `rlx.rollout.context.GenerateContext`): the engines
+    behind the run's router, with its sampling settings and its request ids."""
+
+    tokenizer: Any  # the model's transformers tokenizer
+    sampling: SamplingConfig  # rollout.sampling
+    context_length: int | None  # the engines' context length, when they report one
+
+    def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]: ...
+
+    def new_rid(self, sample: Sample) -> str: ...
+
+    async def generate(self, input_ids: list[int], params: dict[str, Any],
+                       rid: str | None = None) -> GenerateResult: ...
 
 
 @runtime_checkable
 class Generator(Protocol):
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
-    async def generate(self, ctx: GenerateContext, sample: Sample) -> list[Sample]: ...
+    async def generate(self, ctx: Generation, sample: Sample) -> list[Sample]: ...
 
 
 @runtime_checkable
@@ -69,7 +82,7 @@ class AdvantageEstimator(Protocol):
     lists over response tokens; `values` the critic's, `kl` per-token KL to the reference for the reward):
     the trainer then builds a critic (``train.critic``) and calls that instead (see the built-in ``gae``)."""
 
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
     def advantages(self, groups: list[Group]) -> Mapping[int, float | Sequence[float]]: ...
 
@@ -78,25 +91,47 @@ class AdvantageEstimator(Protocol):
 class PolicyLoss(Protocol):
     """Per-token policy loss (to minimise) and a per-token bool of where it was clipped."""
 
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
     def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class LossInputs:
+    """Flat per-token tensors ``[T]`` of one packed micro-batch (response tokens only)."""
+
+    logprobs: torch.Tensor  # current policy, with grad
+    old_logprobs: torch.Tensor  # trainer's, before this update
+    rollout_logprobs: torch.Tensor  # the engine's (0 where it reported none)
+    advantages: torch.Tensor
+    weights: torch.Tensor  # normalisation weight per token, 0 where the loss mask is 0
+    mask: torch.Tensor  # 1.0 on model-sampled tokens
+    seq_index: torch.Tensor  # sequence (0..n-1) of each token, for sequence-level losses
+    ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    has_rollout: torch.Tensor | None = None  # 1.0 where the engine's log-prob exists (None: everywhere)
 
 
 @runtime_checkable
 class Balancer(Protocol):
     """Indices of the samples (by length) for each of `k` data-parallel ranks."""
 
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
-    def partition(self, lengths: list[int], k: int, flops: FlopsModel | None) -> list[list[int]]: ...
+    def partition(self, lengths: list[int], k: int, flops: Flops | None) -> list[list[int]]: ...
+
+
+class Flops(Protocol):
+    """The cost of a sample by its length (rlx passes the model's `rlx.train.balance.FlopsModel`)."""
+
+    def cost(self, length: int) -> float: ...
 
 
 @runtime_checkable
 class Transport(Protocol):
     """Moves trainer weights into the engines. See `rlx.transport` for the push protocol."""
 
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
     async def setup(self, ctx: TransportContext) -> None: ...
 
@@ -107,14 +142,15 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-@runtime_checkable
-class ModelBridge(Protocol):
-    """Claims HF ``model_type`` values and describes how to build and convert such a model."""
+@dataclass
+class TransportContext:
+    """What a transport instance on one sending rank knows about the push."""
 
-    name: ClassVar[str]
-    model_types: ClassVar[tuple[str, ...]]
-
-    def spec(self, hf_config: Any) -> ModelSpec: ...
+    engines: list[Any]  # the engines that take weights: each has `url` and `client(timeout_s=...)`
+    output_dir: Path  # the run's output folder (shared storage for disk-based transports)
+    sender: int = 0  # this sender's index (its pipeline stage)
+    senders: int = 1  # how many ranks send parts of each push
+    host: str = "127.0.0.1"  # this sender's address, where engines can reach it (rendezvous servers)
 
 
 @runtime_checkable
@@ -125,8 +161,8 @@ class Kernel(Protocol):
     else the reason it cannot, checked before anything heavy is imported.
     """
 
-    name: ClassVar[str]
-    op: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
+    op: str  # the operation it implements (a class attribute)
 
     def supports(self, **query: Any) -> str | None: ...
 
@@ -135,7 +171,7 @@ class Kernel(Protocol):
 
 @runtime_checkable
 class Agent(Protocol):
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
     async def run(self, base_url: str, api_key: str, task: dict[str, Any]) -> float | None: ...
 
@@ -145,7 +181,7 @@ class Logger(Protocol):
     """An experiment tracker: opened once with the run (its output folder and resolved config), then given
     every step's metrics and, every few steps, a table of samples; closed at the end of the run."""
 
-    name: ClassVar[str]
+    name: str  # config selects the component by it (a class attribute)
 
     def open(self, run: RunInfo) -> None: ...
 
@@ -197,6 +233,11 @@ CONTRACTS: dict[str, list[Method]] = {
 }
 
 #: Class attributes a kind needs beside ``name``: (attribute, the type its value must have).
+#: Each kind's Protocol, by the name a type checker says (``rlx.train.spec.ModelBridge`` for models).
+PROTOCOL_NAMES = {"rewards": "Reward", "generators": "Generator", "advantages": "AdvantageEstimator",
+                  "losses": "PolicyLoss", "balancers": "Balancer", "transports": "Transport", "models": "ModelBridge",
+                  "kernels": "Kernel", "agents": "Agent", "loggers": "Logger"}
+
 ATTRIBUTES: dict[str, list[tuple[str, type]]] = {
     "models": [("model_types", tuple)],
     "kernels": [("op", str)],
@@ -245,7 +286,8 @@ def contract_problems(kind: str, obj: Any) -> list[str]:
     for m in CONTRACTS[kind]:
         fn = _lookup(obj, m.name)
         if fn is None or not callable(fn):
-            problems.append(f"lacks method {m.describe()}")
+            # a type checker's words: `"X" is missing following "Transport" protocol member: commit`
+            problems.append(f'is missing the "{PROTOCOL_NAMES[kind]}" protocol member {m.name}: {m.describe()}')
             continue
         is_async = inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn)
         if m.kind == "async" and not is_async:

@@ -184,7 +184,7 @@ def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: plugin 'demo-broken'"), r.stderr
-    assert "'half-done'" in lines[0] and "lacks method async commit(version, ctx)" in lines[0]
+    assert "'half-done'" in lines[0] and 'is missing the "Transport" protocol member commit: async commit(version, ctx)' in lines[0]
     # one that names what it would provide fails, located, with the plugin's error
     (tmp_path / "c.yaml").write_text("model: {path: builtin://tiny-qwen3}\nweight_sync: {transport: half-done}\n")
     r = run(scratch_venv, "-m", "rlx_cli.main", "config", "validate", str(tmp_path / "c.yaml"))
@@ -195,7 +195,7 @@ def test_a_component_missing_a_method_fails_at_load_with_one_clear_line(tmp_path
     r = run(scratch_venv, "-m", "rlx_cli.main", "plugins", "--json")
     rows = {p["name"]: p for p in json.loads(r.stdout)}
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "lacks method async commit(version, ctx)" in rows["demo-broken"]["error"]
+    assert 'is missing the "Transport" protocol member commit: async commit(version, ctx)' in rows["demo-broken"]["error"]
     assert rows["rlx.builtins.rewards"]["error"] is None
     r = run(scratch_venv, "-m", "rlx_cli.main", "plugins")  # piped: a line each, never cut at 80 columns
     line = next(x for x in r.stdout.splitlines() if x.startswith("demo-broken "))

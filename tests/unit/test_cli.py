@@ -42,7 +42,7 @@ def test_plugins_json_is_json_when_a_plugin_fails_to_load(capsys, monkeypatch):
     monkeypatch.setattr(plugins_mod, "build_plugins", lambda **kw: real(extra=[("bad", bad)], **kw))
     code, out, _ = run(capsys, "plugins", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
-    assert code == 2 and "lacks method score(sample)" in rows["bad"]["error"] and rows["bad"]["registers"] == {}
+    assert code == 2 and 'is missing the "Reward" protocol member score: score(sample)' in rows["bad"]["error"] and rows["bad"]["registers"] == {}
     assert rows["rlx.builtins.rewards"]["error"] is None and rows["rlx.builtins.rewards"]["registers"]
     code, out, _ = run(capsys, "plugins")
     assert code == 2 and "failed:" in out and "exact_match" in out

@@ -206,7 +206,7 @@ def test_a_component_missing_a_method_fails_at_load_naming_plugin_component_and_
     with pytest.raises(PluginError) as e:
         build_plugins(entry_points=False, extra=[("half-done", mod)])
     msg = str(e.value)
-    assert "'half-done'" in msg and "'broken'" in msg and "lacks method" in msg and missing in msg
+    assert "'half-done'" in msg and "'broken'" in msg and "protocol member" in msg and missing in msg
 
 
 def test_wrong_signatures_and_sync_async_mismatches_fail_at_load():
@@ -339,10 +339,10 @@ def test_keep_going_leaves_out_a_broken_plugin_with_its_error():
 
     bad = _plugin("bad", register_rewards=lambda register: register(NoScore))
     good = _plugin("good", register_rewards=lambda register: register(Reward))
-    with pytest.raises(PluginError, match="lacks method score"):
+    with pytest.raises(PluginError, match='is missing the "Reward" protocol member score'):
         build_plugins(entry_points=False, extra=[("bad", bad), ("good", good)])
     p = build_plugins(entry_points=False, extra=[("bad", bad), ("good", good)], keep_going=True)
     infos = {i.name: i for i in p.infos}
-    assert "lacks method score(sample)" in infos["bad"].error and infos["bad"].registers == {}
+    assert 'is missing the "Reward" protocol member score: score(sample)' in infos["bad"].error and infos["bad"].registers == {}
     assert infos["good"].error is None and p.get("rewards", "double") is Reward and "broken" not in p.names("rewards")
 

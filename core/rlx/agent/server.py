@@ -33,12 +33,12 @@ from rlx.agent import wire
 from rlx.agent.parsers import parser_for
 from rlx.agent.tito import Renderer, Session
 from rlx.http import bearer_key, serve_local
-from rlx.rollout.context import GenerateContext
+from rlx.protocols import Generation
 from rlx.rollout.engines.protocol import EngineError, GenerateResult
 
 
 class AgentAdapter:
-    def __init__(self, ctx: GenerateContext, *, model_name: str = "rlx", api_key: str | None = None,
+    def __init__(self, ctx: Generation, *, model_name: str = "rlx", api_key: str | None = None,
                  parser: str = "auto", model_type: str | None = None, compare: bool = True,
                  max_history: int = 10_000, max_hinted_sessions: int = 10_000, max_output_tokens: int | None = None):
         """`max_history` stored Responses conversations and `max_hinted_sessions` sessions named by a
@@ -68,7 +68,7 @@ class AgentAdapter:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None = None, ctx: GenerateContext | None = None,
+    def open_session(self, session_id: str | None = None, ctx: Generation | None = None,
                      max_output_tokens: int | None = None) -> tuple[Session, str]:
         """A new session and the API key that routes requests to it. `ctx` and `max_output_tokens`: the
         generation context and maximum output of this session's calls (default: the adapter's), e.g. an
@@ -166,7 +166,7 @@ class AgentAdapter:
             overrides: dict[str, Any] = {"stop": list(ctx.sampling.stop) + req.stop}
             context = ctx.context_length
             room = None if context is None else context - len(ids) - 1  # what the engine takes (GenerateContext)
-            if room is not None and room < 1:  # the chain ends here, truncated (as a sample that grew to the limit)
+            if context is not None and room is not None and room < 1:  # the chain ends here, truncated (as a sample that grew to the limit)
                 session.record(chain, turn, GenerateResult(
                     text="", output_ids=[], output_logprobs=[], finish_reason="length", matched_stop=None,
                     weight_version="", token_weight_versions=[], prompt_tokens=len(ids), rid=None, raw={}),
@@ -193,7 +193,7 @@ class AgentAdapter:
             if res.finish_reason == "stop" and matched and matched in text:
                 text = text[:text.find(matched)]
             finish = res.finish_reason
-            if capped and finish == "length" and len(res.output_ids) >= cap:
+            if capped and cap is not None and finish == "length" and len(res.output_ids) >= cap:
                 # Cut by the policy's maximum output, not by what the caller asked: answered as a finished turn,
                 # so that the harness goes on (harnesses treat max_tokens as an error or ask to continue, which
                 # the budget forbids). The sample still records the cut (finish "length").

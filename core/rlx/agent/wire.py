@@ -192,7 +192,7 @@ def parse_chat(body: dict) -> Request:
         if role == "tool":
             msg["tool_call_id"] = _need(m, "tool_call_id", str, f"{where}.")
         messages.append(msg)
-    tools = None
+    tools: list[dict[str, Any]] | None = None
     if body.get("tools") is not None:
         tools = []
         for i, t in enumerate(_need(body, "tools", list)):
@@ -229,7 +229,7 @@ def chat_response(req: Request, r: Reply) -> dict[str, Any]:
             "usage": _chat_usage(r)}
 
 
-def _chat_usage(r: Reply) -> dict[str, int]:
+def _chat_usage(r: Reply) -> dict[str, Any]:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "total_tokens": r.prompt_tokens + r.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": r.cached_tokens}}
@@ -478,7 +478,7 @@ def parse_messages(body: dict, count_only: bool = False) -> Request:
             if calls:
                 msg["tool_calls"] = calls
             messages.append(msg)
-    tools = None
+    tools: list[dict[str, Any]] | None = None
     if body.get("tools"):
         tools = []
         for i, t in enumerate(_need(body, "tools", list)):

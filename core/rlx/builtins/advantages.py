@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
+from rlx.protocols import AdvantageEstimator
 
 
 class _Args(BaseModel):
@@ -121,6 +123,6 @@ class GAE:
 
 
 @hookimpl
-def register_advantages(register):
+def register_advantages(register: Register[type[AdvantageEstimator] | AdvantageEstimator]) -> None:
     for cls in (GRPO, ReinforcePP, ReinforcePPBaseline, GAE):
         register(cls)

@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlx import hookimpl
 from rlx.errors import RLXError
+from rlx.hookspecs import Register
+from rlx.protocols import Generation, Generator
 from rlx.types import Sample, SampleStatus
 
 
@@ -75,7 +77,7 @@ def _import(spec: str) -> Any:
         if where.endswith(".py"):
             path = Path(where)
             module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or not path.exists():
+            if module_spec is None or module_spec.loader is None or not path.exists():
                 raise FileNotFoundError(where)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -105,7 +107,7 @@ class AgentGenerator:
                 await self.adapter.start()
         return self.adapter
 
-    async def generate(self, ctx, sample: Sample) -> list[Sample]:
+    async def generate(self, ctx: Generation, sample: Sample) -> list[Sample]:
         adapter = await self._adapter(ctx)
         # this call's context (training, or an evaluation dataset's sampling) and its maximum output per call
         session, key = adapter.open_session(f"sample-{sample.sample_id}-{id(sample):x}", ctx=ctx,
@@ -145,5 +147,5 @@ def _failed(sample: Sample, why: str) -> Sample:
 
 
 @hookimpl
-def register_generators(register):
+def register_generators(register: Register[type[Generator] | Generator]) -> None:
     register(AgentGenerator)

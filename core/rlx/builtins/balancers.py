@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from rlx import hookimpl
-from rlx.train.balance import FlopsModel, karmarkar_karp
+from rlx.hookspecs import Register
+from rlx.protocols import Balancer, Flops
+from rlx.train.balance import karmarkar_karp
 
 
 class ByTokens:
@@ -11,7 +13,7 @@ class ByTokens:
 
     name = "tokens"
 
-    def partition(self, lengths: list[int], k: int, flops: FlopsModel | None = None) -> list[list[int]]:
+    def partition(self, lengths: list[int], k: int, flops: Flops | None = None) -> list[list[int]]:
         return karmarkar_karp([float(n) for n in lengths], k)
 
 
@@ -20,13 +22,13 @@ class ByFlops:
 
     name = "flops"
 
-    def partition(self, lengths: list[int], k: int, flops: FlopsModel | None = None) -> list[list[int]]:
+    def partition(self, lengths: list[int], k: int, flops: Flops | None = None) -> list[list[int]]:
         if flops is None:
             raise ValueError("the flops balancer needs the model's FlopsModel")
         return karmarkar_karp([flops.cost(n) for n in lengths], k)
 
 
 @hookimpl
-def register_balancers(register):
+def register_balancers(register: Register[type[Balancer] | Balancer]) -> None:
     register(ByTokens)
     register(ByFlops)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from rlx import hookimpl
-from rlx.rollout.context import GenerateContext, append_model_tokens
+from rlx.hookspecs import Register
+from rlx.protocols import Generation, Generator
+from rlx.rollout.context import append_model_tokens
 from rlx.types import Sample, SampleStatus
 
 
@@ -12,7 +14,7 @@ class SingleTurn:
 
     name = "single_turn"
 
-    async def generate(self, ctx: GenerateContext, sample: Sample) -> list[Sample]:
+    async def generate(self, ctx: Generation, sample: Sample) -> list[Sample]:
         params = ctx.sampling_params(already=len(sample.response_ids))
         if params["max_new_tokens"] == 0:
             sample.status = SampleStatus.TRUNCATED
@@ -30,5 +32,5 @@ class SingleTurn:
 
 
 @hookimpl
-def register_generators(register):
+def register_generators(register: Register[type[Generator] | Generator]) -> None:
     register(SingleTurn)

@@ -26,7 +26,8 @@ import functools
 import time
 from typing import Any
 
-from rlx.hookspecs import hookimpl
+from rlx.hookspecs import Register, hookimpl
+from rlx.protocols import Kernel
 
 ONEDNN_MIN_MACS = 1 << 22  # smaller products stay with torch's kernel (oneDNN's fixed cost per call is larger)
 ONEDNN_BIG_MACS = 1 << 26  # products this large go to oneDNN the first time: building its primitive costs less
@@ -157,6 +158,6 @@ class TorchMatmul:
 
 
 @hookimpl
-def register_kernels(register):
+def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
     register(OneDNNMatmul)
     register(TorchMatmul)

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
 from rlx.errors import RLXError
+from rlx.hookspecs import Register
+from rlx.protocols import Logger
 
 
 def tag(key: str) -> str:
@@ -72,7 +74,7 @@ class TensorBoard:
 
 
 @hookimpl
-def register_loggers(register):
+def register_loggers(register: Register[type[Logger] | Logger]) -> None:
     register(TensorBoard)
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
+from rlx.protocols import PolicyLoss
 
 
 class _Args(BaseModel):
@@ -90,6 +92,6 @@ class CISPO:
 
 
 @hookimpl
-def register_losses(register):
+def register_losses(register: Register[type[PolicyLoss] | PolicyLoss]) -> None:
     for cls in (PPOClip, GSPO, CISPO):
         register(cls)

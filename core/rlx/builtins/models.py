@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
 from rlx.train.decoder import DecoderSpec, decoder_flops
-from rlx.train.spec import rope_theta
+from rlx.train.spec import ModelBridge, rope_theta
 
 
 class LlamaBridge:
@@ -38,5 +39,5 @@ class LlamaBridge:
 
 
 @hookimpl
-def register_models(register):
+def register_models(register: Register[type[ModelBridge]]) -> None:
     register(LlamaBridge)

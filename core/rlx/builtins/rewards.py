@@ -6,6 +6,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
+from rlx.hookspecs import Register, RewardFunction
+from rlx.protocols import Reward
 from rlx.types import RewardResult, Sample
 
 
@@ -48,6 +50,6 @@ class DigitFraction:
 
 
 @hookimpl
-def register_rewards(register):
+def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
     register(ExactMatch)
     register(DigitFraction)

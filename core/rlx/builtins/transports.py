@@ -12,11 +12,15 @@ import asyncio
 import itertools
 import shutil
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
+from rlx.protocols import Transport
 from rlx.transport import update_sessions
+from rlx.transport.shm import Segment
 
 
 class _Args(BaseModel):
@@ -64,15 +68,11 @@ class TensorTransport:
 
     def __init__(self, config: Config):
         self.config = config
-        self.segment = None
+        self.segment: Segment | None = None
         self.local: set[str] = set()  # urls of the engines that read the segment
         self.versioned: int | None = None  # the version the last send set on every engine (sole sender)
 
     async def setup(self, ctx) -> None:
-        from urllib.parse import urlsplit
-
-        from rlx.transport.shm import Segment
-
         here = {"127.0.0.1", "localhost", "::1", ctx.host}
         near = [e for e in ctx.engines if urlsplit(e.url).hostname in here] if self.config.shared_memory else []
         readers = await asyncio.gather(*(_reads_segments(e) for e in near))
@@ -142,16 +142,16 @@ class DiskTransport:
         keep: int = Field(2, ge=1)  # versions kept on disk
         shard_mb: int = Field(1024, ge=1)  # at most this many MB per safetensors file
 
+    root: Path  # the versions' folder, set by setup()
+
     def __init__(self, config: Config):
         self.config = config
-        self.root: Path | None = None
 
     async def setup(self, ctx) -> None:
         self.root = Path(self.config.path) if self.config.path else Path(ctx.output_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
 
     def folder(self, version: int) -> Path:
-        assert self.root is not None, "setup() first"
         return self.root / f"v{version}"
 
     async def send(self, named, version: int, ctx) -> None:
@@ -262,6 +262,6 @@ class BroadcastTransport:
 
 
 @hookimpl
-def register_transports(register):
+def register_transports(register: Register[type[Transport] | Transport]) -> None:
     for cls in (TensorTransport, DiskTransport, BroadcastTransport):
         register(cls)

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, check_modes
 from rlx.errors import ConfigError
@@ -227,7 +228,7 @@ def format_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "<root>"
 
 
-def describe_error(err: dict[str, Any], loc: tuple[Any, ...], known: list[str] | None = None) -> str:
+def describe_error(err: ErrorDetails, loc: tuple[Any, ...], known: list[str] | None = None) -> str:
     """One pydantic error as a sentence; `known`: the keys the mapping at ``loc[:-1]`` takes, where the config
     schema cannot tell them (a component's ``args``: its own ``Config``'s fields)."""
     kind = err["type"]

@@ -301,12 +301,12 @@ class BufferBatches:
 
     async def next_batch(self, step: int, version: int) -> RolloutBatch:
         t0 = time.monotonic()
-        groups = []
+        groups: list[Group] = []
         while len(groups) < self.cfg.rollout.n_prompts:
             groups.append(self.restored.pop(0) if self.restored else await self.buffer.queue.get())
         self.taken += groups
         batch = RolloutBatch(step, groups, version)
-        rewards = [s.reward for g in groups for s in g.samples]
+        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]  # all: the buffer needs one
         lens = [len(s.response_ids) for g in groups for s in g.samples]
         batch.metrics.update({"reward/mean": sum(rewards) / len(rewards), "response_len/mean": sum(lens) / len(lens),
                               "rollout/groups": float(len(groups)), "rollout/samples": float(len(rewards)),
@@ -326,7 +326,7 @@ class BufferBatches:
         await push()
 
     async def state_dict(self) -> dict[str, Any]:
-        queued = self.restored + list(self.buffer.queue._queue)  # not consumed: a snapshot
+        queued = self.restored + list(self.buffer.queue._queue)  # type: ignore[attr-defined]  # a snapshot, not consumed
         self.taken = []
         return {"next_group_id": self.buffer.next_group_id, "next_sample_id": self.buffer.next_sample_id,
                 "queued": [g.to_dict() for g in queued], "seen_ids": sorted(self.buffer.seen_ids)}

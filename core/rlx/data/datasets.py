@@ -79,7 +79,7 @@ class PromptDataset:
             raw = self._jsonl()
         else:
             raise RLXError(f"{self.path}: expected a .jsonl or .parquet file")
-        rows = []
+        rows: list[PromptRow] = []
         for line, obj in raw:
             try:
                 rows.append(self._row(len(rows), line, obj))

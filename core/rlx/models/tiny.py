@@ -29,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from rlx.errors import RLXError
 
@@ -53,7 +54,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-SHAPES = {
+SHAPES: dict[str, dict[str, int | float]] = {  # Qwen3Config's arguments
     "tiny-qwen3": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16),
     "small-qwen3": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -216,9 +217,10 @@ def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path
                               (p.read_text(encoding="utf-8", errors="replace") for p in stdlib_corpus()))
     else:
         tok = build_tokenizer()
+    shape: dict[str, Any] = {"max_position_embeddings": 2048, **SHAPES[name]}  # Any: Qwen3Config types each argument its own way
     config = Qwen3Config(
         vocab_size=len(tok),
-        **{"max_position_embeddings": 2048, **SHAPES[name]},
+        **shape,
         tie_word_embeddings=True,
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
@@ -259,7 +261,7 @@ def warm_start(out: Path, base: str, steps: int, seed: int = 0) -> Path:
     pairs = []
     for prompt, answer in sorted({(r["prompt"], r["label"]) for r in arithmetic(512, seed=0)}):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)["input_ids"]
+                                      tokenize=True, return_dict=True)["input_ids"]  # type: ignore[call-overload,index]
         pairs.append((list(ids), tok(answer, add_special_tokens=False)["input_ids"] + [end]))
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -309,7 +311,7 @@ def convert_packaged_gguf(out: Path, name: str) -> Path:
     if not (folder / filename).exists():
         raise RLXError(f"{dist} is installed but has no {filename} in {folder}")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are dequantised; save them as plain fp32
+    model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantised; save them as plain fp32
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -128,6 +128,7 @@ class Run:
 
     @property
     def trainer(self) -> TrainerGroup:
+        assert self.trainers.group is not None, "the trainers start before the loop"
         return self.trainers.group
 
     async def begin(self, resume: bool) -> None:
@@ -203,12 +204,13 @@ class Run:
 
     async def stop_here(self) -> None:
         """A stop request: a checkpoint of what trained since the last one, then `Interrupted`."""
-        step = self.step
+        step, signum = self.step, self.stop.signum
+        assert signum is not None, "called on a stop request"
         if self.saved < step - 1:
             await self.save(step - 1)
         where = f"checkpoint step_{self.saved} saved" if self.saved >= 1 else "nothing trained yet"
         raise Interrupted(f"stopped by {self.stop.name} after step {step - 1}; {where} (continue with "
-                          f"rl train CONFIG --resume)", self.stop.signum)
+                          f"rl train CONFIG --resume)", signum)
 
     async def restart(self, died: TrainerDied) -> None:
         """``train.max_restarts``: a trainer rank died. Start the trainer group again in the same placement
@@ -228,7 +230,7 @@ class Run:
         meta: dict[str, Any] = {}
         if folder is not None:
             folder, state, meta = checkpoint.load_latest(self.ckpt_root)
-        if meta.get("run_id") == self.run_id:
+        if folder is not None and meta.get("run_id") == self.run_id:
             await asyncio.to_thread(trainer.load, folder)
             step, version, where = meta["step"] + 1, meta["version"], f"checkpoint {folder.name}"
         else:  # nothing of this run saved yet: from the start (the trainers start from the model again)

@@ -44,7 +44,7 @@ class RayPlacement:
 
         rc = cfg.ray
         self.head = None
-        init = dict(log_to_driver=rc.log_to_driver,
+        init: dict[str, Any] = dict(log_to_driver=rc.log_to_driver,
                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("RLX_")}})
         logs = Path(cfg.run.output_dir) / "logs"
         bundles = self._bundles(cfg)
@@ -145,7 +145,7 @@ class RayPlacement:
 
         rc = cfg.ray
         gpus = 0.0 if self.colocated else rc.gpus_per_engine
-        actor = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)
+        actor: Any = ray.remote(num_cpus=rc.cpus_per_engine, num_gpus=gpus)(EngineHost)  # Ray's types lack .remote
         bundles = iter(zip(self.engine_bundles, self.thread_plan(cfg).engine, strict=True))
         placed: dict[Path, tuple[int, int]] = {}  # an engine restarted (same log) goes back to its own bundle
 
@@ -336,7 +336,7 @@ def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> N
             if g.backend == "embedded":
                 threads.append(engine_threads(t, g.model_path or cfg.model.path, g.server_args))
     engines_text = f", engines {threads}" if threads else ""
-    mode = cfg.train.mode
+    mode: str = cfg.train.mode
     if mode == "async":  # how the two phases share a node's cores, and whether waiting threads sleep in each
         mode += f" mode, cores {'shared' if cfg.cpu.async_cores == 'share' else 'split'}"
         engine_policy = process_env(cfg.train.mode, cfg.cpu.async_cores).get(

@@ -15,7 +15,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rlx.config import Config
 from rlx.cpu.threads import process_env
@@ -90,7 +90,7 @@ class TrainerWorker:
 
         return process_cpu()
 
-    def train_step(self, batch: Any) -> dict[str, float]:
+    def train_step(self, batch: Any) -> dict[str, float | None]:
         return self.trainer.train_step(batch)
 
     def train_actor(self, batch: Any, values: Any) -> tuple[dict[str, float], Any]:  # beside a critic's ranks
@@ -152,7 +152,7 @@ class TrainerGroup(ABC):
     def _each(self, method: str, args: list[Any]) -> None:
         """Call `method` on rank r with ``args[r]``."""
 
-    def train_step(self, batch: Any) -> dict[str, float]:
+    def train_step(self, batch: Any) -> dict[str, float | None]:
         """Train on the batch; the metrics (global: every rank returns the same)."""
         return self._all("train_step", batch)[0]
 
@@ -209,12 +209,14 @@ class RayTrainerGroup(TrainerGroup):
         rc = cfg.ray
         self.role = role
         critic = cfg.train.critic.parallel
-        world = critic.world_size if role == "critic" else cfg.train.parallel.world_size
+        if role == "critic" and critic is None:
+            raise RLXError("a critic trainer group needs train.critic.parallel")
+        world = critic.world_size if critic is not None and role == "critic" else cfg.train.parallel.world_size
         other = 0 if cfg.train.critic.placement == "own" else (  # ranks of the other role on the same bundles
             cfg.train.parallel.world_size if role == "critic" else critic.world_size if critic else 0)
-        actor = ray.remote(num_cpus=rc.cpus_per_trainer)(TrainerWorker)
+        actor: Any = ray.remote(num_cpus=rc.cpus_per_trainer)(TrainerWorker)  # Ray's types lack .remote
         env = process_env(cfg.train.mode, cfg.cpu.async_cores)  # before the process loads torch (rlx.cpu)
-        self.workers = [
+        self.workers: list[Any] = [  # Ray actor handles
             actor.options(num_gpus=rc.gpus_per_trainer / (2 if rank < other else 1),  # a GPU shared by two roles
                           **({"runtime_env": {"env_vars": env}} if env else {}),
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -274,7 +276,7 @@ class CriticTrainerGroup(TrainerGroup):
     critic's update; the two updates are independent, so the order is the one that keeps no state between calls. Weight
     pushes and HF export are the actor's; checkpoints hold both."""
 
-    def __init__(self, actor: TrainerGroup, critic: TrainerGroup):
+    def __init__(self, actor: RayTrainerGroup, critic: RayTrainerGroup):
         self.actor, self.critic = actor, critic
 
     def _all(self, method: str, *args: Any) -> list[Any]:
@@ -295,7 +297,7 @@ class CriticTrainerGroup(TrainerGroup):
     def cpu_seconds(self) -> list[tuple[str, float]]:
         return self.actor.cpu_seconds() + self.critic.cpu_seconds()
 
-    def train_step(self, batch: Any) -> dict[str, float]:
+    def train_step(self, batch: Any) -> dict[str, float | None]:
         values = self.critic._all("values", batch)[0]
         metrics, returns = self.actor._all("train_actor", batch, values)[0]
         return {**self.critic._all("train_critic", batch, returns, values)[0], **metrics}
@@ -350,7 +352,7 @@ class TrainerDied(RLXError):
         self.rank = rank
 
 
-def _reraise(e: Any) -> None:
+def _reraise(e: Any) -> NoReturn:
     """A user-facing error raised in a worker is re-raised as itself; anything else as it came."""
     cause = e.cause if isinstance(getattr(e, "cause", None), RLXError) else None
     if cause is not None:

@@ -122,7 +122,7 @@ def end_token_auth() -> None:
 def _refresh_ray_auth() -> None:
     try:  # Ray caches its config and token; refresh both (what ray.init does when it enables auth)
         from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # Ray's private config, not in its stubs
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

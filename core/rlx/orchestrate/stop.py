@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 
 
@@ -28,9 +29,8 @@ class StopRequest:
 
     @property
     def name(self) -> str:
-        import signal
-
-        return {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}.get(self.signum, f"signal {self.signum}")
+        names: dict[int | None, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+        return names.get(self.signum, f"signal {self.signum}")
 
     def _on(self, sig: int) -> None:
         if self.signum is None:

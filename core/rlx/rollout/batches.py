@@ -106,9 +106,9 @@ class AsyncBatches:
         self.fleet = fleet
         self.queue: asyncio.Queue[Group] = asyncio.Queue()  # bounded by admission, not by size
         self.queued: list[Group] = []  # restored from a checkpoint: served before the queue
-        self.stop: asyncio.Event | None = None
+        self.stop = asyncio.Event()  # a new one per start
         self.room = asyncio.Event()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.capacity = (self.ac.max_staleness - self.cfg.weight_sync.interval + 1) * self.rc.n_prompts
 
     def start(self) -> None:
@@ -130,13 +130,15 @@ class AsyncBatches:
     async def _get(self) -> Group:
         if self.queued:
             return self.queued.pop(0)
+        assert self.task is not None, "start() first"
+        stream = self.task
         get = asyncio.ensure_future(self.queue.get())
-        await asyncio.wait({get, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({get, stream}, return_when=asyncio.FIRST_COMPLETED)
         if get.done():
             self.room.set()
             return get.result()
         get.cancel()
-        self.task.result()  # raises what stopped the stream (e.g. a dead engine)
+        stream.result()  # raises what stopped the stream (e.g. a dead engine)
         raise RLXError("the rollout stream stopped without an error")
 
     async def next_batch(self, step: int, version: int) -> RolloutBatch:

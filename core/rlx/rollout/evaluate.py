@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config, EvalDatasetConfig
-from rlx.data.datasets import PromptDataset, tokenize_prompt
+from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.rewards import Rewards
@@ -77,7 +77,7 @@ class Evaluator:
         self.plugins = plugins
         self.ctx = ctx
         self.generator = plugins.build("generators", cfg.rollout.generator)
-        self.datasets: list[tuple[EvalDatasetConfig, list[Any], list[list[int]], list[Any]]] = []
+        self.datasets: list[tuple[EvalDatasetConfig, list[PromptRow], list[list[int]], Rewards]] = []
         for i, spec in enumerate(cfg.eval.datasets):
             try:
                 rows = PromptDataset(cfg.data, Path(spec.path), cfg.run.seed).rows[: spec.max_prompts]

@@ -301,7 +301,7 @@ class RolloutManager:
                 finished, _ = await asyncio.wait(running | wake, return_when=asyncio.FIRST_COMPLETED)
                 for w in wake:
                     w.cancel()
-                for task in finished & running:
+                for task in running & finished:
                     running.discard(task)
                     group = task.result()
                     if not self.keep(group):

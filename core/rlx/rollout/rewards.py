@@ -232,7 +232,7 @@ class _Worker:
         poller.register(self.from_fd, select.POLLIN)
         deadline = time.monotonic() + timeout_s
         while not poller.poll(int(min(max(deadline - time.monotonic(), 0), 0.5) * 1000)):
-            if self.proc.poll() is not None:
+            if self.proc is None or self.proc.poll() is not None:
                 raise self._died()
             if time.monotonic() >= deadline:
                 self.stop(kill=True)

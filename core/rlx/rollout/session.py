@@ -64,35 +64,50 @@ class RolloutSession:
         self.output_dir = Path(cfg.run.output_dir)
         self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn,
                                  engine_args=functools.partial(family_engine_args, plugins=plugins))
-        self.ctx: GenerateContext | None = None
-        self.manager: RolloutManager | None = None
+        self._ctx: GenerateContext | None = None
+        self._manager: RolloutManager | None = None
+
+    @property
+    def ctx(self) -> GenerateContext:
+        """Generation through the engines (from entry on)."""
+        if self._ctx is None:
+            raise RLXError("the rollout session has not started: use it inside `async with`")
+        return self._ctx
+
+    @property
+    def manager(self) -> RolloutManager:
+        """The rollout manager (from entry on, when the session has data)."""
+        if self._manager is None:
+            raise RLXError("the rollout session has no rollout manager: it has not started, or has no data")
+        return self._manager
 
     async def __aenter__(self) -> RolloutSession:
-        if self.with_data and self.cfg.data.path is None:
-            raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
         dataset = None
         if self.with_data:
+            if self.cfg.data.path is None:
+                raise RLXError("data.path: a prompt file is required")
             try:
                 dataset = PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
             except RLXError as e:
                 raise RLXError(f"data.path: {e}") from None
         await self.fleet.start()
-        self.ctx = GenerateContext(self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
-                                   health=self.fleet.health, routed_experts=records_routing(self.cfg),
-                                   coalesce=self.cfg.rollout.coalesces, vocab_size=vocab_size(self.cfg.model.path))
+        ctx = self._ctx = GenerateContext(
+            self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
+            health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
+            vocab_size=vocab_size(self.cfg.model.path))
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
-        self.ctx.context_length = min(lengths) if lengths else None
+        ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:
-            self.manager = RolloutManager(self.cfg, self.plugins, dataset, self.ctx, abort_all=self.abort_all)
+            self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all)
         return self
 
     async def abort_all(self) -> None:
         await self.fleet.for_each(lambda c: c.abort())
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            await self.ctx.client.close()
+        if self._ctx is not None:
+            await self._ctx.client.close()
         await self.fleet.stop()
 
 

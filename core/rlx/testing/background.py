@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 
 class BackgroundLoop:
     """``with BackgroundLoop(server.start, server.stop):`` runs ``start()`` then the loop until exit."""
 
-    def __init__(self, start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[Any]] | None = None):
+    def __init__(self, start: Callable[[], Awaitable[Any]], stop: Callable[[], Coroutine[Any, Any, Any]] | None = None):
         self.start, self.stop = start, stop
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, daemon=True)

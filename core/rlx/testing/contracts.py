@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from rlx.plugins import build_plugins
+from rlx.plugins import Plugins, build_plugins
+from rlx.protocols import LossInputs
 from rlx.config import RewardSpec, RolloutConfig
 from rlx.rollout.rewards import Rewards
-from rlx.types import Group, RewardResult, Sample, SampleStatus
+from rlx.types import GenerateResult, Group, RewardResult, Sample, SampleStatus
 
 ODD_RESPONSES = [
     "",
@@ -38,7 +40,7 @@ class _Contract:
     args: ClassVar[dict[str, Any]] = {}
     plugin: ClassVar[object | None] = None
 
-    def _plugins(self):
+    def _plugins(self) -> Plugins:
         extra = [(f"contract-{self.component_name}", self.plugin)] if self.plugin is not None else []
         return build_plugins(entry_points=self.plugin is None, extra=extra)
 
@@ -46,10 +48,10 @@ class _Contract:
         return self._plugins().build(self.kind, {"name": self.component_name, "args": self.args if args is None
                                                  else args})
 
-    def test_registered_under_its_name(self):
+    def test_registered_under_its_name(self) -> None:
         assert self.component_name in self._plugins().names(self.kind)
 
-    def test_config_has_defaults(self):
+    def test_config_has_defaults(self) -> None:
         self.build({})
 
 
@@ -94,11 +96,11 @@ class RewardContract(_Contract):
         assert scored.status != SampleStatus.FAILED, f"{response[:40]!r}/{label!r}: {scored.error}"
         return scored.rewards[self.reward_name]
 
-    def test_has_cases(self):
+    def test_has_cases(self) -> None:
         assert len(self.cases) >= 2, "give at least one case scoring high and one scoring low"
         assert len({c.score for c in self.cases}) >= 2, "cases must not all expect the same score"
 
-    def test_cases(self):
+    def test_cases(self) -> None:
         for isolation in self.isolations:
             rewards = self.rewards(isolation)
             for case in self.cases:
@@ -106,7 +108,7 @@ class RewardContract(_Contract):
                 assert got == case.score, (f"{case.response!r} vs label {case.label!r} (isolation {isolation}): "
                                            f"{got} != {case.score}")
 
-    def test_odd_input_never_raises_and_stays_in_range(self):
+    def test_odd_input_never_raises_and_stays_in_range(self) -> None:
         rewards = self.rewards()
         lo, hi = self.score_range
         labels = [c.label for c in self.cases[:1]] + [None, ""]
@@ -115,7 +117,7 @@ class RewardContract(_Contract):
                 got = self._score(rewards, response, label).score
                 assert lo <= got <= hi, f"{response[:40]!r}/{label!r}: {got} outside {self.score_range}"
 
-    def test_deterministic(self):
+    def test_deterministic(self) -> None:
         rewards = self.rewards()
         for case in self.cases:
             assert self._score(rewards, case.response, case.label) == self._score(rewards, case.response, case.label)
@@ -152,7 +154,7 @@ class AdvantageContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.estimator_name
 
-    def test_advantages_cover_trainable_samples_and_are_finite(self):
+    def test_advantages_cover_trainable_samples_and_are_finite(self) -> None:
         groups = ragged_groups()
         adv = self.build().advantages([g for g in groups if g.trainable])
         trainable = {s.sample_id: s for g in groups for s in g.trainable}
@@ -164,7 +166,7 @@ class AdvantageContract(_Contract):
                 assert len(values) == len(trainable[sid].response_ids), f"sample {sid}: one per response token"
             assert all(math.isfinite(v) for v in values), f"sample {sid}: {values}"
 
-    def test_no_groups_gives_no_advantages(self):
+    def test_no_groups_gives_no_advantages(self) -> None:
         assert dict(self.build().advantages([])) == {}
 
 
@@ -181,10 +183,8 @@ class LossContract(_Contract):
         return self.loss_name
 
     @staticmethod
-    def inputs(n: int = 9, advantages: Any = None):
+    def inputs(n: int = 9, advantages: Any = None) -> LossInputs:
         import torch
-
-        from rlx.train.objective import LossInputs
 
         g = torch.Generator().manual_seed(0)
         lp = (-torch.rand(n, generator=g) * 3).requires_grad_()
@@ -194,7 +194,7 @@ class LossContract(_Contract):
                           rollout_logprobs=lp.detach(), advantages=adv, weights=torch.full((n,), 1.0 / max(n, 1)),
                           mask=torch.ones(n), seq_index=seq)
 
-    def test_shapes_finite_and_gradient(self):
+    def test_shapes_finite_and_gradient(self) -> None:
         inp = self.inputs()
         loss, clipped = self.build().loss(inp)
         assert loss.shape == inp.logprobs.shape and clipped.shape == inp.logprobs.shape
@@ -203,15 +203,16 @@ class LossContract(_Contract):
         assert inp.logprobs.grad is not None and bool(inp.logprobs.grad.isfinite().all())
         assert float(inp.logprobs.grad.abs().sum()) > 0
 
-    def test_zero_advantage_gives_zero_gradient(self):
+    def test_zero_advantage_gives_zero_gradient(self) -> None:
         import torch
 
         inp = self.inputs(advantages=torch.zeros(9))
         loss, _ = self.build().loss(inp)
         (loss * inp.weights).sum().backward()
-        assert float(inp.logprobs.grad.abs().max()) == 0.0
+        grad = inp.logprobs.grad
+        assert grad is not None and float(grad.abs().max()) == 0.0
 
-    def test_empty_micro_batch(self):
+    def test_empty_micro_batch(self) -> None:
         inp = self.inputs(0)
         loss, clipped = self.build().loss(inp)
         assert loss.numel() == 0 and clipped.numel() == 0
@@ -230,8 +231,6 @@ class ScriptedEngine:
         self.sampled: list[list[int]] = []
 
     async def generate(self, req: Any, *, retries: int = 0) -> list[Any]:
-        from rlx.rollout.engines.protocol import GenerateResult
-
         self.requests.append(req)
         ids = self.outputs[(len(self.requests) - 1) % len(self.outputs)]
         self.sampled.append(list(ids))
@@ -272,14 +271,15 @@ class GeneratorContract(_Contract):
         out = asyncio.run(self.build().generate(ctx, given))
         return out, engine, Sample(prompt_ids=prompt)
 
-    def test_samples_are_token_exact(self):
+    def test_samples_are_token_exact(self) -> None:
         out, engine, given = self.run()
         assert isinstance(out, list) and out, "generate returns a non-empty list of samples"
         sampled = [t for ids in engine.sampled for t in ids]
         for s in out:
             assert s.prompt_ids == given.prompt_ids, "the prompt ids must stay as given"
             n = len(s.response_ids)
-            assert len(s.loss_mask) == n and len(s.rollout_logprobs) == n, "per-token lists must line up"
+            assert len(s.loss_mask) == n and s.rollout_logprobs is not None and len(s.rollout_logprobs) == n, \
+                "per-token lists must line up"
             model = [t for t, m in zip(s.response_ids, s.loss_mask, strict=True) if m]
             assert model, "a sample without model tokens"
             it = iter(sampled)
@@ -305,7 +305,7 @@ class TransportContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.transport_name
 
-    def test_push_reaches_the_engine(self, tmp_path, contract_engine):
+    def test_push_reaches_the_engine(self, tmp_path: Path, contract_engine: Any) -> None:
         import torch
         from safetensors.torch import load_file
 
@@ -387,7 +387,8 @@ class LoggerContract(_Contract):
         {"prompt": "∑ 🙂", "response": "", "reward": 0.0},
     ]
 
-    def _log(self, tmp_path, steps, resumed_from=None, samples_at=2):
+    def _log(self, tmp_path: Path, steps: list[tuple[int, dict[str, Any]]], resumed_from: int | None = None,
+             samples_at: int = 2) -> None:
         from rlx.protocols import RunInfo
 
         logger = self.build()
@@ -402,11 +403,11 @@ class LoggerContract(_Contract):
         logger.close()
 
     @staticmethod
-    def _finite(metrics):
+    def _finite(metrics: dict[str, Any]) -> dict[str, float]:
         return {k: float(v) for k, v in metrics.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
-    def test_every_finite_number_of_every_step_the_config_and_the_samples(self, tmp_path):
+    def test_every_finite_number_of_every_step_the_config_and_the_samples(self, tmp_path: Path) -> None:
         self._log(tmp_path, list(enumerate(self.STEPS, start=1)))
         config, history, tables = self.read_back(tmp_path)
         assert config.get("run", {}).get("seed") == 3 and config.get("train", {}).get("optim", {}).get("lr") == 1e-3
@@ -415,7 +416,7 @@ class LoggerContract(_Contract):
         assert [{k: str(r[k]) if k != "reward" else float(r[k]) for k in ("prompt", "response", "reward")}
                 for r in tables[2]] == self.ROWS
 
-    def test_a_resumed_run_continues_where_it_stopped(self, tmp_path):
+    def test_a_resumed_run_continues_where_it_stopped(self, tmp_path: Path) -> None:
         steps = list(enumerate(self.STEPS, start=1))
         self._log(tmp_path, steps[:2])
         self._log(tmp_path, steps[2:], resumed_from=2, samples_at=-1)
@@ -448,7 +449,7 @@ class ModelBridgeContract(_Contract):
         """Write a tiny HF checkpoint of the bridge's family into `folder` (override this)."""
         pytest.fail(f"{type(self).__name__} must define make_checkpoint(folder): a tiny checkpoint of its family")
 
-    def test_config_has_defaults(self):
+    def test_config_has_defaults(self) -> None:
         self._plugins().bridge_for(self.model_type)
 
     def _spec(self, folder: Any) -> Any:
@@ -460,10 +461,10 @@ class ModelBridgeContract(_Contract):
         assert isinstance(spec, ModelSpec)
         return spec
 
-    def test_claims_its_model_type(self):
+    def test_claims_its_model_type(self) -> None:
         assert self.model_type in self._plugins().component("models", self.bridge_name).obj.model_types
 
-    def test_round_trip_is_exact_for_every_layout(self, tmp_path):
+    def test_round_trip_is_exact_for_every_layout(self, tmp_path: Path) -> None:
         import torch
 
         from rlx.train.spec import HFCheckpoint, ShardGather, Stage
@@ -489,7 +490,7 @@ class ModelBridgeContract(_Contract):
                 assert torch.equal(t, reference[name]), f"{layout}: {name} differs after the round trip"
 
     @pytest.mark.integration
-    def test_megatron_logits_match_hf(self, tmp_path):
+    def test_megatron_logits_match_hf(self, tmp_path: Path) -> None:
         """The megatron model the spec builds gives the HF model's logits (fp32, CPU, within `logits_atol`).
         Runs in a subprocess: megatron on CPU changes torch globally."""
         import json
@@ -508,7 +509,7 @@ class ModelBridgeContract(_Contract):
         assert got["missing"] == [], f"the bridge left megatron weights unset: {got['missing']}"
         assert got["max_abs_err"] < self.logits_atol, got
 
-    def test_flops_model_grows_with_length(self, tmp_path):
+    def test_flops_model_grows_with_length(self, tmp_path: Path) -> None:
         self.make_checkpoint(tmp_path)
         f = self._spec(tmp_path).flops
         assert 0 < f.cost(100) < f.cost(200)
@@ -575,13 +576,13 @@ class KernelContract(_Contract):
         """What the kernel must compute, in plain torch (override this)."""
         pytest.fail(f"{type(self).__name__} must define reference(*args, **kwargs)")
 
-    def test_supports_answers_without_raising(self):
+    def test_supports_answers_without_raising(self) -> None:
         k = self.build()
         for q in self.queries:
             got = k.supports(**q)
             assert got is None or (isinstance(got, str) and got), f"{q}: supports() must return None or a reason"
 
-    def test_matches_reference_where_supported(self):
+    def test_matches_reference_where_supported(self) -> None:
         import torch
 
         k = self.build()

@@ -57,10 +57,14 @@ def rl_serve(config: Path, *args: str, start_timeout: float = 300, stop: int = s
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line, deadline = "", time.monotonic() + start_timeout
+        stdout, stderr = p.stdout, p.stderr
+        assert stdout is not None and stderr is not None
         while "base_url" not in line:
-            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read()[-3000:]
-            line = p.stdout.readline()
-        yield re.search(r"base_url (\S+)", line).group(1)
+            assert time.monotonic() < deadline and p.poll() is None, stderr.read()[-3000:]
+            line = stdout.readline()
+        found = re.search(r"base_url (\S+)", line)
+        assert found is not None
+        yield found.group(1)
     finally:
         p.send_signal(stop)
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 PRELOAD = ("rlx.train", "rlx.train.trainer", "rlx.config", "transformers")
 
-_server: subprocess.Popen | None = None
+_server: subprocess.Popen[str] | None = None
 
 
 def world(script: str | Path, args: list[str], nproc: int, *, env: dict[str, str] | None = None,
@@ -34,19 +34,22 @@ def world(script: str | Path, args: list[str], nproc: int, *, env: dict[str, str
     from rlx.net import free_port
 
     global _server
-    if _server is None or _server.poll() is not None:
+    started = _server is None or _server.poll() is not None
+    if _server is None or started:
         env0 = {k: v for k, v in os.environ.items() if k != "RLX_TEST_ID"}  # it outlives the test that starts it
         _server = subprocess.Popen([sys.executable, "-m", "rlx.testing.warm"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    env={**env0, "OMP_NUM_THREADS": "1"})
-        if _server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"rlx.testing.warm did not start (exit {_server.wait()}): run it by hand to see why")
+    to, back = _server.stdin, _server.stdout
+    assert to is not None and back is not None  # made with pipes
+    if started and back.readline().strip() != "ready":
+        raise RuntimeError(f"rlx.testing.warm did not start (exit {_server.wait()}): run it by hand to see why")
     with tempfile.TemporaryDirectory() as out:
         request = dict(script=str(script), args=list(map(str, args)), nproc=nproc, out=out, timeout=timeout,
                        cwd=os.getcwd(), env={**os.environ, **(env or {})}, port=free_port("127.0.0.1"))
-        _server.stdin.write(json.dumps(request) + "\n")
-        _server.stdin.flush()
-        reply = json.loads(_server.stdout.readline() or '{"code": null}')
+        to.write(json.dumps(request) + "\n")
+        to.flush()
+        reply = json.loads(back.readline() or '{"code": null}')
         if reply["code"] is None:
             raise RuntimeError("rlx.testing.warm died while running a world")
         files = [Path(out) / f"{r}.{k}" for k in ("out", "err") for r in range(nproc)]
@@ -62,7 +65,8 @@ def close() -> None:
     """End the warm process (its end of the pipe closes; it exits), if one was started."""
     global _server
     if _server is not None:
-        _server.stdin.close()
+        if _server.stdin is not None:
+            _server.stdin.close()
         try:
             _server.wait(10)
         except subprocess.TimeoutExpired:

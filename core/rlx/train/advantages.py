@@ -42,7 +42,7 @@ def trajectory_rewards(group: Group, branch_rewards: str = "error") -> dict[int,
     """
     out: dict[int, float] = {}
     for tid, ss in trajectories([s for s in group.trainable if s.reward is not None]).items():
-        values = [float(s.reward) for s in ss]
+        values = [s.reward for s in ss if s.reward is not None]  # all of them: for the type checker
         if max(values) - min(values) > 1e-12:
             if branch_rewards == "error":
                 raise RLXError(

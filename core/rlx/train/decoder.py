@@ -122,7 +122,7 @@ class DecoderSpec(ModelSpec):
 
     def mlp_to_megatron(self, ckpt: HFCheckpoint, stage: Stage, layer: int, h: str,
                         m: str) -> Iterator[tuple[str, Any]]:
-        if not self.is_moe_layer(layer):
+        if self.moe is None or not self.is_moe_layer(layer):
             yield from moe.gated_mlp_to_megatron(ckpt, h + "mlp.", m + "mlp.", stage.tp_rank, stage.tp)
             return
         yield from moe.router_to_megatron(ckpt, h + self.hf_router + ".", m + "mlp.router.", self.moe)
@@ -168,7 +168,7 @@ class DecoderSpec(ModelSpec):
         yield h + "self_attn.o_proj.weight", torch.cat(gather(m + "self_attention.linear_proj.weight"), 1)
 
     def mlp_to_hf(self, stage: Stage, gather: Gather, layer: int, h: str, m: str) -> Iterator[tuple[str, Any]]:
-        if not self.is_moe_layer(layer):
+        if self.moe is None or not self.is_moe_layer(layer):
             yield from moe.gated_mlp_to_hf(gather, h + "mlp.", m + "mlp.")
             return
         yield from moe.router_to_hf(gather, h + self.hf_router + ".", m + "mlp.router.", self.moe)

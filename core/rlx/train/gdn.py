@@ -75,6 +75,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor) -
     return out.to(x.dtype)
 
 
+class _Weight(torch.nn.Module):
+    """A module holding one parameter, ``weight``: the checkpoint's ``conv1d.weight`` and ``out_norm.weight``."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+
 class GatedDeltaNet(MegatronModule):
     """A GDN layer in megatron's ``self_attention`` slot (``[s, b, h]`` in, ``(out, bias)`` out). `kernel` maps
     ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernels.select` behind it)."""
@@ -84,7 +92,8 @@ class GatedDeltaNet(MegatronModule):
         super().__init__(config=config)
         if kernel is None:
             raise ValueError("GatedDeltaNet needs the kernel chooser of its model spec (kernel=...)")
-        self.kernel_for, self._kernels = kernel, {}
+        self.kernel_for = kernel
+        self._kernels: dict[Any, Callable[..., Any]] = {}
         tp = getattr(pg_collection, "tp", None)
         self.tp = tp.size() if tp is not None else tensor_parallel.get_tensor_model_parallel_world_size()
         c = config
@@ -99,13 +108,10 @@ class GatedDeltaNet(MegatronModule):
             c.hidden_size, in_dim, config=c, init_method=c.init_method, bias=False, gather_output=False,
             skip_bias_add=True)
         channels = (2 * self.nk * self.dk + self.nv * self.dv) // self.tp
-        self.conv1d = torch.nn.Module()
-        self.conv1d.weight = torch.nn.Parameter(torch.empty(channels, 1, c.linear_conv_kernel_dim,
-                                                            dtype=c.params_dtype))
+        self.conv1d = _Weight(torch.empty(channels, 1, c.linear_conv_kernel_dim, dtype=c.params_dtype))
         self.dt_bias = torch.nn.Parameter(torch.ones(self.nv_local, dtype=c.params_dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.nv_local, dtype=c.params_dtype).uniform_(1, 16).log())
-        self.out_norm = torch.nn.Module()
-        self.out_norm.weight = torch.nn.Parameter(torch.ones(self.dv, dtype=c.params_dtype))
+        self.out_norm = _Weight(torch.ones(self.dv, dtype=c.params_dtype))
         self.eps = c.layernorm_epsilon
         self.out_proj = tensor_parallel.RowParallelLinear(
             self.nv * self.dv, c.hidden_size, config=c, init_method=c.output_layer_init_method, bias=False,
@@ -159,7 +165,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)  # Megatron's mark, not in torch's types
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()

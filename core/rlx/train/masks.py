@@ -66,11 +66,11 @@ class BlockCausal:
                 j = i
                 while j < len(spans) and spans[j][0] >= ratio * longest:
                     j += 1
-                n = torch.tensor([x[0] for x in spans[i:j]])
+                lens = torch.tensor([x[0] for x in spans[i:j]])
                 start = torch.tensor([x[1] for x in spans[i:j]])
                 offs = torch.arange(longest)
-                real = offs[None, :] < n[:, None]
-                gather = start[:, None] + torch.minimum(offs[None, :], n[:, None] - 1)
+                real = offs[None, :] < lens[:, None]
+                gather = start[:, None] + torch.minimum(offs[None, :], lens[:, None] - 1)
                 keep = real.flatten().nonzero()[:, 0]
                 out.append((gather.to(device), keep.to(device), gather.flatten()[keep].to(device)))
                 i = j

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -145,7 +145,8 @@ class _LMHeadOptional:
     output layer and fails on any other missing tensor."""
 
     def __init__(self, ckpt: HFCheckpoint):
-        self.ckpt, self.folder, self.missing = ckpt, ckpt.folder, []
+        self.ckpt, self.folder = ckpt, ckpt.folder
+        self.missing: list[str] = []
 
     def __contains__(self, name: str) -> bool:
         return name in self.ckpt
@@ -213,7 +214,7 @@ class ModelRole:
                                               **replay)
         self.model = spec.build(self.config, self.stage)
         if value_head:
-            self.model.share_embeddings_and_output_weights = False  # on every stage: no embedding-grad sync
+            setattr(self.model, "share_embeddings_and_output_weights", False)  # every stage: no embedding-grad sync
             if self.stage.last:
                 self.model.output_layer = ValueHead(self.config.hidden_size, dtype)
         if torch.cuda.is_available():
@@ -269,7 +270,7 @@ class ModelRole:
         (``[1, hidden]``, as a transformers sequence-classification model with one label stores it) when
         there is one, else from zero (every value 0 at the start)."""
         if self.value_head:  # a reward model's checkpoint has no LM head: the bridge must not need to read one
-            ckpt = _LMHeadOptional(ckpt)
+            ckpt = cast(HFCheckpoint, _LMHeadOptional(ckpt))  # it has what bridges call: in, get, shard, folder
         named = self.spec.to_megatron(ckpt, self.stage)
         if self.value_head:
             named = self._with_value_head(named, ckpt)

@@ -193,7 +193,7 @@ class chunk_of_engine_routing:
             idx, covered = engine
             k = idx.shape[1]
             self.router._rlx_engine = (self._cut(idx, torch.arange(k)[None]), self._cut(covered, torch.zeros(1)))
-        if target is not None:
+        if rr is not None and target is not None:
             rr.target_topk_idx = self._cut(target, torch.arange(target.shape[1])[None])
 
     def __exit__(self, *exc: Any) -> None:

@@ -9,28 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlx.protocols import LossInputs  # the policy loss's input, defined beside its contract
 from rlx.train.batch import TrainBatch
 from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 
 if TYPE_CHECKING:
     from rlx.config import ObjectiveConfig
     from rlx.train.packing import PackedBatch
-
-
-@dataclass
-class LossInputs:
-    """Flat per-token tensors ``[T]`` of one packed micro-batch (response tokens only)."""
-
-    logprobs: torch.Tensor  # current policy, with grad
-    old_logprobs: torch.Tensor  # trainer's, before this update
-    rollout_logprobs: torch.Tensor  # the engine's (0 where it reported none)
-    advantages: torch.Tensor
-    weights: torch.Tensor  # normalisation weight per token, 0 where the loss mask is 0
-    mask: torch.Tensor  # 1.0 on model-sampled tokens
-    seq_index: torch.Tensor  # sequence (0..n-1) of each token, for sequence-level losses
-    ref_logprobs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    has_rollout: torch.Tensor | None = None  # 1.0 where the engine's log-prob exists (None: everywhere)
 
 
 #: Metrics reduced with a maximum over micro-batches and ranks (the others are sums).

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlx.errors import RLXError
+from rlx.train.advantages import Norm
 from rlx.train.batch import TrainBatch
 from rlx.train.gae import explained_variance, value_loss
 from rlx.train.losses import kl_penalty
@@ -77,14 +78,21 @@ def gather(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 class CriticStep:
     """Trains the critic, then the actor, on a rollout batch (see the module's docstring)."""
 
-    def __init__(self, train_cfg: Any, estimator: Any, step: RLStep, critic: ModelRole, loss_norm: str):
+    def __init__(self, train_cfg: Any, estimator: Any, step: RLStep, critic: ModelRole | None, loss_norm: Norm):
+        """`critic` None: the critic has ranks of its own, and this side only prepares and trains the actor."""
         self.tc = train_cfg
         self.cc = train_cfg.critic
         self.obj = train_cfg.objective
         self.estimator = estimator
         self.step = step
-        self.critic = critic
+        self._critic = critic
         self.loss_norm = loss_norm
+
+    @property
+    def critic(self) -> ModelRole:
+        if self._critic is None:
+            raise RLXError("the critic has ranks of its own (train.critic.parallel): this side holds no critic")
+        return self._critic
 
     @torch.no_grad()
     def values(self, samples: list[Sample]) -> dict[int, torch.Tensor]:

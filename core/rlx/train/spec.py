@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
@@ -141,6 +141,20 @@ class HFCheckpoint:
         return t
 
 
+@runtime_checkable
+class ModelBridge(Protocol):
+    """The ``models`` component kind: claims HF ``model_type`` values and describes how to build and convert
+    such a model (its `ModelSpec`). Registration checks it as `rlx.protocols` checks every kind."""
+
+    name: str
+
+    @property
+    def model_types(self) -> tuple[str, ...]:  # the HF ``model_type`` values it claims (a class attribute)
+        ...
+
+    def spec(self, hf_config: Any) -> ModelSpec: ...
+
+
 @dataclass
 class ModelSpec(ABC):
     """What the trainer needs to build and convert one model. Bridges subclass it and fill the methods.
@@ -163,7 +177,7 @@ class ModelSpec(ABC):
     # the run's kernel choices (``model.kernels``: op -> kernel name or "auto") and its plugins, which
     # `kernel` selects from; set by `model_spec`
     kernel_choices: dict[str, str] = field(default_factory=dict, repr=False)
-    plugins: Plugins = field(default=None, repr=False)
+    plugins: Plugins | None = field(default=None, repr=False)
 
     # -- megatron side ---------------------------------------------------------------------------
 

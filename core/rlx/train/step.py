@@ -21,25 +21,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 import torch
 
 from rlx.errors import RLXError
-from rlx.train.advantages import token_weights
+from rlx.train.advantages import Norm, token_weights
 from rlx.train.balance import FlopsModel
 from rlx.train.batch import TrainBatch
 from rlx.train.model import ModelRole, ParallelState
 from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logprobs
 from rlx.train.packing import PackedBatch, micro_batches, pack
-from rlx.types import RolloutBatch, Sample
+from rlx.types import Group, RolloutBatch, Sample
 
 if TYPE_CHECKING:
     from rlx.config import ObjectiveConfig, TrainConfig
     from rlx.protocols import AdvantageEstimator, Balancer, PolicyLoss
 
 
-def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: str) -> TrainBatch:
+def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm) -> TrainBatch:
     """Advantages and normalisation weights of every trainable sample of the batch."""
     groups = [g for g in batch.groups if g.trainable]
     adv = estimator.advantages(groups)
@@ -55,7 +55,7 @@ def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: str) 
                       metrics=batch_probes(samples))
 
 
-def per_token_weights(groups: list, samples: list[Sample], loss_norm: str) -> dict[int, torch.Tensor]:
+def per_token_weights(groups: list[Group], samples: list[Sample], loss_norm: Norm) -> dict[int, torch.Tensor]:
     """Each sample's normalisation weight per response token (`token_weights`), 0 where the loss mask is 0."""
     w = token_weights(groups, loss_norm)
     return {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
@@ -84,9 +84,12 @@ def mini_batch_scales(tb: TrainBatch, cuts: list[list[Sample]]) -> list[float]:
     return [1.0 / (sum(float(tb.weights[s.sample_id].sum()) for s in cut) or 1.0) for cut in cuts]
 
 
-def loss_norm(objective_cfg: ObjectiveConfig, policy_loss: PolicyLoss) -> str:
+def loss_norm(objective_cfg: ObjectiveConfig, policy_loss: PolicyLoss) -> Norm:
     """``train.objective.loss_norm``, or when unset the policy loss's own (``default_norm``; token)."""
-    return objective_cfg.loss_norm or str(getattr(policy_loss, "default_norm", "token"))
+    norm = objective_cfg.loss_norm or getattr(policy_loss, "default_norm", "token")
+    if norm not in get_args(Norm):
+        raise RLXError(f"policy loss {type(policy_loss).__name__}: default_norm {norm!r} is none of {get_args(Norm)}")
+    return cast(Norm, norm)
 
 
 def _per_token(value: float | Sequence[float], s: Sample, estimator: AdvantageEstimator) -> torch.Tensor:
@@ -193,7 +196,7 @@ class RLStep:
             vals.update(zip(maxes, most.tolist(), strict=True))
         return vals
 
-    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float]:
+    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float | None]:
         """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
         updates = self.tc.updates_per_step
         minis, scales = self.mini_batches(tb)
@@ -209,7 +212,7 @@ class RLStep:
                            keys, MAX_KEYS)
         w = vals.pop("weight") or 1.0
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
-        metrics = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
+        metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
         for k in ("clip_frac", "tis_weight", "tis_masked", "entropy"):
             if k in vals:
                 metrics[k] = vals[k] / w

@@ -71,11 +71,12 @@ class Trainer:
                                                         "critic": self.critic}, device())
         self.memory.hold()  # the engines' turn first: they size their cache by the memory they find
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
         """Train on every trainable sample of the batch; returns global metrics."""
         if self.critic_step is not None and self.critic is None:
             raise RLXError("the critic has ranks of its own (train.critic.parallel): the trainer group runs the "
                            "step (the critic's values, train_actor, the critic's update)")
+        metrics: dict[str, float | None]
         if self.critic_step is not None:
             metrics = self.critic_step.run(batch, self.actor, self.reference, self.step, self._hold_actor,
                                            lambda: self.memory.hold(critic="all"))
@@ -94,11 +95,14 @@ class Trainer:
                     values: dict[int, torch.Tensor]) -> tuple[dict[str, float | None], dict[int, torch.Tensor]]:
         """With a critic in ranks of its own: the actor's half of the step from the critic's `values` (advantages,
         then the actor's update, none during the critic's warm-up); returns its metrics and the critic's targets."""
+        if self.critic_step is None:
+            raise RLXError("train_actor: this run's advantage estimator uses no critic")
         self._hold_actor()
         tb = self.critic_step.prepare(batch, self.actor, self.reference, values)
         metrics = self.critic_step.train_actor(tb, self.actor, self.reference, self.step)
         self.memory.hold()  # the critic's ranks train next (on the same GPUs when they share them)
         self.step += 1
+        assert tb.returns is not None  # prepare() with values sets them
         return metrics, tb.returns
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,20 +24,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-
-@dataclass
-class TransportContext:
-    """What a transport instance on one sending rank knows about the push."""
-
-    engines: list[Any]  # the engines that take weights: each has `url` and `client(timeout_s=...)`
-    output_dir: Path  # the run's output folder (shared storage for disk-based transports)
-    sender: int = 0  # this sender's index (its pipeline stage)
-    senders: int = 1  # how many ranks send parts of each push
-    host: str = "127.0.0.1"  # this sender's address, where engines can reach it (rendezvous servers)
+from rlx.protocols import TransportContext  # what a transport knows of the push, beside its contract
 
 
 def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:

@@ -61,6 +61,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
                           multi_tenant=True)
     prefixed = group_store(store, group_name, backend)
+    pg: Any  # torch's ProcessGroupGloo or ProcessGroupNCCL (they share no type in torch's stubs)
     if backend == "gloo":
         from rlx.net import gloo_options
 

@@ -115,16 +115,17 @@ class WeightSender:
         on any rank fails the push on every rank (never a rank left waiting in a collective).
         """
         assert self.ctx is not None, "setup() first"
+        ctx = self.ctx
         full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
         self.pushes += 1
         dtypes: dict[str, dict[str, str] | None] = {}
 
         def plan() -> None:  # which dtype each engine holds each tensor in
             if self.verify_weights != "off" and self.sending:
-                new = [e for e in self.ctx.engines if e.url not in self.served]
+                new = [e for e in ctx.engines if e.url not in self.served]
                 if new:
                     self.served.update(self.run(served_dtypes(new)))
-                dtypes.update({e.url: self.served[e.url] for e in self.ctx.engines})
+                dtypes.update({e.url: self.served[e.url] for e in ctx.engines})
 
         self._agree(plan)
         prints = Fingerprints(plans=[d for d in dtypes.values() if d], full=full)

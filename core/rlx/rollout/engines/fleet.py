@@ -14,6 +14,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from rlx.config import Config, EngineGroupConfig, engines_offload, records_routing
@@ -74,7 +75,8 @@ class Engine:
 
 
 class EngineFleet:
-    def __init__(self, cfg: Config, log_dir: Path, spawn=None, engine_args: Any = None):
+    def __init__(self, cfg: Config, log_dir: Path, spawn=None,
+                 engine_args: Callable[[str], dict[str, Any]] | None = None):
         """`spawn(command, log_path, env) -> (process, url)` starts an engine process where it is placed: it
         calls ``command(host, port)`` with that host's address and a port free there, and starts it with `env`
         added to the environment (default: a local `ManagedProcess` on 127.0.0.1). `engine_args(model_path) ->
@@ -83,7 +85,7 @@ class EngineFleet:
         self.spawn = spawn or _spawn_local
         self.cfg = cfg
         self.rc = cfg.rollout
-        self.engine_args = engine_args or (lambda path: {})
+        self.engine_args: Callable[[str], dict[str, Any]] = engine_args or (lambda path: {})
         self.log_dir = Path(log_dir)
         self.engines: list[Engine] = []
         self.router: Router | None = None

@@ -204,6 +204,7 @@ class FleetHealth:
         if self.fleet.router is not None:
             await self.fleet.router.add_worker(e.url)
         else:
+            assert self.fleet.front is not None, "start() first"
             self.fleet.url = self.fleet.front.base_url = e.url
         e.state = "serving"
 

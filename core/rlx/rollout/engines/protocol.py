@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from rlx.errors import EngineError
+from rlx.types import GenerateResult, token_versions
 
 
 @dataclass
@@ -44,65 +45,6 @@ class GenerateRequest:
         if self.return_routed_experts:  # a field older servers do not know
             d["return_routed_experts"] = True
         return d
-
-
-@dataclass
-class GenerateResult:
-    text: str
-    output_ids: list[int]
-    output_logprobs: list[float]  # one per output id; empty unless return_logprob
-    finish_reason: str  # "stop", "length" or "abort"
-    matched_stop: int | str | None  # the stop token id or string that ended generation
-    weight_version: str
-    token_weight_versions: list[str]  # per output id, when the engine reports it (SGLang >= 0.5.23)
-    prompt_tokens: int
-    rid: str | None
-    raw: dict[str, Any]
-    temperature: float | None = None  # the request's sampling temperature (set by the caller)
-    # SGLang's meta_info.routed_experts: base64 of int32 [prompt + output tokens - 1, layers, top_k], when asked
-    routed_experts: str | None = None
-    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> GenerateResult:
-        meta = d.get("meta_info", {})
-        fr = meta.get("finish_reason") or {}
-        if isinstance(fr, str):
-            fr = {"type": fr}
-        lps = meta.get("output_token_logprobs") or []
-        output_ids = d.get("output_ids")
-        if output_ids is None:  # very old servers: ids only inside the logprob triples
-            output_ids = [t[1] for t in lps]
-        return cls(
-            text=d.get("text", ""),
-            output_ids=list(output_ids),
-            output_logprobs=[float(t[0]) for t in lps],
-            finish_reason=fr.get("type", "unknown"),
-            matched_stop=fr.get("matched"),
-            weight_version=str(meta.get("weight_version", "")),
-            token_weight_versions=token_versions(meta.get("weight_versions"), len(output_ids)),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            rid=meta.get("id"),
-            raw=d,
-            routed_experts=meta.get("routed_experts"),
-            cached_tokens=int(meta.get("cached_tokens") or 0),
-        )
-
-
-def token_versions(spans: Any, n: int) -> list[str]:
-    """Per-token weight versions from SGLang's ``meta_info.weight_versions`` spans (0.5.23+: a list of
-    ``{"version", "start", "end"}`` over output-token positions, on finished results only); an empty list
-    when the engine sends none (0.5.5 reports one ``weight_version`` per result) or the spans do not cover
-    exactly the `n` output tokens."""
-    if not spans:
-        return []
-    out: list[str] = []
-    for span in spans:
-        start, end = int(span["start"]), int(span["end"])
-        if start != len(out) or end < start:
-            return []
-        out += [str(span["version"])] * (end - start)
-    return out if len(out) == n else []
 
 
 class EngineClient:
@@ -137,7 +79,7 @@ class EngineClient:
         if self._session is None or self._session.closed:
             # a kept-open client holds idle connections for less than servers keep them (uvicorn, SGLang's
             # server: 5 s), so that its next request never goes out on one the server has just closed
-            keep = {"keepalive_timeout": 4.0} if self.keep_open else {}
+            keep: dict[str, Any] = {"keepalive_timeout": 4.0} if self.keep_open else {}
             self._session = aiohttp.ClientSession(
                 timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False, **keep)
             )

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any
 
 import torch
 
@@ -67,7 +68,8 @@ def enable() -> bool:
     if _enabled or not needed():
         return _enabled
     cpu = torch.device("cpu")
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # Any: its functions are replaced in place, which torch's types do not allow
+    tensor: Any = torch.Tensor  # the same
     cuda.current_device = lambda: cpu
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
@@ -78,7 +80,7 @@ def enable() -> bool:
     # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.manual_seed_all = lambda seed: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    tensor.cuda = lambda self, *a, **k: self
     original_type = torch.Tensor.type
 
     def type_(self, dtype=None, non_blocking=False, **kwargs):
@@ -87,7 +89,7 @@ def enable() -> bool:
             return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") and ".cuda." not in name else name
         return original_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = type_
+    tensor.type = type_
 
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -139,8 +141,8 @@ class _Stream:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 _STREAM = _Stream()
@@ -149,11 +151,12 @@ _STREAM = _Stream()
 def stub_cuda_streams() -> None:
     import contextlib
 
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # Any: its classes and functions are replaced in place, which torch's types do not allow
     cuda.Stream, cuda.Event = _Stream, _Event
     cuda.current_stream = cuda.default_stream = lambda *a, **k: _STREAM
     cuda.stream = lambda s=None: contextlib.nullcontext(s)
-    torch.Tensor.record_stream = lambda self, stream=None: None
+    tensor: Any = torch.Tensor  # the same
+    tensor.record_stream = lambda self, stream=None: None
 
 
 def fix_router_gemm() -> None:
@@ -269,4 +272,4 @@ def _proxy_megatron_torch() -> None:
             continue
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
-            module.torch = proxy
+            setattr(module, "torch", proxy)  # an attribute a module's type does not declare

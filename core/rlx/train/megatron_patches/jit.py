@@ -32,7 +32,7 @@ class _NoJitFuserOnCPU:  # a meta path finder (not importlib.abc's class: import
             if not torch.cuda.is_available():
                 module.disable_jit_fuser()
 
-        spec.loader.exec_module = exec_module  # this spec's own loader object
+        setattr(spec.loader, "exec_module", exec_module)  # this spec's own loader object (a method, to its types)
         return spec
 
 

@@ -40,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
 from rlx.errors import RLXError
+from rlx.hookspecs import Register
+from rlx.protocols import Agent
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,8 @@ class Harness(ABC):
             raise RLXError(f"agent {self.name!r}: task {task.get('sample_id')}: metadata.test_files names "
                            f"{unknown}, which are not in metadata.files")
         url = urlsplit(base_url)
+        if url.hostname is None or url.port is None:
+            raise RLXError(f"agent {self.name!r}: the adapter's address {base_url!r} has no host and port")
         c = self.config
         async with Sandbox(time_limit_s=c.time_limit_s, memory_mb=c.memory_mb, isolate_files=c.isolate_files,
                            toolchain=(str(self.folder),), reach=((url.hostname, url.port),),
@@ -169,6 +173,7 @@ class ClaudeCode(Harness):
     name = "claude_code"
     cli = "claude"
     Config = ClaudeCodeConfig
+    config: ClaudeCodeConfig
 
     def __init__(self, config: ClaudeCodeConfig | None = None):
         super().__init__(config or ClaudeCodeConfig())
@@ -198,7 +203,7 @@ class Codex(Harness):
 
 
 @hookimpl
-def register_agents(register):
+def register_agents(register: Register[type[Agent] | Agent]) -> None:
     register(ClaudeCode)
     register(Codex)
 

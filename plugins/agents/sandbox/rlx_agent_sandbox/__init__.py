@@ -25,6 +25,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.hookspecs import Register, RewardFunction
+from rlx.protocols import Reward
 from rlx.types import RewardResult, Sample
 
 __all__ = ["Result", "Sandbox", "SandboxError", "SandboxTests"]
@@ -220,11 +222,13 @@ class Sandbox:
                 shutil.rmtree(d, ignore_errors=True)
         self.root = self._new_root = self._net_dir = None
 
-    async def _bridge(self) -> list[tuple[str, int, str]]:
+    async def _bridge(self) -> tuple[list[tuple[str, int, str]], Path]:
         """Start (once) a Unix-socket server per `reach` address that connects each client to that address on
-        this host; the forwarder inside the sandbox's network namespace dials these sockets."""
-        if self._net_dir is None:
-            self._net_dir = Path(tempfile.mkdtemp(prefix="rlx-sandbox-net-"))
+        this host; the forwarder inside the sandbox's network namespace dials these sockets. Returns (host, port,
+        socket) per address, and the folder of the sockets."""
+        net = self._net_dir
+        if net is None:
+            net = self._net_dir = Path(tempfile.mkdtemp(prefix="rlx-sandbox-net-"))
 
             for i, (host, port) in enumerate(self.reach):
                 async def handle(r, w, host=host, port=port):
@@ -235,8 +239,8 @@ class Sandbox:
                         return
                     await asyncio.gather(_pipe(r, tw), _pipe(tr, w))
 
-                self._bridges.append(await asyncio.start_unix_server(handle, str(self._net_dir / f"{i}.sock")))
-        return [(h, p, str(self._net_dir / f"{i}.sock")) for i, (h, p) in enumerate(self.reach)]
+                self._bridges.append(await asyncio.start_unix_server(handle, str(net / f"{i}.sock")))
+        return [(h, p, str(net / f"{i}.sock")) for i, (h, p) in enumerate(self.reach)], net
 
     async def __aenter__(self) -> Sandbox:
         return self.__enter__()
@@ -293,8 +297,11 @@ class Sandbox:
         argv = [*self.prefix, exe, *cmd[1:]]
         forward = None
         if self.reach and "-n" in self.prefix:  # a network namespace: only `reach`, through the forwarder
-            forward = _forwarder_lines(await self._bridge(), str(self._net_dir / f"ready-{time.monotonic_ns()}"))
+            sockets, net = await self._bridge()
+            forward = _forwarder_lines(sockets, str(net / f"ready-{time.monotonic_ns()}"))
         if self.isolate_files:
+            if self._new_root is None:
+                raise SandboxError("Sandbox.run() needs the sandbox entered: async with Sandbox(...) as box")
             exe = os.path.abspath(exe)
             if not any(exe == p or exe.startswith(p + "/") for p in self.toolchain):
                 raise SandboxError(f"program {exe} is outside the sandbox's toolchain {self.toolchain}: add its "
@@ -373,5 +380,5 @@ class SandboxTests:
 
 
 @hookimpl
-def register_rewards(register):
+def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
     register(SandboxTests)

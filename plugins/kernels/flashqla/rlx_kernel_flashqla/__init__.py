@@ -22,6 +22,8 @@ import importlib.util
 from typing import Any
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
+from rlx.protocols import Kernel
 
 FLASHQLA_CAPABILITIES = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
 
@@ -101,7 +103,7 @@ class FlashQLAGDN:
 
 
 @hookimpl
-def register_kernels(register):
+def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
     register(FlashQLAGDN)
     register(FlaGDN)
     register(TorchGDN)

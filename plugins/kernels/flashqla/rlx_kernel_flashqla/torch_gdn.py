@@ -24,6 +24,8 @@ to the longest one: a row of one long and many short sequences costs the long on
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -151,7 +153,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Outputs ``[B, T, HV, V]`` (v's dtype) and, if asked, the final states ``[N, HV, K, V]`` (fp32); computed in
     fp32. ``scale`` defaults to ``K ** -0.5``."""
-    return _run(lambda *a: _chunked(*a, chunk_size=chunk_size), q, k, v, g, beta, scale, initial_state,
+    return _run(functools.partial(_chunked, chunk_size=chunk_size), q, k, v, g, beta, scale, initial_state,
                 output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
 
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from rlx import hookimpl
 from rlx.errors import RLXError
+from rlx.hookspecs import Register
+from rlx.protocols import Logger
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -74,7 +76,7 @@ class WandbLogger:
 
 
 @hookimpl
-def register_loggers(register):
+def register_loggers(register: Register[type[Logger] | Logger]) -> None:
     register(WandbLogger)
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
 from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
+from rlx.train.spec import ModelBridge
 
 
 class DeepseekV3Bridge:
@@ -36,5 +38,5 @@ class DeepseekV3Bridge:
 
 
 @hookimpl
-def register_models(register):
+def register_models(register: Register[type[ModelBridge]]) -> None:
     register(DeepseekV3Bridge)

@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Any
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
 from rlx.train.decoder import DecoderSpec, decoder_flops
 from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
 from rlx.train.moe import deepseek_router
-from rlx.train.spec import rope_theta
+from rlx.train.spec import ModelBridge, rope_theta
 
 
 def partial_rotary(c: Any) -> float:
@@ -69,6 +70,6 @@ class Glm4MoeLiteBridge:
 
 
 @hookimpl
-def register_models(register):
+def register_models(register: Register[type[ModelBridge]]) -> None:
     register(Glm4MoeBridge)
     register(Glm4MoeLiteBridge)

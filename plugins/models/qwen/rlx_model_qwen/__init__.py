@@ -16,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlx import hookimpl
+from rlx.hookspecs import Register
 from rlx.train.decoder import DecoderSpec, decoder_flops
 from rlx.train.moe import MoEShape
-from rlx.train.spec import rope_theta
+from rlx.train.spec import ModelBridge, rope_theta
 
 
 def moe_layers(c: Any) -> frozenset[int]:
@@ -51,7 +52,7 @@ class Qwen3MoeBridge:
 
 
 @hookimpl
-def register_models(register):
+def register_models(register: Register[type[ModelBridge]]) -> None:
     from rlx_model_qwen.next import Qwen3NextBridge, Qwen35Bridge
 
     register(Qwen3MoeBridge)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.errors import RLXError
@@ -67,7 +67,7 @@ def partial_rotary(c: Any) -> float:
 @dataclass
 class QwenNextSpec(DecoderSpec):
     layer_types: tuple[str, ...] = ()
-    gdn: GDNShape | None = None
+    gdn: GDNShape = field(kw_only=True)
 
     def linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
@@ -98,7 +98,7 @@ class QwenNextSpec(DecoderSpec):
         gdn = ModuleSpec(module=GatedDeltaNet, params={"kernel": functools.partial(self.kernel, "gdn")})
         specs = []
         for layer in stage.layers():
-            spec = copy.deepcopy(experts if self.is_moe_layer(layer) else dense)
+            spec = copy.deepcopy(experts if experts is not None and self.is_moe_layer(layer) else dense)
             sub = spec.submodules
             sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
             if self.linear(layer):

@@ -14,6 +14,8 @@ import re
 from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
+from rlx.hookspecs import Register, RewardFunction
+from rlx.protocols import Reward
 from rlx.types import RewardResult, Sample
 
 # math-verify warns on every call that its own timeouts are off; that is this plugin's choice.
@@ -83,5 +85,5 @@ class MathReward:
 
 
 @hookimpl
-def register_rewards(register):
+def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
     register(MathReward)

@@ -13,10 +13,12 @@ from typing import Annotated
 
 import typer
 from rlx import hookimpl
+from rlx.hookspecs import Register
+from rlx.protocols import Transport
 
 
 @hookimpl
-def register_transports(register):
+def register_transports(register: Register[type[Transport] | Transport]) -> None:
     from rlx_transport_delta.transport import DeltaTransport
 
     register(DeltaTransport)

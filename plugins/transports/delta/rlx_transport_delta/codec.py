@@ -70,7 +70,7 @@ def to_bytes(t: torch.Tensor) -> np.ndarray:
 def checksum(raw: np.ndarray | bytes) -> str:
     import xxhash
 
-    return xxhash.xxh3_128_hexdigest(memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw)
+    return xxhash.xxh3_128_hexdigest(raw.data.cast("B") if not isinstance(raw, bytes) else raw)
 
 
 def _zstd():

@@ -42,9 +42,10 @@ class DeltaTransport:
         timeout_s: float = Field(600, gt=0)  # how long commit waits for the engines to serve a version
         zstd_level: int = Field(3, ge=1, le=19)
 
+    root: Path  # the versions' folder, set by setup()
+
     def __init__(self, config: Config):
         self.config = config
-        self.root: Path | None = None
         self.snapshot: dict[str, Any] = {}  # name -> bytes last published (numpy uint8)
         self.pushes = 0
         self.agents: list[Any] = []
@@ -87,7 +88,6 @@ class DeltaTransport:
         import torch
         from safetensors.torch import save_file
 
-        assert self.root is not None, "setup() first"
         full = self.pushes % self.config.full_every == 0 or not self.snapshot
         if ctx.sender == 0:
             self._drop_newer(version)
@@ -159,7 +159,6 @@ class DeltaTransport:
 
     def publish(self, version: int, ctx) -> Path:
         """Merge the senders' parts into the manifest and make the version folder appear, complete; prune."""
-        assert self.root is not None, "setup() first"
         tmp = self.root / (codec.folder_name(version) + ".tmp")
         parts = sorted(tmp.glob("part-s*.json")) if tmp.is_dir() else []
         expected = [f"part-s{i:02d}.json" for i in range(ctx.senders)]

@@ -28,10 +28,10 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [1, k
 class _Node:
     __slots__ = ("children", "label", "entry")
 
-    def __init__(self, label: tuple[int, ...], entry: int | None):
+    def __init__(self, label: tuple[int, ...], entry: int):
         self.children: dict[int, _Node] = {}  # by the first id of the child's label
         self.label = label  # the ids on the edge into this node
-        self.entry = entry  # the id of a cached sequence that passes through this node (the newest)
+        self.entry = entry  # the id of a cached sequence that passes through this node (the newest; -1: the root)
 
 
 class PrefixCache:
@@ -45,7 +45,7 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[int, tuple[tuple[int, ...], KV]] = OrderedDict()  # least recently used first
         self._next = 0
-        self.root = _Node((), None)
+        self.root = _Node((), -1)
         self.tokens = 0
 
     def __len__(self) -> int:
@@ -142,5 +142,5 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
-        self.root = _Node((), None)
+        self.root = _Node((), -1)
         self.tokens = 0

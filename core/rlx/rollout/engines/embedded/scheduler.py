@@ -55,8 +55,8 @@ class Request:
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] per forward, in order
-    on_token: Callable[[Request], None] | None = None  # called in the scheduler thread
-    on_done: Callable[[Request], None] | None = None
+    on_token: Callable[[Request], object] | None = None  # called in the scheduler thread
+    on_done: Callable[[Request], object] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens this request did not prefill (prefix cache or a forked prompt)
@@ -145,7 +145,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_running = max_running
-        self.max_context = max_context or getattr(model.config, "max_position_embeddings", 1 << 30)
+        self.max_context: int = max_context or getattr(model.config, "max_position_embeddings", None) or 1 << 30
         eos = getattr(model.config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -155,10 +155,11 @@ class Scheduler:
         self.inbox: queue.Queue[Request | Command] = queue.Queue()
         self.waiting: list[Request] = []
         self.rows: list[Request] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None  # [B, L] 1 where a real token sits
-        self._pos: torch.Tensor | None = None  # [B] position id of the next token
-        self._last: torch.Tensor | None = None  # [B] last sampled token
+        # the running batch, one row per request in `rows` (empty tensors when no row runs)
+        self._cache: Any = None  # transformers' cache of the running rows (None when no row runs)
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, L] 1 where a real token sits
+        self._pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] position id of the next token
+        self._last = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] last sampled token
         self._sampling: SamplingTensors | None = None  # for the current rows; None when they change
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="rlx-engine-scheduler", daemon=True)
@@ -268,9 +269,10 @@ class Scheduler:
         return n
 
     def _finish_aborted(self) -> None:
-        for r in [r for r in self.waiting if r.aborted]:
-            self.waiting.remove(r)
-            self._finish(r, abort_reason(r.aborted))
+        for r in list(self.waiting):
+            if r.aborted:
+                self.waiting.remove(r)
+                self._finish(r, abort_reason(r.aborted))
         keep = [i for i, r in enumerate(self.rows) if not r.aborted]
         if len(keep) != len(self.rows):
             for r in self.rows:
@@ -281,8 +283,8 @@ class Scheduler:
     # -- batch state ---------------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self.rows, self._cache, self._mask, self._pos, self._last = [], None, None, None, None
-        self._sampling = None
+        self.rows, self._cache, self._sampling = [], None, None
+        self._mask, self._pos, self._last = self._mask[:0, :0], self._pos[:0], self._last[:0]
 
     def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: (keys, values) ``[B, heads, L, d]``, or for a linear-attention layer (convolution window
@@ -296,7 +298,8 @@ class Scheduler:
         if not any(self.recurrent):
             return DynamicCache(ddp_cache_data=kv)
         cache = DynamicCache(config=self.model.config)
-        for layer, rec, (a, b) in zip(cache.layers, self.recurrent, kv):
+        layers: list[Any] = cache.layers  # a union of layer kinds in transformers' types; `rec` says which this is
+        for layer, rec, (a, b) in zip(layers, self.recurrent, kv):
             if rec:  # owned tensors: decoding updates them in place
                 layer.lazy_initialization(conv_states=a, recurrent_states=b)
                 layer.conv_states[0].copy_(a)
@@ -369,13 +372,13 @@ class Scheduler:
                 r.cached_tokens = k if j == 0 else len(p.ids)
                 self.cached_tokens += r.cached_tokens
         cache = self._make_cache(self._left_padded(prompts, past, width) if width else [])
-        routed = self._routing([r for p in prompts for r in p.requests])
+        experts = self._routing([r for p in prompts for r in p.requests])
         out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
                          position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         for i, p in enumerate(prompts):
             self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
-        taken = self.experts.take(n, run) if routed else None
+        taken = experts.take(n, run) if experts is not None else None
         which = [i for i, p in enumerate(prompts) for _ in p.requests]
         if len(which) > n:  # fork each prompt's row to its requests
             idx = torch.tensor(which, device=self.device)
@@ -463,11 +466,11 @@ class Scheduler:
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, 1))], dim=1)
         # Without padding the model can take its causal fast path; building a mask costs ~30% at batch 1.
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
-        routed = self._routing(self.rows)
+        experts = self._routing(self.rows)
         out = self.model(input_ids=self._last[:, None], attention_mask=mask,
                          position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
-        if routed:
-            taken = self.experts.take(b, 1)
+        if experts is not None:
+            taken = experts.take(b, 1)
             for i, r in enumerate(self.rows):
                 if r.return_routed_experts:
                     r.routed.append(taken[i])
@@ -476,12 +479,12 @@ class Scheduler:
         self.steps += 1
         self._emit(out.logits[:, -1].float())
 
-    def _routing(self, rows: list[Request]) -> bool:
-        """Whether this forward records routed experts (some row asked, and the engine captures them)."""
+    def _routing(self, rows: list[Request]) -> RoutedExperts | None:
+        """The recorder, when this forward records routed experts (some row asked, and the engine captures them)."""
         if self.experts is None or not any(r.return_routed_experts for r in rows):
-            return False
+            return None
         self.experts.begin()
-        return True
+        return self.experts
 
     # -- sampling and stopping -----------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from rlx.rollout.engines.embedded import weights as W
 from rlx.rollout.engines.embedded.answers import BadRequest, ContractError, error
 from rlx.rollout.engines.embedded.sampling import SamplingParams
 from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
-from rlx.rollout.engines.embedded.weight_routes import WeightRoutes
+from rlx.rollout.engines.embedded.weight_routes import T, WeightRoutes
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 # Accepted for compatibility with SGLang clients; they do not change what this engine does.
@@ -121,7 +122,7 @@ class EngineServer(WeightRoutes):
             raise BadRequest("body must be a JSON object")
         return body
 
-    async def _call(self, fn):
+    async def _call(self, fn: Callable[[], T]) -> T:
         return await asyncio.to_thread(self.s.call, fn)
 
     # -- generation ------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class EngineServer(WeightRoutes):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs_length"] = len(r.logprobs)
-        out = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+        out: dict[str, Any] = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
         return out
@@ -232,8 +233,7 @@ class EngineServer(WeightRoutes):
         if return_logprob and (body.get("top_logprobs_num") or 0) > 0:
             raise BadRequest("top_logprobs_num: the embedded engine returns the sampled tokens' log-probs only "
                              "(SGLang computes top log-probs)")
-        if return_logprob and (body.get("logprob_start_len") if body.get("logprob_start_len") is not None
-                               else -1) >= 0:
+        if return_logprob and body.get("logprob_start_len") is not None and body["logprob_start_len"] >= 0:
             raise BadRequest("logprob_start_len: the embedded engine returns no prompt log-probs (SGLang does)")
         routed, start = bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0)
         if routed:

@@ -8,7 +8,8 @@ session. A mixin of `EngineServer`, whose ``s`` (the scheduler), ``groups``, ``s
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -16,10 +17,25 @@ from rlx.rollout.engines.embedded import weights as W
 from rlx.rollout.engines.embedded.answers import BadRequest, result
 from rlx.transport.group import DEFAULT_GROUP
 
+if TYPE_CHECKING:
+    from rlx.rollout.engines.embedded.scheduler import Scheduler
+
+T = TypeVar("T")
+
 
 class WeightRoutes:
     # Answers as SGLang 0.5.23 gives them: {"success", "message"} with 200, or 400 and success false;
     # tensor and distributed updates only inside a /begin_weight_update ... /end_weight_update session.
+
+    # what `EngineServer` holds and provides
+    s: Scheduler
+    groups: dict[str, W.BroadcastGroup]  # weight-update groups by name (one per sending rank)
+    session: bool  # inside /begin_weight_update ... /end_weight_update
+    server_args: dict[str, Any]
+    if TYPE_CHECKING:
+        async def _json(self, request: web.Request) -> dict[str, Any]: ...
+
+        async def _call(self, fn: Callable[[], T]) -> T: ...
 
     def _updated(self, message: str, body: dict[str, Any], **extra: Any) -> web.Response:
         if body.get("weight_version") is not None:
