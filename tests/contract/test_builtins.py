@@ -1,5 +1,7 @@
 """The built-in components pass the contract suites plugin authors use."""
 
+from pathlib import Path
+
 import pytest
 from rlx.testing import (
     AdvantageContract,
@@ -158,6 +160,24 @@ class TestBroadcastTransport(TransportContract):
     transport_name = "broadcast"
 
 
+def read_events(folder):
+    """Every event of the TensorBoard event files under `folder`, in file order (records: a length, its CRC, an
+    `Event` proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+            pos += 12 + n + 4
+    return events
+
+
 class TestTensorBoard(LoggerContract):
     """Read back from the event files: scalars by step, the config from its YAML text, samples from the
     markdown table (cells with `|` escaped and newlines as <br>)."""
@@ -168,7 +188,6 @@ class TestTensorBoard(LoggerContract):
         import re
 
         import yaml
-        from rlx.builtins.loggers import read_events
 
         config, history, tables = {}, {}, {}
         for e in read_events(output_dir / "tensorboard"):

@@ -76,22 +76,3 @@ class TensorBoard:
 @hookimpl
 def register_loggers(register: Register[type[Logger] | Logger]) -> None:
     register(TensorBoard)
-
-
-def read_events(folder) -> list:
-    """Every event of the TensorBoard event files under `folder`, in file order (records: a length, its
-    CRC, an `Event` proto, its CRC). For tests and quick checks."""
-    import struct
-    from pathlib import Path
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
-            pos += 12 + n + 4
-    return events

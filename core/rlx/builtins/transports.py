@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,7 +21,9 @@ from rlx import hookimpl
 from rlx.hookspecs import Register
 from rlx.protocols import Transport
 from rlx.transport import update_sessions
-from rlx.transport.shm import Segment
+
+if TYPE_CHECKING:
+    from rlx.transport.shm import Segment
 
 
 class _Args(BaseModel):
@@ -73,6 +76,8 @@ class TensorTransport:
         self.versioned: int | None = None  # the version the last send set on every engine (sole sender)
 
     async def setup(self, ctx) -> None:
+        from rlx.transport.shm import Segment  # imports torch: not when the plugins load (rl plugins stays fast)
+
         here = {"127.0.0.1", "localhost", "::1", ctx.host}
         near = [e for e in ctx.engines if urlsplit(e.url).hostname in here] if self.config.shared_memory else []
         readers = await asyncio.gather(*(_reads_segments(e) for e in near))

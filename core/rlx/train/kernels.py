@@ -126,8 +126,3 @@ def install_matmul(kernel: Any) -> None:
         _installed["library"]._destroy()
         _installed["library"] = None
     _installed["kernel"] = kernel
-
-
-def installed_matmul() -> str | None:
-    """The name of the ``matmul`` kernel this process installed (None: none was, torch's own runs)."""
-    return getattr(_installed["kernel"], "name", None)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from rlx.errors import EngineError
-from rlx.types import GenerateResult, token_versions
+from rlx.types import GenerateResult
 
 
 @dataclass
@@ -116,60 +115,6 @@ class EngineClient:
         out = await self.request("POST", "/generate", req.to_json(), retries=retries)
         items = out if isinstance(out, list) else [out]
         return [GenerateResult.from_json(o) for o in items]
-
-    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResult]:
-        """Stream partial results of one request (n = 1), each with the cumulative text and ids so far,
-        until the engine finishes.
-
-        SGLang sends cumulative ids by default from 0.5.23, only the new ids per chunk in 0.5.5 (where a
-        chunk can also replace queued ones, so deltas may be lost) and with ``--incremental-streaming-output``.
-        Ids are therefore taken, in order of trust: a chunk's ``output_ids`` when they are as many as its
-        ``completion_tokens``; the ids inside its cumulative ``output_token_logprobs``; the deltas so far.
-        A finished result whose ids cannot be made whole is an error, never a silently short sample."""
-        body = req.to_json() | {"stream": True}
-        ids: list[int] = []
-        lps: list[float] = []
-        url = f"{self.base_url}/generate"
-        try:
-            async with self._sess().post(url, json=body) as resp:
-                if resp.status >= 400:
-                    raise EngineError(f"POST {url} -> HTTP {resp.status}: {_error_text(await resp.text())}",
-                                      resp.status)
-                async for line in resp.content:
-                    line = line.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise EngineError(f"POST {url} (stream) -> {_error_text(data.decode())}", 400)
-                    res = GenerateResult.from_json(chunk)
-                    meta = chunk.get("meta_info", {})
-                    total = int(meta.get("completion_tokens", len(res.output_ids)))
-                    triples = meta.get("output_token_logprobs") or []
-                    if len(res.output_ids) == total:
-                        ids = list(res.output_ids)
-                    elif len(triples) == total:
-                        ids = [int(t[1]) for t in triples]
-                    else:
-                        ids = ids + list(res.output_ids)
-                    if len(triples) == total:
-                        lps = [float(t[0]) for t in triples]
-                    elif len(lps) + len(triples) == total:
-                        lps = lps + [float(t[0]) for t in triples]
-                    if meta.get("finish_reason") is not None and len(ids) != total:
-                        raise EngineError(f"engine at {self.base_url} streamed {len(ids)} of {total} token ids "
-                                          f"(an engine that sends deltas and drops chunks: ask with "
-                                          f"return_logprob, or use non-streaming generate)")
-                    res.output_ids = list(ids)
-                    res.output_logprobs = list(lps) if len(lps) == len(ids) else []
-                    if len(res.token_weight_versions) != len(ids):
-                        res.token_weight_versions = token_versions(meta.get("weight_versions"), len(ids))
-                    yield res
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise EngineError(f"engine at {self.base_url} unreachable on stream: {type(e).__name__}: {e}") from None
 
     # -- status ----------------------------------------------------------------------------------
 
