@@ -24,7 +24,7 @@ class InstantEngine:
         self.ids = ids
 
     async def generate(self, req, retries=0):
-        from rlx.rollout.engines.protocol import GenerateResult
+        from rlx.rollout.engines.client import GenerateResult
 
         return [GenerateResult(text="", output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
                                finish_reason="stop", matched_stop=None, weight_version="0", token_weight_versions=[],

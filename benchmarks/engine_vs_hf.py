@@ -41,7 +41,7 @@ def hf_run(model, tok, n: int, tokens: int) -> float:
 
 
 async def engine_run(client, tok, n: int, tokens: int) -> float:
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
 
     params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
     t = time.perf_counter()
@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import use_matmul
+    from rlx.train.kernel_choice import use_matmul
 
     matmul = use_matmul(build_plugins(), args.matmul, model.device, torch.float32,
                         model.config.get_text_config().hidden_size).name.removeprefix("matmul-")
@@ -85,7 +85,7 @@ def main() -> None:
     eng: dict[int, float] = {}
 
     async def measure(url: str) -> None:
-        from rlx.rollout.engines.protocol import EngineClient
+        from rlx.rollout.engines.client import EngineClient
 
         async with EngineClient(url) as client:
             for n in args.concurrency:

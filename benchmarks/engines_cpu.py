@@ -29,7 +29,7 @@ MODELS = {"tiny": "builtin://tiny-qwen3", "smollm2": "builtin://smollm2-135m-ins
 
 
 async def measure(url: str, model_path: str, concurrency: list[int], new_tokens: int) -> dict:
-    from rlx.rollout.engines.protocol import EngineClient, GenerateRequest
+    from rlx.rollout.engines.client import EngineClient, GenerateRequest
 
     out: dict = {}
     async with EngineClient(url, timeout_s=600) as c:

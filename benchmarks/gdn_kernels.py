@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import candidates
+    from rlx.train.kernel_choice import candidates
     from rlx_kernel_flashqla.torch_gdn import recurrent_gated_delta_rule
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

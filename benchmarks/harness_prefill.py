@@ -87,7 +87,7 @@ def captured_request(path: Path) -> tuple[list[dict], list[dict]]:
 
 
 async def timed(client, ids: list[int], new_tokens: int) -> tuple[float, int, list[int]]:
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
 
     t = time.perf_counter()
     (r,) = await client.generate(GenerateRequest(ids, {"max_new_tokens": new_tokens, "temperature": 1.0,
@@ -99,7 +99,7 @@ def engine_figures(path: str, turn1: list[int], tail: list[int], threads: int, r
                    answer: int) -> dict[str, float]:
     """Median seconds of turn 1 and turn 2 (each from an emptied cache, turn 2 right after its turn 1)."""
     from rlx.rollout.engines.launch import ManagedProcess, embedded_command, free_port, wait_healthy
-    from rlx.rollout.engines.protocol import EngineClient
+    from rlx.rollout.engines.client import EngineClient
 
     port = free_port()
     args = {"num_threads": threads, "context_length": len(turn1) + answer + len(tail) + 64}

@@ -34,8 +34,8 @@ from vs_trl import WORKLOADS, run_rlx  # noqa: E402
 
 def matmul_gflops(n: int = 2048, reps: int = 10) -> tuple[float, float]:
     """fp32 GFLOP/s of an ``n^3`` product through torch's own kernel and through oneDNN."""
-    from rlx.builtins.kernels import OneDNNMatmul, TorchMatmul
-    from rlx.train.kernels import install_matmul
+    from rlx.builtins.matmul import OneDNNMatmul, TorchMatmul
+    from rlx.train.kernel_choice import install_matmul
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     rates = []

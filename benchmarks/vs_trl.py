@@ -13,7 +13,7 @@ Workloads (``--model``):
 
 Rows: rlx sync, async and async split; TRL as its users run it (torch's CPU matmul, MKL); and TRL with the
 ``matmul`` kernel rlx chooses for the model installed in its process (auto: oneDNN where it pays,
-`rlx.builtins.kernels`; the log says which), which shows how much of the difference is that kernel. rlx's
+`rlx.builtins.matmul`; the log says which), which shows how much of the difference is that kernel. rlx's
 trainer and engines choose their kernel by ``model.kernels.matmul: auto`` (set here; torch's own is the default).
 
 Needs `pip install trl`. Cores used: the CPU seconds of every process of the run (driver, trainer ranks,
@@ -80,11 +80,11 @@ def run_trl(w: Workload, data: Path, out: Path, matmul: str = "torch") -> list[d
     import torch
     from transformers import AutoConfig
 
-    from rlx.builtins.kernels import TorchMatmul
-    from rlx.train.kernels import install_matmul
+    from rlx.builtins.matmul import TorchMatmul
+    from rlx.train.kernel_choice import install_matmul
     from rlx.models.tiny import resolve_model_path
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import use_matmul
+    from rlx.train.kernel_choice import use_matmul
 
     hidden = AutoConfig.from_pretrained(resolve_model_path(w.model)).hidden_size
     use_matmul(build_plugins(), matmul, "cpu", torch.float32, hidden)

@@ -174,6 +174,16 @@ def _signature(fn: typing.Any) -> str:
     return str(inspect.signature(fn)).replace("'", "")  # annotations are strings (postponed evaluation)
 
 
+def _protocol(name: str, cls: type) -> str:
+    doc = inspect.getdoc(cls) if cls.__doc__ else ""
+    members = [*cls.__annotations__, *(n for n, m in cls.__dict__.items() if isinstance(m, property))]
+    attrs = ", ".join(f"`{a}`" for a in members)
+    methods = [f"- `{'async ' if inspect.iscoroutinefunction(m) else ''}{n}{_signature(m)}`"
+               for n, m in cls.__dict__.items() if inspect.isfunction(m) and not n.startswith("_") or n == "__call__"]
+    return (f"\n### `{name}`\n\n" + (f"{doc}\n\n" if doc else "") + (f"Attributes: {attrs}.\n\n" if attrs else "")
+            + "\n".join(methods) + "\n")
+
+
 def hooks_page() -> str:
     from rlx import hookspecs, protocols
     from rlx.train import spec
@@ -182,17 +192,18 @@ def hooks_page() -> str:
     for name, fn in inspect.getmembers(hookspecs, inspect.isfunction):
         if hasattr(fn, "rlx_spec"):
             parts.append(f"\n### `{name}{_signature(fn)}`\n\n{inspect.getdoc(fn)}\n")
-    parts.append("\n## Component contracts\n\nChecked when a component is registered (`rlx.protocols`): a missing "
-                 "or mis-shaped method fails the plugin's load, naming the plugin, the component and the method.\n")
-    contracts = [(n, c) for n, c in inspect.getmembers(protocols, inspect.isclass) if c.__module__ == protocols.__name__]
-    for name, cls in sorted([*contracts, ("ModelBridge", spec.ModelBridge)]):
-        if getattr(cls, "_is_protocol", False):
-            doc = inspect.getdoc(cls) if cls.__doc__ else ""
-            attrs = ", ".join(f"`{a}`" for a in cls.__annotations__)
-            methods = [f"- `{'async ' if inspect.iscoroutinefunction(m) else ''}{n}{_signature(m)}`"
-                       for n, m in cls.__dict__.items() if inspect.isfunction(m) and not n.startswith("_") or n == "__call__"]
-            parts.append(f"\n### `{name}`\n\n" + (f"{doc}\n\n" if doc else "") + (f"Attributes: {attrs}.\n\n" if attrs else "")
-                         + "\n".join(methods) + "\n")
+    kinds = {cls_name: kind for kind, cls_name in protocols.PROTOCOL_NAMES.items()}
+    found = [(n, c) for n, c in inspect.getmembers(protocols, inspect.isclass)
+             if c.__module__ == protocols.__name__ and getattr(c, "_is_protocol", False)]
+    found = sorted([*found, ("ModelBridge", spec.ModelBridge)])
+    parts.append("\n## Component contracts\n\nOne per kind, checked when a component is registered (`rlx.protocols`; "
+                 "the models kind's in `rlx.train.spec`): a missing or mis-shaped method fails the plugin's load, naming "
+                 "the plugin, the component and the method. A type checker holds a component to the same contract "
+                 "through the hook's `Register[...]`.\n")
+    parts += [_protocol(name, cls) for name, cls in found if name in kinds]
+    parts.append("\n## What components are handed\n\nProtocols of what rlx passes to components (not registered "
+                 "kinds): a component may rely on these members and no others.\n")
+    parts += [_protocol(name, cls) for name, cls in found if name not in kinds]
     return "".join(parts)
 
 

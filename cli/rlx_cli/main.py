@@ -234,8 +234,8 @@ def eval_cmd(
     """Evaluate a policy on the config's eval datasets: a table here, a row per dataset in eval.jsonl."""
     import asyncio
 
-    from rlx.orchestrate.evaluation import evaluate
-    from rlx.rollout.evaluate import table
+    from rlx.orchestrate.evals import evaluate
+    from rlx.rollout.evaluator import table
 
     cfg = _load(file, set_, files=True, download=True)
     err.print(f"logs (engines): {Path(cfg.run.output_dir) / 'logs'}", highlight=False, soft_wrap=True)

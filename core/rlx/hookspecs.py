@@ -7,7 +7,8 @@ Two families:
   selects components by that name. Two components of one kind with one name is an error naming both
   plugins. Called once, when the plugin manager is built. Each kind has a typed contract
   (`rlx.protocols`) checked at registration: a missing or mis-shaped method fails the load, naming
-  plugin, component and method.
+  plugin, component and method. The hook's argument is typed by kind (`Register`), so that a type checker
+  holds a component to the same contract where it is registered.
 * Lifecycle hooks: few and typed; called by the train loop and the rollout manager.
 
 A plugin is any module or object with functions marked ``@rlx.hookimpl`` whose names and arguments

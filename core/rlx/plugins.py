@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 import pluggy
 
@@ -37,6 +37,8 @@ from rlx.protocols import FunctionComponent, as_component, contract_problems, de
 if TYPE_CHECKING:
     import typer
 
+    from rlx.config import ComponentSpec
+
     from rlx.protocols import AdvantageEstimator, Agent, Balancer, Generator, Logger, PolicyLoss, Reward, Transport
 
     from rlx.types import Group, RolloutBatch
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "rlx.plugins"
 
 #: How messages name one component of each kind.
+#: What config names a component by: a ``ComponentSpec``, or its YAML form (a bare name, or ``{name, args}``).
+ComponentRef: TypeAlias = "ComponentSpec | str | dict[str, Any]"
+
 KIND_NAMES = {"rewards": "reward", "advantages": "advantage estimator", "losses": "policy loss",
               "balancers": "balancer", "transports": "transport", "generators": "generator",
               "models": "model bridge", "kernels": "kernel", "agents": "agent", "loggers": "logger"}
@@ -111,7 +116,7 @@ class Plugins:
             for impl in caller.get_hookimpls():
                 plugin_name = impl.plugin_name
 
-                def register(obj: Any, _plugin: str = plugin_name, _kind: str = kind) -> None:
+                def register(obj: object, _plugin: str = plugin_name, _kind: str = kind) -> None:
                     self._add(_kind, obj, _plugin)
 
                 try:
@@ -125,7 +130,7 @@ class Plugins:
             for comp in self.components[kind].values():
                 by_name[comp.plugin].registers.setdefault(kind, []).append(comp.name)
 
-    def _add(self, kind: str, obj: Any, plugin: str) -> None:
+    def _add(self, kind: str, obj: object, plugin: str) -> None:
         try:
             obj = as_component(kind, obj)
         except ValueError as e:
@@ -147,8 +152,9 @@ class Plugins:
                 f"({_qualname(existing.obj)}), one from plugin {plugin!r} ({_qualname(obj)}); "
                 f"disable one with RLX_DISABLE_PLUGINS", plugin
             )
+        claims: tuple[str, ...] = getattr(obj, "model_types", ()) if kind == "models" else ()  # checked: a tuple
         if kind == "models":
-            for mt in obj.model_types:
+            for mt in claims:
                 other = self._bridges.get(mt)
                 if other is not None:
                     raise PluginError(
@@ -156,7 +162,7 @@ class Plugins:
                         f"and {name!r} from plugin {plugin!r}; disable one with RLX_DISABLE_PLUGINS", plugin)
         self.components[kind][name] = Component(name, kind, obj, plugin)
         if kind == "models":
-            for mt in obj.model_types:
+            for mt in claims:
                 self._bridges[mt] = self.components[kind][name]
 
     def names(self, kind: str) -> list[str]:
@@ -190,25 +196,25 @@ class Plugins:
         return self.components[kind][name]
 
     @overload
-    def build(self, kind: Literal["rewards"], spec: Any) -> Reward: ...
+    def build(self, kind: Literal["rewards"], spec: ComponentRef) -> Reward: ...
     @overload
-    def build(self, kind: Literal["generators"], spec: Any) -> Generator: ...
+    def build(self, kind: Literal["generators"], spec: ComponentRef) -> Generator: ...
     @overload
-    def build(self, kind: Literal["advantages"], spec: Any) -> AdvantageEstimator: ...
+    def build(self, kind: Literal["advantages"], spec: ComponentRef) -> AdvantageEstimator: ...
     @overload
-    def build(self, kind: Literal["losses"], spec: Any) -> PolicyLoss: ...
+    def build(self, kind: Literal["losses"], spec: ComponentRef) -> PolicyLoss: ...
     @overload
-    def build(self, kind: Literal["balancers"], spec: Any) -> Balancer: ...
+    def build(self, kind: Literal["balancers"], spec: ComponentRef) -> Balancer: ...
     @overload
-    def build(self, kind: Literal["transports"], spec: Any) -> Transport: ...
+    def build(self, kind: Literal["transports"], spec: ComponentRef) -> Transport: ...
     @overload
-    def build(self, kind: Literal["agents"], spec: Any) -> Agent: ...
+    def build(self, kind: Literal["agents"], spec: ComponentRef) -> Agent: ...
     @overload
-    def build(self, kind: Literal["loggers"], spec: Any) -> Logger: ...
+    def build(self, kind: Literal["loggers"], spec: ComponentRef) -> Logger: ...
     @overload
-    def build(self, kind: str, spec: Any) -> Any: ...
+    def build(self, kind: str, spec: ComponentRef) -> Any: ...
 
-    def build(self, kind: str, spec: Any) -> Any:
+    def build(self, kind: str, spec: ComponentRef) -> Any:
         """An instance of the component a config entry selects (a ``ComponentSpec``, or a bare name):
         a class is instantiated with its ``Config`` validated from the entry's ``args``; an object is
         returned as it is. Typed per kind: the caller holds the kind's Protocol (`rlx.protocols`)."""
@@ -283,7 +289,7 @@ def _check_kind(kind: str) -> str:
     return kind
 
 
-def _qualname(obj: Any) -> str:
+def _qualname(obj: object) -> str:
     obj = obj.function if isinstance(obj, FunctionComponent) else obj
     o = obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
     return f"{o.__module__}.{o.__qualname__}"
@@ -346,7 +352,7 @@ BUILTIN_PLUGINS = (
     "rlx.builtins.models",
     "rlx.builtins.transports",
     "rlx.builtins.loggers",
-    "rlx.builtins.kernels",
+    "rlx.builtins.matmul",
 )
 
 

@@ -85,7 +85,7 @@ def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
 
 def _check_kernels(cfg: Any, plugins: Plugins) -> list[Problem]:
     """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
-    from rlx.train.kernels import candidates
+    from rlx.train.kernel_choice import candidates
 
     problems: list[Problem] = []
     for op, choice in cfg.model.kernels.items():

@@ -212,9 +212,9 @@ def test_an_engine_that_cannot_read_shared_memory_gets_tensors_by_value_from_the
     import torch
 
     from rlx.plugins import build_plugins
-    from rlx.rollout.engines.protocol import EngineError
+    from rlx.rollout.engines.client import EngineError
     from rlx.transport import TransportContext
-    from rlx.transport.wire import deserialize_named_tensors
+    from rlx.transport.payloads import deserialize_named_tensors
 
     got, versions = [], []
 

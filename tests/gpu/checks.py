@@ -168,7 +168,7 @@ def sample_and_compare(fleet: Any, trainer: Any, n: int = 16, tokens: int = 24) 
 
     import torch
 
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
     from rlx.types import Sample, SampleStatus
 
     async def go():
@@ -234,7 +234,7 @@ def check_gdn(ctx: Ctx) -> None:
     import torch
 
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import candidates
+    from rlx.train.kernel_choice import candidates
     from rlx_kernel_flashqla.torch_gdn import chunk_gated_delta_rule as torch_gdn
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -434,7 +434,7 @@ def check_throughput(ctx: Ctx) -> None:
     from rlx.config import parse_config
     from rlx.plugins import build_plugins
     from rlx.rollout.engines.fleet import EngineFleet
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
     from rlx.train.trainer import Trainer
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 

@@ -24,7 +24,7 @@ def check_sglang_router(ctx: Ctx) -> None:
     with a log-prob per token."""
     import asyncio
 
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
 
     fleet = sglang_fleet(ctx, [{"name": "a", "backend": "sglang", "mem_fraction_static": 0.3},
                                {"name": "b", "backend": "sglang", "mem_fraction_static": 0.3}])
@@ -58,7 +58,7 @@ def check_sglang_transports(ctx: Ctx) -> None:
 
     from rlx.models.tiny import resolve_model_path
     from rlx.plugins import build_plugins
-    from rlx.rollout.engines.protocol import GenerateRequest
+    from rlx.rollout.engines.client import GenerateRequest
     from rlx.transport import TransportContext
     from rlx.transport.verify import Fingerprints
     from rlx.transport.verify import verify

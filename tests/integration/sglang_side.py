@@ -31,7 +31,7 @@ def _hash(t) -> str:
     import torch
 
     raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()  # as rlx.transport.wire.tensor_hash
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()  # as rlx.transport.payloads.tensor_hash
 
 
 def _newer() -> bool:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rlx.agent.server import AgentAdapter
 from rlx.config import SamplingConfig
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import EngineError, GenerateResult
+from rlx.rollout.engines.client import EngineError, GenerateResult
 from rlx.testing.background import BackgroundLoop
 
 pytestmark = pytest.mark.integration

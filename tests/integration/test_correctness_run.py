@@ -36,7 +36,7 @@ def test_full_verification_sees_what_a_sampled_check_cannot(tiny_model_path, tmp
     from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
     from rlx.transport.verify import Fingerprints
     from rlx.transport.verify import served_dtypes, verify
-    from rlx.transport.wire import serialize_named_tensors
+    from rlx.transport.payloads import serialize_named_tensors
 
     state = load_file(f"{tiny_model_path}/model.safetensors")
     port = free_port()

@@ -100,7 +100,8 @@ def test_without_fault_tolerance_killing_the_engine_mid_rollout_is_a_clear_error
     async def go():
         async with RolloutSession(cfg, build_plugins()) as s:
             task = asyncio.create_task(s.manager.next_batch(1))
-            await asyncio.sleep(1.0)
+            while s.ctx.gate.in_flight == 0:  # generating: the kill lands mid-rollout
+                await asyncio.sleep(0.01)
             os.kill(s.fleet.engines[0].process.pid, signal.SIGKILL)
             await asyncio.wait_for(task, 60)
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
-from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest
+from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest
 from rlx.transport.group import engine_ranks, open_group
-from rlx.transport.wire import tensor_hash
+from rlx.transport.payloads import tensor_hash
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +138,7 @@ def exchanges(engine, tmp_path_factory):
             assert await c.begin_weight_update() is True
             from safetensors.torch import load_file
 
-            from rlx.transport.wire import serialize_named_tensors
+            from rlx.transport.payloads import serialize_named_tensors
 
             state = load_file(f"{path}/model.safetensors")
             await c.update_weights_from_tensor([serialize_named_tensors(list(state.items())[:3])], "7")

@@ -9,7 +9,7 @@ import torch
 
 from rlx.config import SamplingConfig
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import EngineClient, GenerateRequest
+from rlx.rollout.engines.client import EngineClient, GenerateRequest
 from rlx.rollout.session import vocab_size
 
 pytestmark = [pytest.mark.integration, pytest.mark.live]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlx.rollout.engines.protocol import EngineClient
+from rlx.rollout.engines.client import EngineClient
 from rlx.testing.processes import processes_tagged, wait_gone
 from rlx.testing.runs import small_run_config
 

@@ -53,7 +53,7 @@ def test_each_sample_calls_with_its_own_context_and_maximum_output(tmp_path, tin
             self.name = name
 
         async def generate(self, req, retries=0):
-            from rlx.rollout.engines.protocol import GenerateResult
+            from rlx.rollout.engines.client import GenerateResult
 
             seen.append((self.name, req.sampling_params["max_new_tokens"], req.sampling_params["temperature"]))
             return [GenerateResult(text="", output_ids=[5, 6], output_logprobs=[-1.0] * 2, finish_reason="length",

@@ -193,7 +193,7 @@ def test_gspo_averages_per_sequence_unless_told_otherwise_and_the_run_says_so():
 
 def test_engine_results_record_temperature_and_missing_log_probs_explicitly():
     from rlx.rollout.context import append_env_tokens, append_model_tokens
-    from rlx.rollout.engines.protocol import GenerateResult
+    from rlx.rollout.engines.client import GenerateResult
 
     def res(ids, lps, t):
         r = GenerateResult("", ids, lps, "stop", None, "1", [], 3, None, {})

@@ -4,7 +4,7 @@
 import pytest
 
 from rlx.config import EvalDatasetConfig, SamplingConfig
-from rlx.rollout.evaluate import dataset_metrics, pass_at_k, table
+from rlx.rollout.evaluator import dataset_metrics, pass_at_k, table
 from rlx.types import Sample, SampleStatus
 
 

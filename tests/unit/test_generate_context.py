@@ -6,7 +6,7 @@ import pytest
 
 from rlx.config import SamplingConfig
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import EngineError, GenerateResult
+from rlx.rollout.engines.client import EngineError, GenerateResult
 
 
 class Client:

@@ -358,7 +358,8 @@ def test_stream_mode_fills_a_bounded_queue_and_keeps_unfinished_groups(tmp_path)
         stop = asyncio.Event()
         task = asyncio.create_task(m.run_stream(queue, stop))
         got = [await queue.get() for _ in range(5)]
-        await asyncio.sleep(0.05)  # let the queue fill up again, so a put is blocked at stop
+        while not queue.full():  # filled up again, so that a put is blocked at stop
+            await asyncio.sleep(0.001)
         stop.set()
         await asyncio.wait_for(task, 5)
         while not queue.empty():

@@ -4,11 +4,11 @@ how ``model.kernels.matmul`` chooses between it and torch's own."""
 import pytest
 import torch
 
-from rlx.builtins import kernels as K
-from rlx.train import kernels as TK
+from rlx.builtins import matmul as K
+from rlx.train import kernel_choice as TK
 from rlx.errors import RLXError
 from rlx.plugins import build_plugins
-from rlx.train.kernels import use_matmul
+from rlx.train.kernel_choice import use_matmul
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import torch
 def test_serialized_views_carry_only_their_own_elements():
     import base64
 
-    from rlx.transport.wire import deserialize_named_tensors, serialize_named_tensors
+    from rlx.transport.payloads import deserialize_named_tensors, serialize_named_tensors
 
     buffer = torch.arange(1_000_000, dtype=torch.float32)  # like megatron's one buffer for all parameters
     view = buffer[10:20]
@@ -60,7 +60,7 @@ def test_shared_memory_payloads_carry_handles_and_read_back_exactly(tmp_path, mo
     import base64
 
     from rlx.transport import shm
-    from rlx.transport.wire import deserialize_named_tensors, serialize_named_tensors
+    from rlx.transport.payloads import deserialize_named_tensors, serialize_named_tensors
 
     monkeypatch.setattr(shm, "shm_dir", lambda: tmp_path)
     buffer = torch.randn(300_000)
@@ -93,7 +93,7 @@ def test_shared_memory_handles_are_checked(tmp_path, monkeypatch):
     import pytest
 
     from rlx.transport import shm
-    from rlx.transport.wire import WireError, deserialize_named_tensors
+    from rlx.transport.payloads import WireError, deserialize_named_tensors
 
     monkeypatch.setattr(shm, "shm_dir", lambda: tmp_path)
 

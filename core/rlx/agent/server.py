@@ -29,12 +29,12 @@ from typing import Any
 
 from aiohttp import web
 
-from rlx.agent import wire
+from rlx.agent import formats
 from rlx.agent.parsers import parser_for
 from rlx.agent.tito import Renderer, Session
 from rlx.http import bearer_key, serve_local
 from rlx.protocols import Generation
-from rlx.rollout.engines.protocol import EngineError, GenerateResult
+from rlx.rollout.engines.client import EngineError, GenerateResult
 
 
 class AgentAdapter:
@@ -126,19 +126,19 @@ class AgentAdapter:
             return self.sessions.get(self.keys[key])
         if key and secrets.compare_digest(key, self.api_key):
             return None
-        raise wire.WireError(401, "missing or invalid API key" if key else "no API key: send Authorization: Bearer "
+        raise formats.WireError(401, "missing or invalid API key" if key else "no API key: send Authorization: Bearer "
                              "KEY or x-api-key: KEY", "authentication_error")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError) as e:
-            raise wire.WireError(400, f"the request body is not valid JSON: {e}") from None
+            raise formats.WireError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            raise wire.WireError(400, "the request body must be a JSON object")
+            raise formats.WireError(400, "the request body must be a JSON object")
         return body
 
-    def _session(self, request: web.Request, req: wire.Request) -> Session:
+    def _session(self, request: web.Request, req: formats.Request) -> Session:
         hint = request.headers.get("x-rlx-session") or req.session_hint
         if hint is None:
             return Session("ephemeral", self.renderer, compare=False)
@@ -155,11 +155,11 @@ class AgentAdapter:
             session = self._auth(request)
             body = await self._body(request)
             if api == "chat":
-                req = wire.parse_chat(body)
+                req = formats.parse_chat(body)
             elif api == "responses":
-                req = wire.parse_responses(body, self.history)
+                req = formats.parse_responses(body, self.history)
             else:
-                req = wire.parse_messages(body)
+                req = formats.parse_messages(body)
             session = session or self._session(request, req)
             ctx = session.ctx or self.ctx
             chain, ids, turn = session.prepare(req.messages, req.tools)
@@ -171,7 +171,7 @@ class AgentAdapter:
                     text="", output_ids=[], output_logprobs=[], finish_reason="length", matched_stop=None,
                     weight_version="", token_weight_versions=[], prompt_tokens=len(ids), rid=None, raw={}),
                     {"role": "assistant", "content": ""}, self.eos_id)
-                raise wire.too_long(api, len(ids), context)
+                raise formats.too_long(api, len(ids), context)
             # more than fits is cut to fit (by GenerateContext.generate); unset: up to the context, as the APIs do
             want = req.max_tokens if req.max_tokens is not None else room
             cap = session.max_output_tokens or self.max_output_tokens
@@ -198,7 +198,7 @@ class AgentAdapter:
                 # so that the harness goes on (harnesses treat max_tokens as an error or ask to continue, which
                 # the budget forbids). The sample still records the cut (finish "length").
                 finish = "stop"
-            reply = wire.Reply(self.parse(text), finish, matched, len(ids), len(res.output_ids),
+            reply = formats.Reply(self.parse(text), finish, matched, len(ids), len(res.output_ids),
                                cached_tokens=res.cached_tokens)
             session.record(chain, turn, res, reply.message(), self.eos_id)
             if api == "responses":
@@ -208,27 +208,27 @@ class AgentAdapter:
             if req.stream:
                 out = await self._stream(request, api, req, reply)
             elif api == "chat":
-                out = web.json_response(wire.chat_response(req, reply))
+                out = web.json_response(formats.chat_response(req, reply))
             elif api == "responses":
-                out = web.json_response(wire.responses_response(req, reply))
+                out = web.json_response(formats.responses_response(req, reply))
             else:
-                out = web.json_response(wire.messages_response(req, reply))
+                out = web.json_response(formats.messages_response(req, reply))
             self.overheads.append(time.perf_counter() - t0 - engine_s)
             return out
-        except wire.WireError as e:
-            return web.json_response(wire.error_body(api, e), status=e.status)
+        except formats.WireError as e:
+            return web.json_response(formats.error_body(api, e), status=e.status)
         except EngineError as e:
             if e.status in (400, 413):  # the engine refused the request itself (SGLang's checks, e.g. a prompt past
                 #                         its context): the caller's error, not worth a retry
-                error = wire.WireError(400, f"the engine refused the request: {e}")
+                error = formats.WireError(400, f"the engine refused the request: {e}")
             else:
-                error = wire.WireError(503, f"engine error: {e}", "api_error")
-            return web.json_response(wire.error_body(api, error), status=error.status)
+                error = formats.WireError(503, f"engine error: {e}", "api_error")
+            return web.json_response(formats.error_body(api, error), status=error.status)
 
-    async def _stream(self, request: web.Request, api: str, req: wire.Request, reply: wire.Reply) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, api: str, req: formats.Request, reply: formats.Reply) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        events = {"chat": wire.chat_stream, "responses": wire.responses_stream, "messages": wire.messages_stream}[api]
+        events = {"chat": formats.chat_stream, "responses": formats.responses_stream, "messages": formats.messages_stream}[api]
         for chunk in events(req, reply):
             await resp.write(chunk)
         await resp.write_eof()
@@ -237,17 +237,17 @@ class AgentAdapter:
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
             self._auth(request)
-            req = wire.parse_messages(await self._body(request), count_only=True)
+            req = formats.parse_messages(await self._body(request), count_only=True)
             n = len(self.renderer.prompt(req.messages, req.tools))
             return web.json_response({"input_tokens": n})
-        except wire.WireError as e:
-            return web.json_response(wire.error_body("messages", e), status=e.status)
+        except formats.WireError as e:
+            return web.json_response(formats.error_body("messages", e), status=e.status)
 
     async def models(self, request: web.Request) -> web.Response:
         try:
             self._auth(request)
-        except wire.WireError as e:
-            return web.json_response(wire.error_body("chat", e), status=e.status)
+        except formats.WireError as e:
+            return web.json_response(formats.error_body("chat", e), status=e.status)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlx",
              "type": "model", "display_name": self.model_name, "created_at": "1970-01-01T00:00:00Z"}]})
@@ -256,25 +256,25 @@ class AgentAdapter:
         """Session management takes the adapter's own key: a session's key (which a harness, and the code it
         runs, holds) only talks to the model."""
         if self._auth(request) is not None:
-            raise wire.WireError(403, "a session's key cannot manage sessions: use the adapter's API key",
+            raise formats.WireError(403, "a session's key cannot manage sessions: use the adapter's API key",
                                  "permission_error")
 
     async def new_session(self, request: web.Request) -> web.Response:
         try:
             self._admin(request)
-        except wire.WireError as e:
-            return web.json_response(wire.error_body("chat", e), status=e.status)
+        except formats.WireError as e:
+            return web.json_response(formats.error_body("chat", e), status=e.status)
         session, key = self.open_session()
         return web.json_response({"session_id": session.id, "api_key": key})
 
     async def get_session(self, request: web.Request) -> web.Response:
         try:
             self._admin(request)
-        except wire.WireError as e:
-            return web.json_response(wire.error_body("chat", e), status=e.status)
+        except formats.WireError as e:
+            return web.json_response(formats.error_body("chat", e), status=e.status)
         s = self.sessions.get(request.match_info["sid"])
         if s is None:
-            return web.json_response(wire.error_body("chat", wire.WireError(404, "no such session")), status=404)
+            return web.json_response(formats.error_body("chat", formats.WireError(404, "no such session")), status=404)
         return web.json_response({
             "session_id": s.id, "chains": len(s.chains), "mismatches": s.mismatch_counts(),
             "turns": [{"kind": t.kind, "chain": t.chain, "new_tokens": t.new_tokens, "sampled": t.sampled,

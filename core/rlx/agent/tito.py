@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.rollout.context import append_env_tokens, append_model_tokens
-from rlx.rollout.engines.protocol import GenerateResult
+from rlx.rollout.engines.client import GenerateResult
 from rlx.types import Sample, SampleStatus
 
 PLACEHOLDER = "\u2063rlx-assistant-turn\u2063"

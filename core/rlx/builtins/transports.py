@@ -89,9 +89,9 @@ class TensorTransport:
               f"this host, by value to {far}; CUDA tensors as IPC handles", flush=True)
 
     async def send(self, named, version: int, ctx) -> None:
-        from rlx.rollout.engines.protocol import EngineError
+        from rlx.rollout.engines.client import EngineError
         from rlx.transport import buckets
-        from rlx.transport.wire import serialize_named_tensors
+        from rlx.transport.payloads import serialize_named_tensors
 
         # the only sender sets the version with its last bucket, which is then the commit (one call fewer)
         self.versioned = None

@@ -14,6 +14,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
+#: A config value as YAML or --set gave it, before the schema validates it (what a `mode="before"` validator sees).
+Raw = Any
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -25,7 +29,7 @@ class ComponentSpec(Section):
     args: dict[str, Any] = Field(default_factory=dict)  # validated by the component's Config class
 
     @classmethod
-    def coerce(cls, v: Any) -> Any:
+    def coerce(cls, v: Raw) -> Raw:
         return {"name": v} if isinstance(v, str) else v
 
 
@@ -42,7 +46,7 @@ class RunConfig(Section):
 
     @field_validator("loggers", mode="before")
     @classmethod
-    def _loggers(cls, v: Any) -> Any:
+    def _loggers(cls, v: Raw) -> Raw:
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
 
@@ -210,17 +214,17 @@ class RolloutConfig(Section):
 
     @field_validator("generator", mode="before")
     @classmethod
-    def _generator(cls, v: Any) -> Any:
+    def _generator(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
 
     @field_validator("rewards", mode="before")
     @classmethod
-    def _rewards(cls, v: Any) -> Any:
+    def _rewards(cls, v: Raw) -> Raw:
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
     @field_validator("rewards")
     @classmethod
-    def _unique_rewards(cls, v: Any) -> Any:
+    def _unique_rewards(cls, v: Raw) -> Raw:
         return unique_rewards(v)
 
     @model_validator(mode="after")
@@ -311,7 +315,7 @@ class ObjectiveConfig(Section):
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod
-    def _component(cls, v: Any) -> Any:
+    def _component(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
 
     @model_validator(mode="after")
@@ -370,7 +374,7 @@ class TrainConfig(Section):
 
     @field_validator("balancer", mode="before")
     @classmethod
-    def _component(cls, v: Any) -> Any:
+    def _component(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
 
 
@@ -401,12 +405,12 @@ class WeightSyncConfig(Section):
 
     @field_validator("transport", mode="before")
     @classmethod
-    def _component(cls, v: Any) -> Any:
+    def _component(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
 
     @field_validator("verify", mode="before")
     @classmethod
-    def _verify(cls, v: Any) -> Any:
+    def _verify(cls, v: Raw) -> Raw:
         # YAML reads a bare off/on as a boolean
         return {False: "off", True: "sample"}.get(v, v) if isinstance(v, bool) else v
 
@@ -440,12 +444,12 @@ class EvalDatasetConfig(Section):
 
     @field_validator("rewards", mode="before")
     @classmethod
-    def _rewards(cls, v: Any) -> Any:
+    def _rewards(cls, v: Raw) -> Raw:
         return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
 
     @field_validator("rewards")
     @classmethod
-    def _unique_rewards(cls, v: Any) -> Any:
+    def _unique_rewards(cls, v: Raw) -> Raw:
         return unique_rewards(v)
 
     def effective_sampling(self, rollout: SamplingConfig) -> SamplingConfig:

@@ -1,7 +1,7 @@
 """What exists for CPU speed, fenced here: how many CPU threads each trainer rank and engine uses and whether their
 waiting threads sleep (`rlx.cpu.threads`), and how many cores each phase of a step used (`rlx.cpu.meter`). The
 settings are the ``cpu`` config section. (The oneDNN matrix-product kernel is a ``matmul`` kernel plugin,
-`rlx.builtins.kernels`, opt-in through ``model.kernels.matmul``.)
+`rlx.builtins.matmul`, opt-in through ``model.kernels.matmul``.)
 
 Ray gives an actor as many threads as CPUs it reserved (it sets ``OMP_NUM_THREADS``; one by default), so a
 trainer rank on an 8-core machine would train on one core while the engine beside it idles. rlx sets the
@@ -31,7 +31,7 @@ that calls it, and keeps it for that thread's life. With more OpenMP threads in 
 makes waiting threads sleep almost at once (its throttled spin), and every parallel op then waits for its threads
 to wake: an elementwise op on 2 cores went from 75 to 115 us, the tiny model's train step from 37 to 50 ms. So
 nothing but the thread that runs the model may run large torch ops: the matmul kernel's measurement runs on a
-thread of its own that ends (`rlx.builtins.kernels`), and a trainer skips megatron's collectives over one rank,
+thread of its own that ends (`rlx.builtins.matmul`), and a trainer skips megatron's collectives over one rank,
 which gloo would run on its own thread (`rlx.train.model.skip_lone_collectives`; a test counts the threads).
 
 A node's cores are what Ray counts for it (``ray.num_cpus`` for a cluster started here), or this process's

@@ -25,7 +25,7 @@ from rlx.config import Config
 from rlx.cpu.meter import CoreMeter
 from rlx.errors import Interrupted
 from rlx.orchestrate import checkpoint
-from rlx.orchestrate.evaluation import Evals
+from rlx.orchestrate.evals import Evals
 from rlx.orchestrate.metrics import DiffWatch, MetricsLog, objective_notes
 from rlx.orchestrate.placement import (make_trainers, place, ray_trainer_group, set_trainer_threads, shares_gpu,
                                        write_placement)
@@ -149,7 +149,7 @@ class Run:
         if self.evals and self.cfg.eval.at_start and not resume:
             await self.evals.run(0)  # the initial policy, before anything trains
         # where a trainer restart with no checkpoint of this run yet starts over from
-        self.initial = self.session.manager.state_dict() if self.session.manager is not None else {}
+        self.initial = self.session.manager.state_dict() if self.session.with_data else {}  # buffer runs: no manager
         self.batches.start()
 
     async def steps(self) -> None:

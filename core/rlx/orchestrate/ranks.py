@@ -15,12 +15,19 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rlx.config import Config
 from rlx.cpu.threads import process_env
 from rlx.errors import RLXError
 from rlx.net import node_ip, use_interface_of
+from rlx.types import RolloutBatch
+
+if TYPE_CHECKING:
+    import torch
+    from ray.util.placement_group import PlacementGroup
+
+    Tensors = dict[int, torch.Tensor]  # per sample id: a critic's values or targets
 
 
 def join_ranks(rank: int, world: int, master_addr: str, master_port: int, host: str) -> None:
@@ -90,16 +97,16 @@ class TrainerWorker:
 
         return process_cpu()
 
-    def train_step(self, batch: Any) -> dict[str, float | None]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
         return self.trainer.train_step(batch)
 
-    def train_actor(self, batch: Any, values: Any) -> tuple[dict[str, float], Any]:  # beside a critic's ranks
+    def train_actor(self, batch: RolloutBatch, values: Tensors) -> tuple[dict[str, float | None], Tensors]:  # beside a critic
         return self.trainer.train_actor(batch, values)
 
-    def values(self, batch: Any) -> Any:  # a critic rank's
+    def values(self, batch: RolloutBatch) -> Tensors:  # a critic rank's
         return self.trainer.values(batch)
 
-    def train_critic(self, batch: Any, returns: Any, values: Any) -> dict[str, float]:  # a critic rank's
+    def train_critic(self, batch: RolloutBatch, returns: Tensors, values: Tensors) -> dict[str, float]:  # a critic's
         return self.trainer.train(batch, returns, values)
 
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
@@ -152,7 +159,7 @@ class TrainerGroup(ABC):
     def _each(self, method: str, args: list[Any]) -> None:
         """Call `method` on rank r with ``args[r]``."""
 
-    def train_step(self, batch: Any) -> dict[str, float | None]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
         """Train on the batch; the metrics (global: every rank returns the same)."""
         return self._all("train_step", batch)[0]
 
@@ -202,7 +209,7 @@ class RayTrainerGroup(TrainerGroup):
     rendezvous. With ``role="critic"``: the critic's own ranks (``train.critic.parallel``), on the same bundles as
     the actor's."""
 
-    def __init__(self, cfg: Config, placement_group: Any, first_bundle: int, role: str = "trainer"):
+    def __init__(self, cfg: Config, placement_group: PlacementGroup, first_bundle: int, role: str = "trainer"):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -249,7 +256,7 @@ class RayTrainerGroup(TrainerGroup):
         ray.get([getattr(w, method).remote(a) for w, a in zip(self.workers, args, strict=True)])
 
     @staticmethod
-    def _dead_rank(refs: list[Any], error: Any) -> int | None:
+    def _dead_rank(refs: list[Any], error: BaseException) -> int | None:
         """Which rank's call failed because its actor died (the others may still wait in a collective)."""
         import ray
 
@@ -297,7 +304,7 @@ class CriticTrainerGroup(TrainerGroup):
     def cpu_seconds(self) -> list[tuple[str, float]]:
         return self.actor.cpu_seconds() + self.critic.cpu_seconds()
 
-    def train_step(self, batch: Any) -> dict[str, float | None]:
+    def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
         values = self.critic._all("values", batch)[0]
         metrics, returns = self.actor._all("train_actor", batch, values)[0]
         return {**self.critic._all("train_critic", batch, returns, values)[0], **metrics}
@@ -319,7 +326,7 @@ class CriticTrainerGroup(TrainerGroup):
         self.critic.shutdown()
 
 
-def ray_trainer_group(cfg: Config, placement_group: Any) -> TrainerGroup:
+def ray_trainer_group(cfg: Config, placement_group: PlacementGroup) -> TrainerGroup:
     """The run's trainer ranks in its placement group: the actor's, and the critic's when it has a layout of
     its own (on the actor's bundles, or on bundles of its own after them: ``train.critic.placement``)."""
     actor = RayTrainerGroup(cfg, placement_group, 0)
@@ -337,7 +344,7 @@ class TrainerDied(RLXError):
     """A trainer rank's process died (killed, out of memory, crashed): one line with the rank, where it ran
     and Ray's reason, instead of Ray's traceback."""
 
-    def __init__(self, rank: int | None, method: str, error: Any, role: str = "trainer"):
+    def __init__(self, rank: int | None, method: str, error: BaseException, role: str = "trainer"):
         import re
 
         text = str(getattr(error, "error_msg", "") or error)
@@ -352,9 +359,9 @@ class TrainerDied(RLXError):
         self.rank = rank
 
 
-def _reraise(e: Any) -> NoReturn:
+def _reraise(e: BaseException) -> NoReturn:
     """A user-facing error raised in a worker is re-raised as itself; anything else as it came."""
-    cause = e.cause if isinstance(getattr(e, "cause", None), RLXError) else None
-    if cause is not None:
+    cause = getattr(e, "cause", None)  # a Ray task error's: what the worker raised
+    if isinstance(cause, RLXError):
         raise cause from None
     raise e

@@ -32,7 +32,7 @@ from rlx.config import Config
 from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import EngineError
+from rlx.rollout.engines.client import EngineError
 from rlx.rollout.rewards import Rewards
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 

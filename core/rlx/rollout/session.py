@@ -82,11 +82,11 @@ class RolloutSession:
         return self._manager
 
     async def __aenter__(self) -> RolloutSession:
+        if self.with_data and self.cfg.data.path is None:
+            raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
         dataset = None
-        if self.with_data:
-            if self.cfg.data.path is None:
-                raise RLXError("data.path: a prompt file is required")
+        if self.with_data and self.cfg.data.path is not None:
             try:
                 dataset = PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
             except RLXError as e:

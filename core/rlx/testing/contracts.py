@@ -340,7 +340,7 @@ class TransportContract(_Contract):
         asyncio.run(push(5))
 
         async def check() -> None:
-            from rlx.transport.wire import tensor_hash
+            from rlx.transport.payloads import tensor_hash
 
             async with engines[0].client() as c:
                 assert await c.weight_version() == "5"

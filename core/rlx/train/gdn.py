@@ -7,7 +7,7 @@ a CPU) and refuses packed sequences. `GatedDeltaNet` here is the same layer in m
 * the mask of packed rows (`rlx.train.masks.BlockCausal`) turned into sequence offsets, so the causal convolution
   and the recurrence start afresh at each sample (a state carried from one sample into the next would make a
   packed row differ from each sample alone);
-* the gated delta rule from the kernels hook (``gdn``: FlashQLA, fla or torch, `rlx.train.kernels.select`),
+* the gated delta rule from the kernels hook (``gdn``: FlashQLA, fla or torch, `rlx.train.kernel_choice.select`),
   chosen once per device and dtype through the `kernel` callable the model spec gives it.
 
 Parameters (local names; the bridge maps HF's): ``in_proj.weight`` (column parallel; each tensor-parallel rank's
@@ -35,7 +35,8 @@ from megatron.core.transformer.module import MegatronModule
 from rlx.train.masks import BlockCausal
 
 
-def sequence_offsets(mask: Any, rows: int, width: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_offsets(mask: BlockCausal | torch.Tensor | None, rows: int, width: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens, starts)`` of the ``rows * width`` tokens of a micro-batch laid end to end (row by row):
     each packed sample is a sequence, and so is each row's padding after its samples (which nothing reads).
     `starts` holds, per token, the index of its sequence's first token. `mask`: a `BlockCausal`, None (each row
@@ -85,7 +86,7 @@ class _Weight(torch.nn.Module):
 
 class GatedDeltaNet(MegatronModule):
     """A GDN layer in megatron's ``self_attention`` slot (``[s, b, h]`` in, ``(out, bias)`` out). `kernel` maps
-    ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernels.select` behind it)."""
+    ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernel_choice.select` behind it)."""
 
     def __init__(self, config: Any, layer_number: int | None = None, pg_collection: Any = None,
                  kernel: Callable[..., Any] | None = None, **kwargs: Any):
@@ -126,8 +127,9 @@ class GatedDeltaNet(MegatronModule):
             self._kernels[key] = self.kernel_for(device=x.device, dtype=x.dtype, head_dim=self.dk)
         return self._kernels[key]
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, inference_context: Any = None,
-                packed_seq_params: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: BlockCausal | torch.Tensor | None = None,
+                inference_context: object = None, packed_seq_params: object = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:  # megatron's attention call (the last two: refused)
         if inference_context is not None or packed_seq_params is not None:
             raise ValueError("GDN layer: megatron's inference contexts and packed_seq_params are not supported "
                              "(packed rows come through the attention mask)")

@@ -34,9 +34,9 @@ solves megatron's ``mscale`` so that both give transformers' numbers, also when 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -45,6 +45,15 @@ from rlx.train.balance import FlopsModel
 from rlx.train.decoder import DecoderSpec, mean_ffn
 from rlx.train.moe import MoEShape
 from rlx.train.spec import Gather, HFCheckpoint, Stage, tp_chunk
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.autograd.function import FunctionCtx
+
+    from rlx.config import ParallelConfig
+    from rlx.train.spec import HFConfig
 
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
 
@@ -72,7 +81,7 @@ class MLAShape:
     mscale_all_dim: float = 0.0
 
     @classmethod
-    def from_hf(cls, c: Any) -> MLAShape:
+    def from_hf(cls, c: HFConfig) -> MLAShape:
         where = f"model.path: the {c.model_type} checkpoint"
         if getattr(c, "attention_bias", False):
             raise RLXError(f"{where} has attention_bias: true; megatron's latent attention has no projection biases")
@@ -150,7 +159,7 @@ class MLAShape:
 class LatentRMSNorm(torch.nn.RMSNorm):
     """The q/kv latent norms: eps 1e-6 as transformers' (megatron would pass the model's ``rms_norm_eps``)."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float | None = None, **kwargs: Any):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float | None = None, **kwargs: Any):
         super().__init__(hidden_size, eps=LATENT_EPS, dtype=config.params_dtype)
 
 
@@ -165,7 +174,7 @@ class MLADecoderSpec(DecoderSpec):
 
     # -- megatron side ---------------------------------------------------------------------------
 
-    def transformer_config(self, parallel: Any, dtype: Any, **common: Any) -> Any:
+    def transformer_config(self, parallel: ParallelConfig, dtype: torch.dtype, **common: Any) -> TransformerConfig:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         s = self.mla
@@ -177,14 +186,14 @@ class MLADecoderSpec(DecoderSpec):
         kw = {**self.config_kwargs(parallel, dtype), **s.transformer_kwargs(), "rotary_base": self.rope_theta}
         return MLATransformerConfig(**kw, **common)
 
-    def layer_spec(self, config: Any, stage: Stage) -> Any:
+    def layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
         spec = super().layer_spec(config, stage)  # latent attention, as config.multi_latent_attention says; SDPA
         for layer in spec.layer_specs if self.moe is not None else [spec]:
             attention = layer.submodules.self_attention.submodules
             attention.q_layernorm = attention.kv_layernorm = LatentRMSNorm
         return spec
 
-    def build(self, config: Any, stage: Stage) -> torch.nn.Module:
+    def build(self, config: TransformerConfig, stage: Stage) -> torch.nn.Module:
         if config.sequence_parallel:  # the hook below hands megatron a whole output, which SP would cut again
             raise RLXError("latent attention (rlx.train.mla) does not support sequence parallelism")
         model = super().build(config, stage)
@@ -242,11 +251,11 @@ class _SumGradOverTP(torch.autograd.Function):
     non-contiguous gradient of a slice the sum is lost.)"""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
         from megatron.core import parallel_state
 
         grad = grad.contiguous()
@@ -254,7 +263,8 @@ class _SumGradOverTP(torch.autograd.Function):
         return grad
 
 
-def _whole_rotary_key(module: Any, args: Any, output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+def _whole_rotary_key(module: MegatronModule, args: tuple[Any, ...],
+                      output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
     """A forward hook on ``linear_kv_down_proj`` under tensor parallelism (without sequence parallelism).
 
     megatron (0.16.1) gathers the column-parallel down projection's output over tensor-parallel ranks and splits it
@@ -286,7 +296,7 @@ def mla_flops(hidden: int, layers: int, ffn: int, vocab: int, heads: int, shape:
     return FlopsModel(float(per_token), float(per_pair))
 
 
-def deepseek_v3_spec(c: Any, moe_layers: Any) -> MLADecoderSpec:
+def deepseek_v3_spec(c: HFConfig, moe_layers: Iterable[int]) -> MLADecoderSpec:
     """The spec of a DeepSeek-V3-shaped model (latent attention, DeepSeek's router, shared experts) from its HF
     config `c`; `moe_layers` are the layers with experts (the family says which)."""
     from rlx.train.moe import deepseek_router

@@ -23,16 +23,21 @@ Choices:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rlx.errors import RLXError
 from rlx.train.packing import PackedBatch
 from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from rlx.config import OptimConfig, ParallelConfig
 
 
 @dataclass
@@ -73,7 +78,7 @@ class ParallelState:
         return self.dp_rank == 0 and self.tp_rank == 0
 
 
-def init_distributed(parallel: Any, seed: int, master_addr: str = "127.0.0.1",
+def init_distributed(parallel: ParallelConfig, seed: int, master_addr: str = "127.0.0.1",
                      key: str = "train.parallel") -> ParallelState:
     """Join (or create, for one process) the default process group and megatron's model-parallel groups.
 
@@ -185,7 +190,7 @@ class ModelRole:
     """One megatron model of this rank, built from a spec. Load its weights (`load_hf` or `load_from`),
     then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
 
-    def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: Any, dtype: torch.dtype,
+    def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: ParallelConfig, dtype: torch.dtype,
                  value_head: bool = False, routing_replay: bool = False):
         """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
         embeddings are never tied to it, and the HF checkpoint's output layer is not loaded. `routing_replay`
@@ -252,7 +257,7 @@ class ModelRole:
         self.optimizer: Any = None
         self.scheduler: Any = None
 
-    def start_training(self, optim: Any, total_updates: int) -> None:
+    def start_training(self, optim: OptimConfig, total_updates: int) -> None:
         """Wrap the loaded model for training with `optim` (an ``OptimConfig``)."""
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)
         self.trainable = True
@@ -270,13 +275,14 @@ class ModelRole:
         (``[1, hidden]``, as a transformers sequence-classification model with one label stores it) when
         there is one, else from zero (every value 0 at the start)."""
         if self.value_head:  # a reward model's checkpoint has no LM head: the bridge must not need to read one
-            ckpt = cast(HFCheckpoint, _LMHeadOptional(ckpt))  # it has what bridges call: in, get, shard, folder
-        named = self.spec.to_megatron(ckpt, self.stage)
-        if self.value_head:
-            named = self._with_value_head(named, ckpt)
+            optional = _LMHeadOptional(ckpt)  # it has what bridges call: in, get, shard, folder
+            named = self._with_value_head(self.spec.to_megatron(cast(HFCheckpoint, optional), self.stage), optional)
+        else:
+            named = self.spec.to_megatron(ckpt, self.stage)
         self._copy_in(named, f"model bridge for {self.spec.model_type!r}")
 
-    def _with_value_head(self, named: Any, ckpt: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def _with_value_head(self, named: Iterable[tuple[str, torch.Tensor]],
+                         ckpt: _LMHeadOptional) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in named:
             if name.startswith("output_layer."):
                 ckpt.missing.clear()  # what it lacked was the LM head's
@@ -297,7 +303,7 @@ class ModelRole:
         """Start from another role's current weights (same spec and layout), without reading the checkpoint."""
         self._copy_in(self._local_state(other.model).items(), f"role {other.name!r}")
 
-    def _copy_in(self, named: Any, source: str) -> None:
+    def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         if self.trainable:
             raise RLXError(f"{self.name}: weights are loaded before start_training, not after")
         state = self._local_state(self.model)
@@ -319,7 +325,7 @@ class ModelRole:
     def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
 
-    def _wrap(self, optim: Any, total_updates: int):
+    def _wrap(self, optim: OptimConfig, total_updates: int) -> tuple[Any, Any, Any]:  # megatron's DDP, optimizer, scheduler
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -345,7 +351,8 @@ class ModelRole:
 
     # -- forward / backward ----------------------------------------------------------------------
 
-    def _response_positions_only(self, module: Any, args: tuple, kwargs: dict) -> Any:
+    def _response_positions_only(self, module: torch.nn.Module, args: tuple[Any, ...],
+                                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The output layer (LM head or value head) runs on the hidden states of the positions whose outputs are
         used (those predicting response tokens), not on every packed position: prompts and row padding cost no
         vocabulary-wide matmul, softmax or copy. megatron's hidden states are ``[L, R, H]`` (sequence first); the
@@ -355,7 +362,7 @@ class ModelRole:
         cols, rows = self._keep
         return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
 
-    def _rotary_at_positions(self, module: Any, args: tuple, out: Any) -> Any:
+    def _rotary_at_positions(self, module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
         """megatron rotates the token at row position ``p`` by angles for ``p``: the rotary table ``[L, 1, 1, D]``
         for positions 0..L-1. In a packed row each sample's tokens are rotated for their place in the sample
         instead (`PackedBatch.position_ids`), as the engine rotates them: ``[L, R, 1, D]``. Attention scores
@@ -462,7 +469,7 @@ class ModelRole:
         state = self._local_state(self.model)
         par = self.par
 
-        def over(t: torch.Tensor, size: int, group: Any) -> list[torch.Tensor]:
+        def over(t: torch.Tensor, size: int, group: ProcessGroup | None) -> list[torch.Tensor]:
             if size == 1:
                 return [t]
             parts = [torch.empty_like(t) for _ in range(size)]

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 
 if TYPE_CHECKING:
-    from rlx.train.spec import Gather, HFCheckpoint, Stage
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter  # untyped: Any to the checker, named here
+    from torch.distributed import ProcessGroup
+
+    from rlx.config import ParallelConfig
+    from rlx.train.packing import PackedBatch
+    from rlx.train.spec import Gather, HFCheckpoint, HFConfig, Stage
+    from rlx.types import Sample
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class MoEShape:
     scaling: float | None = None  # routed weights multiplied by this
     aux_loss_coeff: float = 0.0  # load-balancing loss in the training loss (0: off)
 
-    def transformer_kwargs(self, num_layers: int, parallel: Any) -> dict[str, Any]:
+    def transformer_kwargs(self, num_layers: int, parallel: ParallelConfig) -> dict[str, Any]:
         """megatron ``TransformerConfig`` arguments for these experts under `parallel` (a ParallelConfig)."""
         kw: dict[str, Any] = dict(
             num_moe_experts=self.experts, moe_router_topk=self.topk, moe_ffn_hidden_size=self.ffn,
@@ -60,7 +67,7 @@ class MoEShape:
         return kw
 
 
-def deepseek_router(c: Any, layers: frozenset[int]) -> MoEShape:
+def deepseek_router(c: HFConfig, layers: frozenset[int]) -> MoEShape:
     """The experts of a family with DeepSeek-V3's router (DeepSeek-V3, GLM-4.5, GLM-4.7-Flash), read from its HF
     config `c`: sigmoid scores plus a per-expert correction bias (``e_score_correction_bias``, for selection only,
     updated by aux-loss-free balancing), the best ``topk_group`` of ``n_group`` groups, top-k within them, weights
@@ -169,13 +176,13 @@ class chunk_of_engine_routing:
     engine's routing the router carries (`RoutingReplay`) is cut to the same rows (pad rows: experts 0..k-1,
     not covered)."""
 
-    def __init__(self, router: Any, seq: int, batch: int, pad: int, rank: int, n: int):
+    def __init__(self, router: TopKRouter, seq: int, batch: int, pad: int, rank: int, n: int):
         self.router = router
         self.rows = slice(rank * n * batch, (rank + 1) * n * batch)
         self.pad_rows = pad * batch
         self.saved: tuple[Any, Any] = (None, None)
 
-    def _cut(self, t: Any, fill: Any) -> Any:
+    def _cut(self, t: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
         import torch
 
         if self.pad_rows:
@@ -204,14 +211,14 @@ class chunk_of_engine_routing:
             self.router.router_replay.target_topk_idx = target
 
 
-def sum_router_grads(model: Any, group: Any) -> None:
+def sum_router_grads(model: torch.nn.Module, group: ProcessGroup | None) -> None:
     """Sum the routers' gradients over the tensor-parallel `group` (see `split_sequence_around_experts`); call
     after the data-parallel reduction, as megatron's own tensor-parallel reductions run."""
     import torch
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.main_grad for name, p in model.named_parameters()
+    grads = [getattr(p, "main_grad") for name, p in model.named_parameters()  # megatron DDP's gradient buffer
              if p.requires_grad and ".mlp.router." in name and getattr(p, "main_grad", None) is not None]
     if not grads:
         return
@@ -239,7 +246,7 @@ class RouterStats:
     Pad rows the tensor-parallel split adds (`split_sequence_around_experts`) are not counted.
     """
 
-    def __init__(self, model: Any, spec_layers: int, experts: int, topk: int):
+    def __init__(self, model: torch.nn.Module, spec_layers: int, experts: int, topk: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.experts, self.topk, self.layers = experts, topk, spec_layers
@@ -259,7 +266,7 @@ class RouterStats:
         # would have chosen by itself (natural)
         self.agree = torch.zeros(3, dtype=torch.float64)
 
-    def _hook(self, router: Any, args: tuple, output: Any) -> None:
+    def _hook(self, router: TopKRouter, args: tuple[Any, ...], output: Any) -> None:  # megatron's router output
         import torch
 
         if not (router.training and torch.is_grad_enabled()):
@@ -286,7 +293,8 @@ class RouterStats:
             self.tokens[layer] += logits.shape[0]
             self.seen[layer] = 1
 
-    def _agreement(self, router: Any, logits: Any, used: Any, engine: Any, covered: Any) -> None:
+    def _agreement(self, router: TopKRouter, logits: torch.Tensor, used: torch.Tensor, engine: torch.Tensor,
+                   covered: torch.Tensor) -> None:
         """Count covered tokens whose experts (as a set) were the engine's: those the router used (replayed or
         chosen), and those its own top-k picks (megatron's routing function, without replay)."""
         import torch
@@ -342,7 +350,8 @@ class RouterStats:
 # -- rollout routing replay (R3) --------------------------------------------------------------------
 
 
-def engine_routing(batch: Any, layers: int, topk: int, required: bool, experts: int) -> tuple[Any, Any] | None:
+def engine_routing(batch: PackedBatch, layers: int, topk: int, required: bool,
+                   experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The experts the engine routed each token of a packed micro-batch to: ``(indices [R, W, layers, top_k],
     covered [R, W])`` from the samples' ``routed_experts`` (SGLang's int32 [rows, layers, top_k], rows <= the
     sample's tokens - 1). Positions no engine routing covers (each sample's last token, pads, samples without
@@ -384,7 +393,7 @@ def engine_routing(batch: Any, layers: int, topk: int, required: bool, experts: 
     return idx, covered
 
 
-def _no_routing(sample: Any) -> Exception:
+def _no_routing(sample: Sample) -> Exception:
     from rlx.errors import RLXError
 
     return RLXError(f"train.objective.routing_replay: sample {sample.sample_id} carries no routed experts; engines "
@@ -399,13 +408,13 @@ class RoutingReplay:
     way the routers carry them for `RouterStats` to compare with what they chose. The role's own routers are
     set directly, never through megatron's global list, which a second model (the reference) joins too."""
 
-    def __init__(self, model: Any, layers: int, topk: int, replay: bool, experts: int):
+    def __init__(self, model: torch.nn.Module, layers: int, topk: int, replay: bool, experts: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
         self.layers, self.topk, self.replay, self.experts = layers, topk, replay, experts
 
-    def set(self, batch: Any) -> Any:
+    def set(self, batch: PackedBatch) -> torch.Tensor | None:
         """Set the batch's engine routing on the routers; returns, with replay, the [R, W] positions replayed with
         placeholder experts (no engine routing), for the caller to mask out of routing statistics."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction

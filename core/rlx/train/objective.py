@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlx.protocols import LossInputs  # the policy loss's input, defined beside its contract
+from rlx.protocols import LossInputs as LossInputs  # re-exported: defined beside its contract
 from rlx.train.batch import TrainBatch
 from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 

@@ -16,7 +16,7 @@ longest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,7 +34,7 @@ class PackedBatch:
     seq_index: torch.Tensor  # [T] which sample (0..n-1, in `samples` order) each response token is from
     temperatures: torch.Tensor  # [T] the sampling temperature of each response token's distribution
     samples: list[Sample]  # in packed order
-    starts: list[tuple[int, int]] | None = None  # per sample (packed order): its row and first column
+    starts: list[tuple[int, int]] = field(default_factory=list)  # per sample (packed order): its row, first column
     pad_mask: torch.Tensor | None = None  # [R, L] True where no sample sits (megatron's MoE padding mask)
     # set by the trainer: the model's outputs are [1, T, ...] at `response_positions` only, not [R, L, ...]
     outputs_at_response: bool = False

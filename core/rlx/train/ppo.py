@@ -221,7 +221,7 @@ class CriticTrainer:
     def __init__(self, cfg: Any, plugins: Plugins, master_addr: str = "127.0.0.1"):
         from rlx.config import trainer_offloads
         from rlx.models.tiny import resolve_model_path
-        from rlx.train.kernels import matmul_choice, use_matmul
+        from rlx.train.kernel_choice import matmul_choice, use_matmul
         from rlx.train.offload import Residency
         from rlx.train.model import device, init_distributed, torch_dtype
         from rlx.train.spec import HFCheckpoint, model_spec

@@ -32,8 +32,13 @@ from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
 
 if TYPE_CHECKING:
-    from rlx.plugins import Plugins
     import torch
+    # megatron-core ships no types: these are Any to a type checker, and say what a value is
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rlx.config import ParallelConfig
+    from rlx.plugins import Plugins
 
 class Gather(Protocol):
     """How `ModelSpec.to_hf` reads the stage's megatron tensors (collective: every rank of the stage's
@@ -141,6 +146,10 @@ class HFCheckpoint:
         return t
 
 
+#: A transformers model config (``PretrainedConfig``): its attributes depend on the model family, so typed loosely.
+HFConfig = Any
+
+
 @runtime_checkable
 class ModelBridge(Protocol):
     """The ``models`` component kind: claims HF ``model_type`` values and describes how to build and convert
@@ -152,7 +161,7 @@ class ModelBridge(Protocol):
     def model_types(self) -> tuple[str, ...]:  # the HF ``model_type`` values it claims (a class attribute)
         ...
 
-    def spec(self, hf_config: Any) -> ModelSpec: ...
+    def spec(self, hf_config: HFConfig) -> ModelSpec: ...
 
 
 @dataclass
@@ -164,7 +173,7 @@ class ModelSpec(ABC):
     """
 
     model_type: str
-    hf_config: Any = field(repr=False)
+    hf_config: HFConfig = field(repr=False)
     num_layers: int
     vocab_size: int
     hidden_size: int
@@ -182,15 +191,15 @@ class ModelSpec(ABC):
     # -- megatron side ---------------------------------------------------------------------------
 
     @abstractmethod
-    def transformer_config(self, parallel: Any, dtype: torch.dtype, **common: Any) -> Any:
+    def transformer_config(self, parallel: ParallelConfig, dtype: torch.dtype, **common: Any) -> TransformerConfig:
         """megatron's TransformerConfig for `parallel` (a ParallelConfig). `common` holds what the
         trainer needs set on every model (loss per token, variable sequence lengths...)."""
 
     @abstractmethod
-    def layer_spec(self, config: Any, stage: Stage) -> Any:
+    def layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
         """megatron's ModuleSpec of a transformer layer (local, non Transformer Engine, on CPU)."""
 
-    def build(self, config: Any, stage: Stage) -> torch.nn.Module:
+    def build(self, config: TransformerConfig, stage: Stage) -> torch.nn.Module:
         """The megatron model of one pipeline stage, with uninitialised-but-allocated weights."""
         from megatron.core.models.gpt import GPTModel
 
@@ -217,10 +226,10 @@ class ModelSpec(ABC):
 
     def kernel(self, op: str, **query: Any) -> Any:
         """The kernel for `op` that ``model.kernels`` chooses (``auto`` if it names none) and that can run `query`
-        (device, dtype...): `rlx.train.kernels.select` over the run's plugins (the installed ones when the spec
+        (device, dtype...): `rlx.train.kernel_choice.select` over the run's plugins (the installed ones when the spec
         was made without them)."""
         from rlx.plugins import process_plugins
-        from rlx.train.kernels import select
+        from rlx.train.kernel_choice import select
 
         if self.plugins is None:
             self.plugins = process_plugins()
@@ -258,7 +267,7 @@ def split_qkv(fused: torch.Tensor, heads: int, kv_heads: int,
     return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous())
 
 
-def rope_theta(hf_config: Any, default: float = 10000.0) -> float:
+def rope_theta(hf_config: HFConfig, default: float = 10000.0) -> float:
     """RoPE base, wherever the transformers version keeps it."""
     rope = getattr(hf_config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None

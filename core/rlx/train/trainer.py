@@ -19,7 +19,7 @@ import torch
 from rlx.config import Config, trainer_offloads
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.train.kernels import matmul_choice, use_matmul
+from rlx.train.kernel_choice import matmul_choice, use_matmul
 from rlx.train.model import ModelRole, ParallelState, device, init_distributed, torch_dtype
 from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model

@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from rlx.protocols import TransportContext  # what a transport knows of the push, beside its contract
+from rlx.protocols import TransportContext as TransportContext  # re-exported: defined beside its contract
 
 
 def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:

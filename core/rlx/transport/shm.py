@@ -2,7 +2,7 @@
 
 The trainer copies a bucket of tensors into one file under ``/dev/shm`` (a `Segment`, reused bucket after
 bucket and push after push) and sends only a handle per tensor — file name, offset, dtype, shape — inside
-the ordinary ``/update_weights_from_tensor`` payload (`rlx.transport.wire`). The engine maps the file
+the ordinary ``/update_weights_from_tensor`` payload (`rlx.transport.payloads`). The engine maps the file
 (`Attachments`) and copies each tensor straight into its parameter: two memory copies per push, against
 pickling, base64 and JSON for tensors sent by value.
 
@@ -167,7 +167,7 @@ class SharedTensor:
 
 def shared_tensor(file: str, offset: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The name a payload's handles are pickled under; a payload is read with `Attachments`, never by this."""
-    raise RuntimeError("shared-memory handles are read by rlx.transport.wire's unpickler")
+    raise RuntimeError("shared-memory handles are read by rlx.transport.payloads's unpickler")
 
 
 class Attachments:

@@ -42,7 +42,7 @@ class Fingerprints:
         """Pass `named` through, remembering each tensor's first values (and hashes)."""
         import torch
 
-        from rlx.transport.wire import tensor_hash
+        from rlx.transport.payloads import tensor_hash
 
         for name, t in named:
             self.names.append(name)

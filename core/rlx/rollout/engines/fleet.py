@@ -22,7 +22,7 @@ from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.launch import (HOST, NO_AMX_ENV, ManagedProcess, embedded_command, free_port,
                                         sglang_command, sglang_cpu_args, wait_healthy)
-from rlx.rollout.engines.protocol import EngineClient, EngineError
+from rlx.rollout.engines.client import EngineClient, EngineError
 from rlx.rollout.engines.router import Router
 
 

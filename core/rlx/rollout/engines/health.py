@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from rlx.config import FaultToleranceConfig
 from rlx.rollout.engines.launch import wait_healthy
-from rlx.rollout.engines.protocol import EngineClient, EngineError
+from rlx.rollout.engines.client import EngineClient, EngineError
 
 if TYPE_CHECKING:
     from rlx.rollout.engines.fleet import Engine, EngineFleet

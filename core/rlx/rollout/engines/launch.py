@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx.net import LOOPBACK, free_port
-from rlx.rollout.engines.protocol import EngineClient, EngineError
+from rlx.rollout.engines.client import EngineClient, EngineError
 
 __all__ = ["HOST", "ManagedProcess", "embedded_command", "flags", "free_port", "sglang_command", "sglang_cpu_args",
            "wait_healthy"]

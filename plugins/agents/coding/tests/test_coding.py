@@ -20,7 +20,7 @@ from rlx.agent.server import AgentAdapter
 from rlx.config import SamplingConfig
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext
-from rlx.rollout.engines.protocol import GenerateResult
+from rlx.rollout.engines.client import GenerateResult
 from rlx.testing.background import BackgroundLoop
 
 ROOT = Path(__file__).resolve().parents[4]

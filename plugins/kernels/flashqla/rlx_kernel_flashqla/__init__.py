@@ -1,5 +1,5 @@
 """rlx kernel plugin for the gated delta rule (``op = "gdn"``), the recurrence of the gated delta net layers of
-Qwen3-Next and Qwen3.5, selected by model bridges through `rlx.train.kernels.select` (``model.kernels: {gdn:
+Qwen3-Next and Qwen3.5, selected by model bridges through `rlx.train.kernel_choice.select` (``model.kernels: {gdn:
 flashqla}``, ``fla``, ``torch`` or ``auto``):
 
 * ``gdn-flashqla`` (preferred): FlashQLA's chunked kernels, on GPUs of compute capability 9.0, 10.0, 10.3, 12.0 or

@@ -155,7 +155,7 @@ class TestFlaKernelContract(TestFlashQLAKernelContract):
 
 def test_auto_on_cpu_is_torch_logged_once_and_imports_no_gpu_package(capsys):
     from rlx.plugins import build_plugins
-    from rlx.train import kernels
+    from rlx.train import kernel_choice as kernels
 
     kernels._logged.clear()
     plugins = build_plugins()
@@ -170,7 +170,7 @@ def test_auto_on_cpu_is_torch_logged_once_and_imports_no_gpu_package(capsys):
 def test_a_named_kernel_that_cannot_run_is_an_error_saying_why():
     from rlx.errors import RLXError
     from rlx.plugins import build_plugins
-    from rlx.train.kernels import select
+    from rlx.train.kernel_choice import select
 
     plugins = build_plugins()
     with pytest.raises(RLXError, match=r"model.kernels.gdn: 'flashqla' cannot run here: FlashQLA .* not installed"):

@@ -71,7 +71,7 @@ def test_prefill_runs_the_kernel_model_kernels_chooses(engine_parts, capsys):
     by the kernels hook's, and the model's logits are unchanged (the torch kernel is transformers' math)."""
     import importlib
 
-    from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
+    from rlx.rollout.engines.embedded.gdn_kernel import use_gdn_kernel
 
     model, _ = engine_parts
     ids = torch.randint(3, 200, (2, 70), generator=torch.Generator().manual_seed(0))  # more than one chunk

@@ -26,7 +26,7 @@ def routed(res, layers=2, topk=2):
 def results(tmp_path_factory):
     from rlx.config import parse_config
     from rlx.rollout.engines.fleet import EngineFleet
-    from rlx.rollout.engines.protocol import EngineClient, EngineError, GenerateRequest
+    from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest
 
     cfg = parse_config("model: {path: builtin://tiny-qwen3-moe}\n"
                        "rollout: {routed_experts: true, engines: [{server_args: {num_threads: 1}}]}")

@@ -179,7 +179,7 @@ class Agent:
     async def _check_engine(self) -> None:
         """Once, at start: an engine that does not serve this host's version (it restarted, or another agent
         ran) gets the local checkpoint again."""
-        from rlx.rollout.engines.protocol import EngineClient
+        from rlx.rollout.engines.client import EngineClient
 
         if self.version is not None:
             async with EngineClient(self.engine, timeout_s=60) as c:
@@ -191,7 +191,7 @@ class Agent:
         self.engine_checked = True
 
     async def _reload(self, folder: Path, version: int) -> None:
-        from rlx.rollout.engines.protocol import EngineClient
+        from rlx.rollout.engines.client import EngineClient
 
         async with EngineClient(self.engine, timeout_s=600) as c:
             await c.update_weights_from_disk(str(folder), weight_version=str(version))

@@ -26,7 +26,7 @@ from rlx.rollout.engines.launch import (
 )
 from rlx.testing.contracts import TransportContract
 from rlx.transport import TransportContext
-from rlx.transport.wire import tensor_hash
+from rlx.transport.payloads import tensor_hash
 from rlx_transport_delta import codec
 from rlx_transport_delta.agent import Agent
 from rlx_transport_delta.codec import DeltaError

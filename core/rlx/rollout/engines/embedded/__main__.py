@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    from rlx.rollout.engines.embedded.kernels import use_gdn_kernel
+    from rlx.rollout.engines.embedded.gdn_kernel import use_gdn_kernel
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))
     from rlx.plugins import process_plugins
-    from rlx.train.kernels import matmul_choice, use_matmul
+    from rlx.train.kernel_choice import matmul_choice, use_matmul
 
     matmul = use_matmul(process_plugins(), matmul_choice(json.loads(args.kernels)), device,
                         getattr(torch, dtype), model.config.get_text_config().hidden_size, fallback=True)

@@ -284,7 +284,7 @@ class Scheduler:
 
     def _reset_batch(self) -> None:
         self.rows, self._cache, self._sampling = [], None, None
-        self._mask, self._pos, self._last = self._mask[:0, :0], self._pos[:0], self._last[:0]
+        self._mask, self._pos, self._last = self._mask.new_zeros((0, 0)), self._pos.new_zeros(0), self._last.new_zeros(0)
 
     def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: (keys, values) ``[B, heads, L, d]``, or for a linear-attention layer (convolution window

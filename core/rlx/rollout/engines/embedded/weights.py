@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlx.transport.wire import WireError, deserialize_named_tensors
+from rlx.transport.payloads import WireError, deserialize_named_tensors
 
 __all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
            "deserialize_named_tensors", "load_from_disk", "load_named", "served_state", "weights_by_name"]
@@ -120,7 +120,7 @@ def checksums(model: torch.nn.Module, names: list[str] | None, head: int | None 
     """Per-tensor hashes of the weights as served (all of them when `names` is None; of only the first
     `head` values of each when given), and every tensor's dtype (a model may keep some modules in another
     dtype than the rest)."""
-    from rlx.transport.wire import tensor_hash
+    from rlx.transport.payloads import tensor_hash
 
     state = served_state(model)
     unknown = [n for n in (names or []) if n not in state]

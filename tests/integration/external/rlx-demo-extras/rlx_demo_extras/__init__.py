@@ -125,7 +125,7 @@ class OneByOne:
 
     async def send(self, named, version, ctx) -> None:
         from rlx.transport import update_sessions
-        from rlx.transport.wire import serialize_named_tensors
+        from rlx.transport.payloads import serialize_named_tensors
 
         async with update_sessions(ctx.engines):
             for name, t in named:

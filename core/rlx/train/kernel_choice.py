@@ -19,7 +19,10 @@ from typing import TYPE_CHECKING, Any
 from rlx.errors import RLXError
 
 if TYPE_CHECKING:
+    import torch
+
     from rlx.plugins import Plugins
+    from rlx.protocols import Kernel
 
 _logged: set[tuple[str, str]] = set()
 _installed: dict[str, Any] = {"kernel": None, "library": None}
@@ -71,8 +74,8 @@ def matmul_choice(kernels: dict[str, str]) -> str:
     return kernels.get("matmul", "torch")
 
 
-def use_matmul(plugins: Plugins, choice: str = "torch", device: Any = None, dtype: Any = None, hidden: int = 512,
-               fallback: bool = False) -> Any:
+def use_matmul(plugins: Plugins, choice: str = "torch", device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None, hidden: int = 512, fallback: bool = False) -> Kernel:
     """Select this process's ``matmul`` kernel (``model.kernels.matmul``) and install it for torch's CPU matrix
     products (`install_matmul`); returns the kernel. ``auto`` lets a kernel measure whether
     it pays on this CPU (``measure=True`` in the query); a kernel chosen by name is taken as chosen. With
@@ -91,11 +94,12 @@ def use_matmul(plugins: Plugins, choice: str = "torch", device: Any = None, dtyp
     return kernel
 
 
-def _mm(a: Any, b: Any) -> Any:
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _installed["kernel"](a, b)
 
 
-def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
     kernel = _installed["kernel"]
     if hasattr(kernel, "addmm"):
         return kernel.addmm(bias, a, b, beta=beta, alpha=alpha)
@@ -105,7 +109,7 @@ def _addmm(bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
     return out.add_(bias, alpha=beta)
 
 
-def install_matmul(kernel: Any) -> None:
+def install_matmul(kernel: Kernel) -> None:
     """Make `kernel` (a ``matmul`` kernel: ``kernel(a, b)`` is ``a @ b``, with an optional ``addmm(bias, a, b,
     beta=, alpha=)``) this process's CPU ``aten::mm`` and ``aten::addmm``; a kernel with ``native = True``
     (``matmul-torch``) leaves torch's own in place, or puts it back. Autograd's backward products go through the

@@ -1,5 +1,5 @@
 """The embedded engine's gated delta rule (Qwen3-Next / Qwen3.5 GDN layers): the kernel ``model.kernels.gdn``
-chooses through the kernels hook (`rlx.train.kernels.select`), as the trainer's does, in place of transformers'
+chooses through the kernels hook (`rlx.train.kernel_choice.select`), as the trainer's does, in place of transformers'
 chunked function for prefill. Decoding one token at a time keeps transformers' recurrent step.
 
 The transformers modules are found from the model's own layers: those whose module defines a module-level
@@ -31,7 +31,7 @@ def use_gdn_kernel(model: Any, choice: str = "auto") -> Callable[[], None] | Non
         return None
     from rlx.errors import RLXError
     from rlx.plugins import process_plugins
-    from rlx.train.kernels import candidates, select
+    from rlx.train.kernel_choice import candidates, select
 
     plugins = process_plugins()
     if not candidates(plugins, "gdn"):

@@ -68,7 +68,7 @@ def export_checkpoint(cfg: Config, checkpoint: Path, hf: Path) -> None:
 
 async def evaluate(cfg: Config, plugins: Plugins, checkpoint: Path | None = None) -> tuple[dict[str, float], Path]:
     """Run every eval dataset on the policy; (metrics, path of eval.jsonl)."""
-    from rlx.rollout.evaluate import Evaluator, write_rows
+    from rlx.rollout.evaluator import Evaluator, write_rows
     from rlx.rollout.session import RolloutSession
 
     if not cfg.eval.datasets:
@@ -84,13 +84,13 @@ async def evaluate(cfg: Config, plugins: Plugins, checkpoint: Path | None = None
 
 
 class Evals:
-    """Evaluation during training (`rlx.rollout.evaluate`): at step 0, and after every ``eval.interval``
+    """Evaluation during training (`rlx.rollout.evaluator`): at step 0, and after every ``eval.interval``
     steps as a task beside the next step's rollout (sync) or the rollout stream (async), on the weights of
     the step it evaluates: the next weight push (or engine offload) waits for it. Results go to the loggers
     at the step evaluated, to ``eval.jsonl`` and to the terminal."""
 
     def __init__(self, cfg: Config, plugins: Plugins, session: RolloutSession, loggers: list[Any], out: Path):
-        from rlx.rollout.evaluate import Evaluator
+        from rlx.rollout.evaluator import Evaluator
 
         self.evaluator = Evaluator(cfg, plugins, session.ctx)
         self.names = [d.name for d in cfg.eval.datasets]
@@ -113,7 +113,7 @@ class Evals:
             return
         task, self.task = self.task, None
         metrics, samples = await task
-        from rlx.rollout.evaluate import write_rows
+        from rlx.rollout.evaluator import write_rows
 
         write_rows(self.out, self.step, metrics, samples)
         for logger in self.loggers:

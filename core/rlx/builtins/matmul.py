@@ -4,7 +4,7 @@ torch runs CPU matmuls (``aten::mm``, and ``aten::addmm`` for a linear layer wit
 its code path by CPU vendor: on AMD CPUs it does not use AVX-512, and oneDNN, which torch also ships, runs the
 same fp32 products about twice as fast there (this project's AMD EPYC, 2 threads: 190-210 GFLOP/s through MKL,
 380-460 through oneDNN; ``benchmarks/limits.py`` prints both). ``matmul-onednn`` routes those two ops through
-oneDNN in the process that installs it (`rlx.train.kernels.install_matmul`): the trainer's megatron layers forward and backward,
+oneDNN in the process that installs it (`rlx.train.kernel_choice.install_matmul`): the trainer's megatron layers forward and backward,
 and the embedded engine's model. oneDNN builds a primitive the first time it meets a shape (0.3-0.4 ms on this machine,
 more than a small product takes): a product of at least `ONEDNN_BIG_MACS` multiply-adds goes to oneDNN at once,
 a smaller one of at least `ONEDNN_MIN_MACS` once its shape has come `ONEDNN_REPEATS` times (a decode step's
@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rlx.hookspecs import Register, hookimpl
 from rlx.protocols import Kernel
+
+if TYPE_CHECKING:
+    import torch  # imported where a kernel runs: not when the plugins load
 
 ONEDNN_MIN_MACS = 1 << 22  # smaller products stay with torch's kernel (oneDNN's fixed cost per call is larger)
 ONEDNN_BIG_MACS = 1 << 26  # products this large go to oneDNN the first time: building its primitive costs less
@@ -35,11 +39,11 @@ ONEDNN_REPEATS = 8  # a product in between goes to oneDNN once its shape has com
 _SEEN_MAX = 1 << 14  # shapes counted before the count starts again (prompt lengths vary without end)
 ONEDNN_MIN_SPEEDUP = 1.3  # auto: oneDNN must be this much faster than torch's own on this CPU
 
-def _is_cpu(device: Any) -> bool:
+def _is_cpu(device: torch.device | str | None) -> bool:
     return device is None or str(device).split(":")[0] == "cpu"
 
 
-def _onednn_mm(a: Any, b: Any, bias: Any = None) -> Any:
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     import torch
 
     # a @ b as oneDNN's linear: out = a @ weight.t() (+ bias) with weight = b.t(), a view (no copy)
@@ -49,7 +53,7 @@ def _onednn_mm(a: Any, b: Any, bias: Any = None) -> Any:
 _seen: dict[tuple[int, int, int], int] = {}
 
 
-def _use_onednn(a: Any, b: Any) -> bool:
+def _use_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
     import torch
 
     if a.dtype is not torch.float32 or b.dtype is not torch.float32:
@@ -66,7 +70,7 @@ def _use_onednn(a: Any, b: Any) -> bool:
     return n > ONEDNN_REPEATS
 
 
-def _torch_mm(a: Any, b: Any) -> Any:
+def _torch_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.mm(a, b, out=a.new_empty((a.shape[0], b.shape[1])))  # aten::mm.out: torch's own kernel
@@ -98,7 +102,7 @@ def _measure(rows: int, hidden: int, reps: int) -> tuple[float, float]:
     out = torch.empty(rows, hidden)
     onednn = OneDNNMatmul()
 
-    def best(f: Any) -> float:
+    def best(f: Callable[[], object]) -> float:
         f()
         times = []
         for _ in range(reps):
@@ -115,7 +119,8 @@ class OneDNNMatmul:
     op = "matmul"
     priority = 10
 
-    def supports(self, device: Any = None, dtype: Any = None, measure: bool = True, hidden: int = 512,
+    def supports(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None, measure: bool = True,
+                 hidden: int = 512,
                  **query: Any) -> str | None:
         import torch
 
@@ -132,10 +137,11 @@ class OneDNNMatmul:
                         f"({onednn:.0f} against {own:.0f} GFLOP/s)")
         return None
 
-    def __call__(self, a: Any, b: Any) -> Any:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _onednn_mm(a, b) if _use_onednn(a, b) else _torch_mm(a, b)
 
-    def addmm(self, bias: Any, a: Any, b: Any, beta: Any = 1, alpha: Any = 1) -> Any:
+    def addmm(self, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1,
+              alpha: float = 1) -> torch.Tensor:
         import torch
 
         if (beta == 1 and alpha == 1 and bias.shape == (b.shape[1],) and bias.dtype is a.dtype
@@ -153,7 +159,7 @@ class TorchMatmul:
     def supports(self, **query: Any) -> str | None:
         return None
 
-    def __call__(self, a: Any, b: Any) -> Any:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return _torch_mm(a, b)
 
 

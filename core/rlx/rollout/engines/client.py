@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from rlx.errors import EngineError
-from rlx.types import GenerateResult
+from rlx.types import GenerateResult as GenerateResult  # re-exported: a generation's result is a type
 
 
 @dataclass
