@@ -17,12 +17,14 @@ match a spec below; a misspelled name or argument is rejected when the plugin lo
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     import typer
 
     from rlx.protocols import (Agent, AdvantageEstimator, Balancer, Generator, Kernel, Logger, PolicyLoss, Reward,

@@ -22,6 +22,7 @@ from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describ
 from rlx.errors import ConfigError, RLXError
 
 if TYPE_CHECKING:
+    from rlx.config import Config, ParallelConfig
     from rlx.plugins import Plugins
 
 Problem = tuple[tuple[Any, ...], str]
@@ -40,7 +41,7 @@ def config_checks(plugins: Plugins | None = None, files: bool = False) -> list[A
     return out
 
 
-def download_models(cfg: Any, source: Path, files: bool = True) -> None:
+def download_models(cfg: Config, source: Path, files: bool = True) -> None:
     """Download the models the config still names by Hub id (none were in the cache whole), then, with `files`,
     check them as folders; a `ConfigError` naming the key where that fails. For a config that passed its checks,
     so that no download waits on a mistake found in a second."""
@@ -53,7 +54,7 @@ def download_models(cfg: Any, source: Path, files: bool = True) -> None:
         raise ConfigError([(f"{source}: {format_path(keys)}", msg) for keys, msg in problems], source=str(source))
 
 
-def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
+def check_components(cfg: Config, plugins: Plugins) -> list[Problem]:
     """Every component name exists, and its args validate against the component's ``Config``."""
     problems: list[Problem] = []
     fields: list[tuple[tuple[Any, ...], str, Any]] = []
@@ -83,7 +84,7 @@ def check_components(cfg: Any, plugins: Plugins) -> list[Problem]:
     return problems + _check_critic(cfg, plugins) + _check_kernels(cfg, plugins)
 
 
-def _check_kernels(cfg: Any, plugins: Plugins) -> list[Problem]:
+def _check_kernels(cfg: Config, plugins: Plugins) -> list[Problem]:
     """``model.kernels`` names ops some installed kernel runs, and for each a kernel of that op or auto."""
     from rlx.train.kernel_choice import candidates
 
@@ -99,7 +100,7 @@ def _check_kernels(cfg: Any, plugins: Plugins) -> list[Problem]:
     return problems
 
 
-def _check_critic(cfg: Any, plugins: Plugins) -> list[Problem]:
+def _check_critic(cfg: Config, plugins: Plugins) -> list[Problem]:
     """``train.critic`` and ``kl_in_reward`` apply to estimators with a critic only (never silently ignored)."""
     name = cfg.train.objective.advantage.name
     if name not in plugins.components["advantages"]:
@@ -118,7 +119,7 @@ def _check_critic(cfg: Any, plugins: Plugins) -> list[Problem]:
     return problems
 
 
-def check(cfg: Any) -> list[Problem]:
+def check(cfg: Config) -> list[Problem]:
     problems: list[Problem] = []
     model_dir = _model_dir(cfg.model.path, ("model", "path"), problems)
     if cfg.model.tokenizer:
@@ -144,7 +145,7 @@ def check(cfg: Any) -> list[Problem]:
     return problems
 
 
-def hub_models(cfg: Any, download: bool) -> list[Problem]:
+def hub_models(cfg: Config, download: bool) -> list[Problem]:
     """Each model named by Hub id becomes its folder in the Hugging Face cache (downloaded first with `download`)."""
     from rlx.config import format_path
     from rlx.models.hub import cached, is_hub_id, local_folder
@@ -190,7 +191,7 @@ def _model_dir(path: str, where: tuple[Any, ...], problems: list[Problem]) -> Pa
     return None
 
 
-def _shape(model_dir: Path, key: tuple[Any, ...], par: Any) -> list[Problem]:
+def _shape(model_dir: Path, key: tuple[Any, ...], par: ParallelConfig) -> list[Problem]:
     """The layout `par` (a ParallelConfig at `key`) against the model's shape: TP divides the heads, PP the
     layers, and world_size is a multiple of tp*pp."""
     try:
@@ -222,7 +223,7 @@ def _shape(model_dir: Path, key: tuple[Any, ...], par: Any) -> list[Problem]:
     return out
 
 
-def _rows(cfg: Any, path: Path, where: tuple[Any, ...]) -> list[Problem]:
+def _rows(cfg: Config, path: Path, where: tuple[Any, ...]) -> list[Problem]:
     from rlx.data.datasets import PromptDataset
 
     try:

@@ -29,7 +29,7 @@ Only methods are checked; what they return is checked where it is used, with the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -85,6 +85,18 @@ class AdvantageEstimator(Protocol):
     name: str  # config selects the component by it (a class attribute)
 
     def advantages(self, groups: list[Group]) -> Mapping[int, float | Sequence[float]]: ...
+
+
+class CriticEstimator(AdvantageEstimator, Protocol):
+    """An estimator with a critic (``needs_critic = True``, like the built-in ``gae``): advantages and the critic's
+    targets (returns) from its values, per sample id and response token; `kl`, per-token KL to the reference, goes
+    into the reward times `kl_coef`."""
+
+    needs_critic: bool
+
+    def advantages_and_returns(self, groups: list[Group], values: Mapping[int, Sequence[float]],
+                               kl: Mapping[int, Sequence[float]] | None = None, kl_coef: float = 0.0
+                               ) -> tuple[Mapping[int, Sequence[float]], Mapping[int, Sequence[float]]]: ...
 
 
 @runtime_checkable
@@ -252,7 +264,7 @@ class FunctionComponent:
     processes this way (`rlx.rollout.rewards`), by reference for a module's function and by value (cloudpickle)
     for a closure made by a factory."""
 
-    def __init__(self, fn: Any, method: str):
+    def __init__(self, fn: Callable[..., Any], method: str):
         self.name: str = getattr(fn, "name", fn.__name__)
         self.function = fn
         self.__doc__ = fn.__doc__
@@ -262,7 +274,7 @@ class FunctionComponent:
         return f"<{self.name}: {getattr(self.function, '__module__', '?')}.{self.function.__qualname__}>"
 
 
-def as_component(kind: str, obj: Any) -> Any:
+def as_component(kind: str, obj: object) -> object:
     """A plain function registered as a component whose contract is one method (a reward's ``score``, a loss's
     ``loss``, an estimator's ``advantages``, a balancer's ``partition``, a generator's ``generate``, an agent's
     ``run``, a bridge's ``spec``) becomes a `FunctionComponent` with that method, as TRL and slime take reward
@@ -277,7 +289,7 @@ def as_component(kind: str, obj: Any) -> Any:
     return FunctionComponent(obj, methods[0].name)
 
 
-def contract_problems(kind: str, obj: Any) -> list[str]:
+def contract_problems(kind: str, obj: object) -> list[str]:
     """What `obj` lacks to be a component of `kind` (empty when it fulfils the contract)."""
     problems = []
     for attr, typ in ATTRIBUTES.get(kind, []):
@@ -304,7 +316,7 @@ def contract_problems(kind: str, obj: Any) -> list[str]:
     return problems
 
 
-def _lookup(obj: Any, name: str) -> Any:
+def _lookup(obj: object, name: str) -> Any:
     """The attribute `name` as the component defines it (not ``object``'s or ``type``'s own)."""
     if not inspect.isclass(obj) and name in getattr(obj, "__dict__", {}):
         return getattr(obj, name)
@@ -314,14 +326,14 @@ def _lookup(obj: Any, name: str) -> Any:
     return None
 
 
-def _static(obj: Any, name: str) -> Any:
+def _static(obj: object, name: str) -> object:
     try:
         return inspect.getattr_static(obj, name)
     except AttributeError:
         return None
 
 
-def _arity_problem(fn: Any, n: int, bound: bool) -> str | None:
+def _arity_problem(fn: Callable[..., Any], n: int, bound: bool) -> str | None:
     """None if `fn` accepts exactly the contract's `n` positional arguments (after self), else why not."""
     try:
         sig = inspect.signature(fn)

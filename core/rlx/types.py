@@ -11,6 +11,15 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: A JSON value as parsed (an object, array, string, number, bool or None): checked where it is read.
+JSON = Any
+#: A transformers tokenizer (``PreTrainedTokenizerBase``): its methods' types vary by model, so it is typed loosely.
+Tokenizer = Any
+#: A transformers model (``PreTrainedModel``) and its KV cache (``Cache``), loosely: their config, layers and cache
+#: layers vary by model family (a union the library's types do not narrow).
+HFModel = Any
+KVCache = Any
+
 
 class SampleStatus(str, enum.Enum):
     """Where a sample is in its life. Only COMPLETED and TRUNCATED samples are trained on."""
@@ -193,7 +202,7 @@ class GenerateResult:
         )
 
 
-def token_versions(spans: Any, n: int) -> list[str]:
+def token_versions(spans: JSON, n: int) -> list[str]:
     """Per-token weight versions from SGLang's ``meta_info.weight_versions`` spans (0.5.23+: a list of
     ``{"version", "start", "end"}`` over output-token positions, on finished results only); an empty list
     when the engine sends none (0.5.5 reports one ``weight_version`` per result) or the spans do not cover

@@ -14,9 +14,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.agent.parsers import Parsed
+
+if TYPE_CHECKING:
+    from rlx.types import JSON
 
 
 class WireError(Exception):
@@ -88,7 +91,7 @@ def _need(body: dict, key: str, kind: type | tuple, where: str = "") -> Any:
     return value
 
 
-def _opt(body: dict, key: str, kind: type | tuple, default: Any = None) -> Any:
+def _opt(body: dict, key: str, kind: type | tuple, default: JSON = None) -> Any:
     value = body.get(key, default)
     if value is None:
         return default
@@ -103,7 +106,7 @@ def _tname(kind: type | tuple) -> str:
     return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
 
 
-def _text_of(content: Any, where: str, ok=("text", "input_text", "output_text")) -> str:
+def _text_of(content: JSON, where: str, ok=("text", "input_text", "output_text")) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -119,7 +122,7 @@ def _text_of(content: Any, where: str, ok=("text", "input_text", "output_text"))
     raise WireError(400, f"{where}.content: expected a string or a list of parts")
 
 
-def _stops(value: Any) -> list[str]:
+def _stops(value: JSON) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -151,7 +154,7 @@ def _metadata_session(body: dict, *keys: str) -> str | None:
     return None
 
 
-def _sse(event: str | None, data: Any) -> bytes:
+def _sse(event: str | None, data: JSON) -> bytes:
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {json.dumps(data)}\n\n".encode()
 
@@ -427,7 +430,7 @@ def responses_stream(req: Request, r: Reply) -> Iterator[bytes]:
 # -- Anthropic Messages --------------------------------------------------------------------------
 
 
-def _anthropic_text(content: Any, where: str) -> str:
+def _anthropic_text(content: JSON, where: str) -> str:
     return _text_of(content, where, ok=("text",))
 
 

@@ -28,11 +28,14 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.rollout.context import append_env_tokens, append_model_tokens
 from rlx.rollout.engines.client import GenerateResult
 from rlx.types import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rlx.types import Tokenizer
 
 PLACEHOLDER = "\u2063rlx-assistant-turn\u2063"
 
@@ -40,7 +43,7 @@ PLACEHOLDER = "\u2063rlx-assistant-turn\u2063"
 class Renderer:
     """Chat-template rendering and tokenisation for one tokenizer."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
         self.eos_text = tokenizer.eos_token or ""
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -61,7 +61,7 @@ class TensorBoard:
         self.writer.flush()
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        def cell(v: Any) -> str:
+        def cell(v: object) -> str:
             return str(v).replace("|", "\\|").replace("\n", "<br>")
 
         table = "| prompt | response | reward |\n|---|---|---|\n" + "\n".join(

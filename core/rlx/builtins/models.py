@@ -7,12 +7,11 @@ Qwen2, so the bridge only reads its HF config.
 
 from __future__ import annotations
 
-from typing import Any
 
 from rlx import hookimpl
 from rlx.hookspecs import Register
 from rlx.train.decoder import DecoderSpec, decoder_flops
-from rlx.train.spec import ModelBridge, rope_theta
+from rlx.train.spec import HFConfig, ModelBridge, rope_theta
 
 
 class LlamaBridge:
@@ -21,7 +20,7 @@ class LlamaBridge:
     name = "llama"
     model_types = ("llama", "qwen2", "qwen3", "mistral")
 
-    def spec(self, hf_config: Any) -> DecoderSpec:
+    def spec(self, hf_config: HFConfig) -> DecoderSpec:
         c = hf_config
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads

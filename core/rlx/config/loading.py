@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, check_modes
+from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, Raw, check_modes
 from rlx.errors import ConfigError
 from rlx.models.hub import is_hub_id
 
@@ -145,7 +145,7 @@ def _without_refused(data: dict[str, Any], error: ValidationError) -> tuple[Conf
 _ABSENT = object()
 
 
-def _remove(data: Any, loc: tuple[Any, ...]) -> Any:
+def _remove(data: Raw, loc: tuple[Any, ...]) -> Raw:
     """Take the value at `loc` out of the raw tree; the value, or `_ABSENT` where there is none to take."""
     node = data
     for key in loc[:-1]:
@@ -261,12 +261,12 @@ def _known_keys(loc: tuple[Any, ...]) -> list[str]:
     return list(_fields_by_key(model))
 
 
-def _fields_by_key(model: Any) -> dict[str, Any]:
+def _fields_by_key(model: type[BaseModel] | None) -> dict[str, Any]:
     """A section's fields under the names YAML uses (the alias where there is one)."""
     return {f.alias or name: f for name, f in (getattr(model, "model_fields", None) or {}).items()}
 
 
-def _model_of(annotation: Any) -> Any:
+def _model_of(annotation: object) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     origin = typing.get_origin(annotation)

@@ -585,7 +585,7 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     return problems
 
 
-def component_config(component: Any, args: dict[str, Any]) -> Any:
+def component_config(component: object, args: dict[str, Any]) -> BaseModel | None:
     """The component's validated ``Config`` instance, or None if it takes no config."""
     conf_cls = getattr(component, "Config", None)
     if conf_cls is None:

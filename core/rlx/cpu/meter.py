@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 
 def _kernel_and_pid_namespace() -> str:
@@ -71,7 +74,7 @@ class CoreMeter:
     interval when it reported at both ends (an engine restarted in between, whose counter went back, does not).
     """
 
-    def __init__(self, trainer_cpu: Any, engines: Any, clock: Any = time.monotonic, own_cpu: Any = None):
+    def __init__(self, trainer_cpu: Callable[[], list[tuple[str, float]]], engines: Callable[[], Iterable[Any]], clock: Callable[[], float] = time.monotonic, own_cpu: Callable[[], tuple[str, float]] | None = None):
         self.trainer_cpu = trainer_cpu
         self.engines = engines
         self.clock = clock  # wall time

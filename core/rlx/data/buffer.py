@@ -47,6 +47,8 @@ from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.rollout.engines.fleet import EngineFleet
+    from rlx.types import JSON, Tokenizer
 
 
 class Rejected(Exception):
@@ -71,7 +73,7 @@ def _unknown(given: dict, known: tuple[str, ...], where: str) -> None:
 
 
 class TrajectoryBuffer:
-    def __init__(self, cfg: Config, tokenizer: Any, plugins: Plugins, max_len: int | None = None):
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, plugins: Plugins, max_len: int | None = None):
         self.cfg = cfg
         self.tok = tokenizer
         self.plugins = plugins
@@ -130,7 +132,7 @@ class TrajectoryBuffer:
 
     # -- validation ------------------------------------------------------------------------------
 
-    def to_group(self, body: Any) -> Group:
+    def to_group(self, body: JSON) -> Group:
         if not isinstance(body, dict) or not isinstance(body.get("trajectories"), list) or not body["trajectories"]:
             raise Rejected("trajectories: a non-empty list is required")
         _unknown(body, ("trajectories", "metadata"), "the body")
@@ -158,7 +160,7 @@ class TrajectoryBuffer:
             self.next_sample_id += 1
         return Group(gid, samples, metadata={"received": time.time()})
 
-    def to_sample(self, t: Any, where: str) -> Sample:
+    def to_sample(self, t: JSON, where: str) -> Sample:
         if not isinstance(t, dict):
             raise Rejected(f"{where}: must be an object")
         _unknown(t, MESSAGE_FIELDS if "messages" in t else TOKEN_FIELDS, where)
@@ -182,7 +184,7 @@ class TrajectoryBuffer:
         s.status = SampleStatus.COMPLETED
         return s
 
-    def _ids(self, value: Any, where: str) -> list[int]:
+    def _ids(self, value: JSON, where: str) -> list[int]:
         if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
             raise Rejected(f"{where}: a list of token ids is required")
         bad = [x for x in value if not 0 <= x < self.vocab]
@@ -239,7 +241,7 @@ class TrajectoryBuffer:
         s.response_text = self.tok.decode([x for x, m in zip(resp, mask) if m], skip_special_tokens=True)
         return s
 
-    def _render(self, msgs: list[dict], tools: Any, first: int, where: str) -> tuple[list[int], list[int], list[int]]:
+    def _render(self, msgs: list[dict], tools: JSON, first: int, where: str) -> tuple[list[int], list[int], list[int]]:
         """Prompt ids, then each later message's tokens in turn: mask 1 on an assistant turn up to and
         including its stop token, 0 on everything the template or other roles add."""
 
@@ -282,7 +284,7 @@ class TrajectoryBuffer:
 class BufferBatches:
     """Batches of `n_prompts` groups from the buffer, in arrival order (the loop's batch source)."""
 
-    def __init__(self, cfg: Config, buffer: TrajectoryBuffer, fleet: Any, announce=None):
+    def __init__(self, cfg: Config, buffer: TrajectoryBuffer, fleet: EngineFleet, announce=None):
         self.cfg = cfg
         self.buffer = buffer
         self.fleet = fleet

@@ -18,10 +18,13 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import DataConfig
 from rlx.errors import RLXError
+
+if TYPE_CHECKING:
+    from rlx.types import JSON, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class PromptRow:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def tokenize_prompt(tokenizer: Any, row: PromptRow, chat: bool) -> list[int]:
+def tokenize_prompt(tokenizer: Tokenizer, row: PromptRow, chat: bool) -> list[int]:
     """The prompt's token ids, through the chat template when `chat` is set."""
     if chat:
         messages = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
@@ -108,7 +111,7 @@ class PromptDataset:
         for i, obj in enumerate(pq.read_table(self.path).to_pylist(), 1):
             yield i, obj
 
-    def _row(self, index: int, line: int, obj: Any) -> PromptRow:
+    def _row(self, index: int, line: int, obj: JSON) -> PromptRow:
         c = self.cfg
         if not isinstance(obj, dict):
             raise ValueError(f"expected an object, got {type(obj).__name__}")

@@ -19,10 +19,13 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.errors import RLXError
 from rlx.fsio import fsync_path, fsync_tree, write_synced
+
+if TYPE_CHECKING:
+    from rlx.orchestrate.ranks import TrainerGroup
 
 MARKER = "COMPLETE"
 
@@ -31,7 +34,7 @@ def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def save(root: Path, step: int, trainer: Any, rollout_state: dict[str, Any],
+def save(root: Path, step: int, trainer: TrainerGroup, rollout_state: dict[str, Any],
          meta: dict[str, Any], keep: int = 2) -> Path:
     """`trainer` has ``save(folder)``; it writes its own files into the new checkpoint folder. `meta` should
     carry ``run_id`` (pruning keeps to that run's checkpoints)."""

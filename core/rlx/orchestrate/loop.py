@@ -38,6 +38,8 @@ from rlx.rollout.session import RolloutSession
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.orchestrate.placement import RayPlacement
+    from rlx.types import RolloutBatch
 
 
 async def train(cfg: Config, plugins: Plugins, *, resume: bool = False, save_hf: Path | None = None,
@@ -114,7 +116,7 @@ class Run:
     """One run between its start and its end: where it is (step, weight version, last checkpoint, restarts), the
     step loop, and what each step ends with (metrics to the log and loggers, checkpoints, evaluations)."""
 
-    def __init__(self, cfg: Config, plugins: Plugins, placement: Any, trainers: Trainers, weights: Weights,
+    def __init__(self, cfg: Config, plugins: Plugins, placement: RayPlacement | None, trainers: Trainers, weights: Weights,
                  batches: BatchSource, session: RolloutSession, loggers: list[Any], stop: StopRequest,
                  progress: Callable[[int, dict[str, Any]], None] | None):
         self.cfg, self.plugins, self.placement, self.trainers = cfg, plugins, placement, trainers
@@ -177,7 +179,7 @@ class Run:
         if self.evals:
             await self.evals.wait()
 
-    async def report(self, batch: Any, record: dict[str, Any]) -> None:
+    async def report(self, batch: RolloutBatch, record: dict[str, Any]) -> None:
         """A step's record to metrics.jsonl, the loggers, plugins and `progress`; a few of its samples too."""
         step = self.step
         record["trainer/restarts"] = float(self.restarts)
@@ -222,6 +224,7 @@ class Run:
         print(f"rlx: restarting the trainers ({self.restarts} of train.max_restarts {cfg.train.max_restarts})",
               file=sys.stderr, flush=True)
         self.trainer.shutdown()
+        assert self.placement is not None, "trainer ranks that can die are Ray actors"
         self.trainers.group = trainer = await asyncio.to_thread(ray_trainer_group, cfg, self.placement.pg)
         await asyncio.to_thread(set_trainer_threads, cfg, self.placement, trainer)
         self.weights.trainer, self.weights.urls = trainer, None
@@ -248,7 +251,7 @@ class Trainers:
     """The run's trainer group, made in a thread from the moment the run starts (while the engines start);
     `group` is the current one (a restart replaces it), shut down when the run ends."""
 
-    def __init__(self, cfg: Config, placement: Any):
+    def __init__(self, cfg: Config, placement: RayPlacement | None):
         self.starting = asyncio.get_running_loop().run_in_executor(None, make_trainers, cfg, placement)
         self.group: TrainerGroup | None = None
 
@@ -316,7 +319,7 @@ async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights:
     return batch, record
 
 
-def sample_rows(batch: Any, n: int = 8) -> list[dict[str, Any]]:
+def sample_rows(batch: RolloutBatch, n: int = 8) -> list[dict[str, Any]]:
     """A few of the step's trained samples as loggers tabulate them."""
     samples = [s for g in batch.groups for s in g.trainable][:n]
     return [{"prompt": s.prompt_text, "response": s.response_text, "reward": s.reward} for s in samples]

@@ -16,13 +16,18 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.errors import RLXError
 from rlx.net import node_ip
 from rlx.orchestrate.ranks import LocalTrainerGroup, TrainerGroup, ray_trainer_group
 from rlx.orchestrate.ray_head import end_token_auth, start_head, stderr_to
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+    from ray.util.placement_group import PlacementGroup
 
 
 def launched_engines(cfg: Config) -> int:
@@ -102,7 +107,8 @@ class RayPlacement:
                     f"{total.get(res, 0):g}; lower ray.cpus_per_trainer / ray.cpus_per_engine (fractions are "
                     f"fine), set ray.num_cpus, or use ray.placement: colocated")
 
-    def _place(self, cfg: Config, ray: Any, placement_group: Any, bundles: list[dict[str, float]]) -> None:
+    def _place(self, cfg: Config, ray: ModuleType, placement_group: Callable[..., PlacementGroup],
+               bundles: list[dict[str, float]]) -> None:
         rc = cfg.ray
         actors = cfg.train.parallel.world_size
         engines = launched_engines(cfg)
@@ -218,7 +224,7 @@ class EngineHost:
 class RayProcess:
     """The ManagedProcess interface, for an engine process that an `EngineHost` actor owns."""
 
-    def __init__(self, host: Any, log_path: Path):
+    def __init__(self, host: Any, log_path: Path):  # host: a Ray actor handle of an EngineHost
         self.host = host
         self.log_path = log_path
         self._identity: str | None = None
@@ -300,7 +306,7 @@ def place(cfg: Config, verbose: bool = False) -> Any:
     return RayPlacement(cfg, verbose) if cfg.ray.enabled else None
 
 
-def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
+def make_trainers(cfg: Config, placement: RayPlacement | None) -> TrainerGroup:
     """The trainer group with its threads set: Ray actors in `placement`, or one local rank when it is None."""
     trainer = LocalTrainerGroup(cfg) if placement is None else ray_trainer_group(cfg, placement.pg)
     try:
@@ -311,7 +317,7 @@ def make_trainers(cfg: Config, placement: Any) -> TrainerGroup:
     return trainer
 
 
-def set_trainer_threads(cfg: Config, placement: Any, trainer: TrainerGroup) -> None:
+def set_trainer_threads(cfg: Config, placement: RayPlacement | None, trainer: TrainerGroup) -> None:
     """Each trainer rank's torch threads (`rlx.cpu`); logged once."""
     from rlx.cpu.threads import engine_threads, local_plan, process_env, waits_sleep_here
 

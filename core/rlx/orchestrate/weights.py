@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlx.orchestrate.ranks import TrainerGroup
+    from rlx.rollout.engines.fleet import EngineFleet
+    from rlx.types import RolloutBatch
 
 
 class Weights:
@@ -17,7 +19,7 @@ class Weights:
     transport follows the serving engines: set up again when one was taken out or came back. A push that
     failed because an engine failed (it fails a health probe now) is done again without that engine."""
 
-    def __init__(self, trainer: TrainerGroup, fleet: Any, out: Path, version: int = 0):
+    def __init__(self, trainer: TrainerGroup, fleet: EngineFleet, out: Path, version: int = 0):
         self.trainer, self.fleet, self.out = trainer, fleet, str(out)
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
@@ -35,7 +37,7 @@ class Weights:
         async with self.lock:
             await self._point(self.fleet.weight_targets)
 
-    async def train(self, batch: Any) -> dict[str, Any]:
+    async def train(self, batch: RolloutBatch) -> dict[str, Any]:
         async with self.lock:
             metrics = await asyncio.to_thread(self.trainer.train_step, batch)
             self.version += 1

@@ -29,12 +29,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlx.config import Config, engines_offload
 from rlx.errors import RLXError
 from rlx.rollout.manager import RolloutManager
 from rlx.types import Group, RolloutBatch
+
+if TYPE_CHECKING:
+    from rlx.rollout.engines.fleet import EngineFleet
 
 Push = Callable[[], Awaitable[Any]]
 log = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ class BatchSource(Protocol):
 
 
 class SyncBatches:
-    def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
+    def __init__(self, cfg: Config, manager: RolloutManager, fleet: EngineFleet):
         self.manager = manager
         self.fleet = fleet
         self.offload = engines_offload(cfg)
@@ -97,7 +100,7 @@ class SyncBatches:
 
 
 class AsyncBatches:
-    def __init__(self, cfg: Config, manager: RolloutManager, fleet: Any):
+    def __init__(self, cfg: Config, manager: RolloutManager, fleet: EngineFleet):
         self.cfg = cfg
         self.tc = cfg.train
         self.ac = cfg.train.async_
@@ -237,5 +240,5 @@ class AsyncBatches:
             log.warning("stopping the rollout stream: %s", e)
 
 
-def batch_source(cfg: Config, manager: RolloutManager, fleet: Any) -> BatchSource:
+def batch_source(cfg: Config, manager: RolloutManager, fleet: EngineFleet) -> BatchSource:
     return AsyncBatches(cfg, manager, fleet) if cfg.train.mode == "async" else SyncBatches(cfg, manager, fleet)

@@ -136,7 +136,7 @@ class GenerateContext:
                 batch.task.cancel()
             raise
 
-    def _launch(self, key: Any) -> None:
+    def _launch(self, key: Any) -> None:  # the key identical requests share (`_together`)
         batch = self._together.pop(key)
         if batch.waiting:
             batch.task = asyncio.ensure_future(self._send_together(batch))

@@ -48,6 +48,7 @@ from rlx.types import RewardResult, Sample, SampleStatus
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
     from rlx.protocols import Reward
+    from collections.abc import Callable
 
 
 @dataclass
@@ -67,7 +68,7 @@ def build_rewards(specs: list[RewardSpec], plugins: Plugins) -> list[BoundReward
     return [BoundReward(s.name, s.weight, plugins.build("rewards", s)) for s in specs]
 
 
-def as_result(value: Any, name: str) -> RewardResult:
+def as_result(value: object, name: str) -> RewardResult:
     if isinstance(value, RewardResult):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -79,7 +80,7 @@ class RewardFailed(Exception):
     """A reward that did not return: the message completes "reward 'NAME' ..."."""
 
 
-def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future, result: object, error: BaseException | None) -> None:
     if fut.done():  # timed out or cancelled meanwhile
         return
     if error is not None:
@@ -88,7 +89,7 @@ def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> No
         fut.set_result(result)
 
 
-def _hand_back(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def _hand_back(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: object, error: BaseException | None) -> None:
     try:
         loop.call_soon_threadsafe(_settle, fut, result, error)
     except RuntimeError:  # the loop is closed: nobody waits for it
@@ -119,7 +120,7 @@ class RewardThreads:
                 result, error = None, e
             _hand_back(loop, fut, result, error)
 
-    def run(self, fn: Any, arg: Any) -> asyncio.Future:
+    def run(self, fn: Callable[[Any], object], arg: object) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.jobs.put((loop, fut, fn, arg))
@@ -290,7 +291,7 @@ class RewardProcesses:
         for t in self.threads:
             t.start()
 
-    def register(self, reward: Any) -> str:
+    def register(self, reward: object) -> str:
         """Pickle `reward` once (a `pickle` error if it cannot be); the key its calls use."""
         payload = cloudpickle.dumps(reward)
         key = hashlib.blake2b(payload, digest_size=16).hexdigest()  # one config's reward loads once per worker

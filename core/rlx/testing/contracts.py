@@ -12,7 +12,7 @@ import asyncio
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -21,6 +21,10 @@ from rlx.protocols import LossInputs
 from rlx.config import RewardSpec, RolloutConfig
 from rlx.rollout.rewards import Rewards
 from rlx.types import GenerateResult, Group, RewardResult, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    import torch
+    from rlx.rollout.engines.client import GenerateRequest
 
 ODD_RESPONSES = [
     "",
@@ -90,7 +94,7 @@ class RewardContract(_Contract):
         rc = RolloutConfig(scoring={"isolation": isolation, "workers": 2})
         return Rewards([RewardSpec(name=self.reward_name, args=self.args)], self._plugins(), rc)
 
-    def _score(self, rewards: Rewards, response: str, label: Any) -> RewardResult:
+    def _score(self, rewards: Rewards, response: str, label: str | None) -> RewardResult:
         sample = Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5], response_text=response, label=label)
         scored = asyncio.run(rewards.score(sample))
         assert scored.status != SampleStatus.FAILED, f"{response[:40]!r}/{label!r}: {scored.error}"
@@ -183,7 +187,7 @@ class LossContract(_Contract):
         return self.loss_name
 
     @staticmethod
-    def inputs(n: int = 9, advantages: Any = None) -> LossInputs:
+    def inputs(n: int = 9, advantages: torch.Tensor | None = None) -> LossInputs:
         import torch
 
         g = torch.Generator().manual_seed(0)
@@ -230,7 +234,7 @@ class ScriptedEngine:
         self.requests: list[Any] = []
         self.sampled: list[list[int]] = []
 
-    async def generate(self, req: Any, *, retries: int = 0) -> list[Any]:
+    async def generate(self, req: GenerateRequest, *, retries: int = 0) -> list[Any]:
         self.requests.append(req)
         ids = self.outputs[(len(self.requests) - 1) % len(self.outputs)]
         self.sampled.append(list(ids))
@@ -305,7 +309,7 @@ class TransportContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.transport_name
 
-    def test_push_reaches_the_engine(self, tmp_path: Path, contract_engine: Any) -> None:
+    def test_push_reaches_the_engine(self, tmp_path: Path, contract_engine: tuple[str, str]) -> None:
         import torch
         from safetensors.torch import load_file
 
@@ -370,7 +374,7 @@ class LoggerContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.logger_name
 
-    def read_back(self, output_dir: Any) -> tuple[dict[str, Any], dict[int, dict[str, float]],
+    def read_back(self, output_dir: Path) -> tuple[dict[str, Any], dict[int, dict[str, float]],
                                                   dict[int, list[dict[str, Any]]]]:
         raise NotImplementedError(f"{type(self).__name__}: a LoggerContract subclass reads back what its logger "
                                   f"wrote, with the tracker's own reader")
@@ -445,14 +449,14 @@ class ModelBridgeContract(_Contract):
     def component_name(self) -> str:  # type: ignore[override]
         return self.bridge_name
 
-    def make_checkpoint(self, folder: Any) -> None:
+    def make_checkpoint(self, folder: Path) -> None:
         """Write a tiny HF checkpoint of the bridge's family into `folder` (override this)."""
         pytest.fail(f"{type(self).__name__} must define make_checkpoint(folder): a tiny checkpoint of its family")
 
     def test_config_has_defaults(self) -> None:
         self._plugins().bridge_for(self.model_type)
 
-    def _spec(self, folder: Any) -> Any:
+    def _spec(self, folder: Path) -> Any:
         from transformers import AutoConfig
 
         from rlx.train.spec import ModelSpec

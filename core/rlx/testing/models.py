@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def spread_weights(model: Any, bias_std: float = 0.2) -> None:
+def spread_weights(model: torch.nn.Module, bias_std: float = 0.2) -> None:
     """Redraw a tiny random model's weights wide enough that expert routing (top-k, groups) is decided well above
     float noise, so megatron and transformers pick the same experts: matrices N(0, 0.3), vectors 1 + N(0, 0.1),
     and DeepSeek-style correction biases (``e_score_correction_bias``) N(0, `bias_std`). Draws from torch's global

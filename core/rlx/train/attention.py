@@ -17,7 +17,7 @@ A plain tensor mask also works (megatron's convention: True where attention is n
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,15 @@ from megatron.core.transformer.module import MegatronModule
 
 from rlx.train.masks import BlockCausal, block_causal_attention
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
 
 class SDPACoreAttention(MegatronModule):
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
-                 pg_collection: Any = None, **kwargs: Any):
+                 pg_collection: object = None, **kwargs: Any):  # megatron's call; the groups are not used
         super().__init__(config=config)
         unsupported = {"window_size": getattr(config, "window_size", None) is not None,
                        "softmax_type": getattr(config, "softmax_type", "vanilla") != "vanilla",
@@ -45,9 +48,9 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
-                packed_seq_params: Any = None, **kwargs: Any) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: BlockCausal | torch.Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: torch.Tensor | None = None,
+                packed_seq_params: object = None, **kwargs: Any) -> torch.Tensor:
         """query [sq, b, heads, dk], key [sk, b, groups, dk], value [sk, b, groups, dv] -> [sq, b, heads * dv]."""
         if packed_seq_params is not None:
             raise ValueError("SDPACoreAttention takes packed rows through the attention mask, "

@@ -23,11 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.train import moe
 from rlx.train.balance import FlopsModel
 from rlx.train.spec import Gather, HFCheckpoint, ModelSpec, Stage, fuse_qkv, split_qkv
+
+if TYPE_CHECKING:
+    import torch
+    from megatron.core.transformer.spec_utils import ModuleSpec  # megatron ships no types: Any to a checker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rlx.config import ParallelConfig
 
 
 @dataclass
@@ -53,12 +60,12 @@ class DecoderSpec(ModelSpec):
 
     # -- megatron side ---------------------------------------------------------------------------
 
-    def transformer_config(self, parallel: Any, dtype: Any, **common: Any) -> Any:
+    def transformer_config(self, parallel: ParallelConfig, dtype: torch.dtype, **common: Any) -> TransformerConfig:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         return TransformerConfig(**self.config_kwargs(parallel, dtype), **common)
 
-    def config_kwargs(self, parallel: Any, dtype: Any) -> dict[str, Any]:
+    def config_kwargs(self, parallel: ParallelConfig, dtype: torch.dtype) -> dict[str, Any]:
         """megatron ``TransformerConfig`` arguments of this decoder (a family that needs another config class
         adds its own to these)."""
         import torch
@@ -75,7 +82,7 @@ class DecoderSpec(ModelSpec):
             use_cpu_initialization=True, pipeline_dtype=dtype, **experts,
         )
 
-    def layer_spec(self, config: Any, stage: Stage) -> Any:
+    def layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
         from rlx.train.attention import SDPACoreAttention

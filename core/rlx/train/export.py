@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx.transport import buckets
 from rlx.transport.sender import agree
 
+if TYPE_CHECKING:
+    from rlx.train.trainer import Trainer
+
 SHARD_BYTES = 1 << 30  # at most this many bytes per safetensors file
 
 
-def export_hf(trainer: Any, folder: Path) -> None:
+def export_hf(trainer: Trainer, folder: Path) -> None:
     """An HF checkpoint transformers loads: the original config and tokenizer, the actor's weights in
     safetensors shards of at most 1 GB written by each stage's sender, and their index. `folder` must
     be on storage every trainer host sees (with pipeline stages on several hosts)."""

@@ -25,7 +25,7 @@ and the causal convolution (q, k, v; SiLU after it); ``g = -exp(A_log) * softplu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from rlx.train.masks import BlockCausal
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def sequence_offsets(mask: BlockCausal | torch.Tensor | None, rows: int, width: int,
@@ -88,7 +91,7 @@ class GatedDeltaNet(MegatronModule):
     """A GDN layer in megatron's ``self_attention`` slot (``[s, b, h]`` in, ``(out, bias)`` out). `kernel` maps
     ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernel_choice.select` behind it)."""
 
-    def __init__(self, config: Any, layer_number: int | None = None, pg_collection: Any = None,
+    def __init__(self, config: TransformerConfig, layer_number: int | None = None, pg_collection: object = None,
                  kernel: Callable[..., Any] | None = None, **kwargs: Any):
         super().__init__(config=config)
         if kernel is None:
@@ -163,7 +166,7 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
     (Qwen3-Next's and Qwen3.5's norms, except the GDN output norm): built where megatron's layer specs take a
     norm, so checkpoints map weight for weight."""
 
-    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **kwargs: Any):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **kwargs: Any):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))

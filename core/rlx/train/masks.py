@@ -30,7 +30,7 @@ class BlockCausal:
                 raise ValueError(f"row {r}: blocks {row} do not fit a row of {self.width}")
         self.has_padding = any(sum(row) < self.width for row in self.blocks)  # some row ends in padding columns
 
-    def to(self, device: Any) -> BlockCausal:  # what the trainer does with a mask tensor
+    def to(self, device: torch.device | str) -> BlockCausal:  # what the trainer does with a mask tensor
         return self
 
     def dense(self) -> torch.Tensor:
@@ -46,7 +46,7 @@ class BlockCausal:
         causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
         return ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
 
-    def buckets(self, device: Any, ratio: float = 0.8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def buckets(self, device: torch.device | str, ratio: float = 0.8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The blocks in batches of about one length, for `block_causal_attention`; built once per device (every
         layer of a forward and its backward share them). Longest first, a batch takes blocks down to `ratio` of
         its longest (so its padded compute is at most 1/ratio^2 of its blocks' own). Per batch: ``gather``

@@ -182,7 +182,8 @@ class ValueHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
         self.sequence_parallel = False
 
-    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    def forward(self, hidden_states: torch.Tensor, weight: object = None,
+                runtime_gather_output: object = None) -> tuple[torch.Tensor, None]:  # megatron's call: ignored
         return hidden_states @ self.weight.t().to(hidden_states.dtype), None
 
 

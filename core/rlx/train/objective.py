@@ -4,8 +4,7 @@ to the global loss. `micro_loss` is what megatron's schedule calls on the last p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +13,7 @@ from rlx.train.batch import TrainBatch
 from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 
 if TYPE_CHECKING:
+    from rlx.protocols import PolicyLoss
     from rlx.config import ObjectiveConfig
     from rlx.train.packing import PackedBatch
 
@@ -29,7 +29,7 @@ def metric_keys(kl: bool, entropy: bool) -> list[str]:
             + (["kl"] if kl else []) + (["entropy"] if entropy else []))
 
 
-def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig,
+def objective(inp: LossInputs, policy_loss: PolicyLoss, cfg: ObjectiveConfig,
               diff_threshold: float = 0.5) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss to back-propagate and metric sums: weighted by the normalisation weights (divide by their sum
     to average), except the trainer-vs-engine log-prob probes, which count tokens with engine log-probs
@@ -75,7 +75,7 @@ def objective(inp: LossInputs, policy_loss: Any, cfg: ObjectiveConfig,
     return loss, metrics
 
 
-def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_loss: Any,
+def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_loss: PolicyLoss,
                cfg: ObjectiveConfig, diff_threshold: float = 0.5,
                scale: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one packed micro-batch from its logits, with the batch's per-token values; `scale`

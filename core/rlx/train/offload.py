@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rlx.train.model import ModelRole
 
 PARTS = ("weights", "all")  # what of a role is on the device; absent from a hold: nothing
 
@@ -38,7 +41,7 @@ class RoleMemory:
     """The device storages of one model role, in two parts: its weights, and its training state (gradients and
     optimizer state, which exist only once the role trains)."""
 
-    def __init__(self, role: Any, device: torch.device):
+    def __init__(self, role: ModelRole, device: torch.device):
         self.role, self.device = role, device
         self.away: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor | None, int]]] = {}
 

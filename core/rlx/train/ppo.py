@@ -37,7 +37,10 @@ from rlx.train.step import RLStep, batch_probes, per_token_weights
 from rlx.types import RolloutBatch, Sample
 
 if TYPE_CHECKING:
+    from rlx.config import Config, TrainConfig
     from rlx.plugins import Plugins
+    from rlx.protocols import CriticEstimator
+    from rlx.train.spec import ModelSpec
 
 
 def response_values(mb: PackedBatch, out: torch.Tensor) -> torch.Tensor:
@@ -78,7 +81,7 @@ def gather(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 class CriticStep:
     """Trains the critic, then the actor, on a rollout batch (see the module's docstring)."""
 
-    def __init__(self, train_cfg: Any, estimator: Any, step: RLStep, critic: ModelRole | None, loss_norm: Norm):
+    def __init__(self, train_cfg: TrainConfig, estimator: CriticEstimator | None, step: RLStep, critic: ModelRole | None, loss_norm: Norm):
         """`critic` None: the critic has ranks of its own, and this side only prepares and trains the actor."""
         self.tc = train_cfg
         self.cc = train_cfg.critic
@@ -127,6 +130,8 @@ class CriticStep:
             kl = {sid: kl_penalty(old[sid], ref[sid], self.obj.kl_type, old[sid]) for sid in old}  # no gradient
             model = torch.cat([kl[s.sample_id][TrainBatch.loss_mask([s]) > 0] for s in samples])
             metrics["kl"] = float(model.mean()) if model.numel() else 0.0
+        if self.estimator is None:
+            raise RLXError("the critic's own ranks make no advantages: the actor's ranks do (train_actor)")
         adv, ret = self.estimator.advantages_and_returns(
             groups, {sid: v.tolist() for sid, v in values.items()},
             {sid: v.tolist() for sid, v in kl.items()} if kl is not None else None, self.obj.kl_coef)
@@ -198,7 +203,7 @@ class CriticStep:
         return {**critic, **self.train_actor(tb, actor, reference, step_index)}
 
 
-def check_critic_model(critic: Any, actor: Any, path: Any) -> None:
+def check_critic_model(critic: ModelSpec, actor: ModelSpec, path: str | Path) -> None:
     """The critic reads the policy's tokens: the same architecture and vocabulary (it may differ in weights)."""
     if critic.model_type != actor.model_type or critic.vocab_size != actor.vocab_size:
         raise RLXError(f"train.critic.model_path: {path} is a {critic.model_type!r} model with a vocabulary of "
@@ -218,7 +223,7 @@ class CriticTrainer:
     """The critic in ranks of its own (``train.critic.parallel``): one rank of its megatron world, which is not
     the actor's. The group calls `values`, then (with the actor's returns) `train`."""
 
-    def __init__(self, cfg: Any, plugins: Plugins, master_addr: str = "127.0.0.1"):
+    def __init__(self, cfg: Config, plugins: Plugins, master_addr: str = "127.0.0.1"):
         from rlx.config import trainer_offloads
         from rlx.models.tiny import resolve_model_path
         from rlx.train.kernel_choice import matmul_choice, use_matmul
@@ -229,6 +234,8 @@ class CriticTrainer:
 
         tc = cfg.train
         parallel = tc.critic.parallel
+        if parallel is None:
+            raise RLXError("a critic with ranks of its own needs train.critic.parallel")
         self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel")
         path = resolve_model_path(tc.critic.model_path or cfg.model.path)
         self.spec = model_spec(path, plugins, cfg.model.kernels)

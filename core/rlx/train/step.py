@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast, get_args
+from typing import TYPE_CHECKING, cast, get_args
 
 import torch
 
@@ -198,6 +198,9 @@ class RLStep:
 
     def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float | None]:
         """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
+        policy_loss = self.policy_loss
+        if policy_loss is None:
+            raise RLXError("this step has no policy loss: a critic's own ranks train the value, not the policy")
         updates = self.tc.updates_per_step
         minis, scales = self.mini_batches(tb)
         mine = [s for m in minis for s in m]
@@ -207,7 +210,7 @@ class RLStep:
             tb.old_logprobs = self.logprobs(actor, mine)
         keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
         vals = self.update(actor, minis, scales,
-                           lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=self.policy_loss, cfg=self.obj,
+                           lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=policy_loss, cfg=self.obj,
                                                            diff_threshold=self.tc.logprob_diff_threshold, scale=scale),
                            keys, MAX_KEYS)
         w = vals.pop("weight") or 1.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -29,6 +29,7 @@ from rlx.types import RolloutBatch
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.protocols import CriticEstimator
 
 
 class Trainer:
@@ -55,9 +56,10 @@ class Trainer:
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.critic: ModelRole | None = None
         self.critic_step: CriticStep | None = None
+        critic_estimator = cast("CriticEstimator", self.estimator)  # what needs_critic says it is
         if getattr(self.estimator, "needs_critic", False) and tc.critic.parallel is not None:
             # the critic has ranks of its own (CriticTrainer): this side makes advantages and trains the actor
-            self.critic_step = CriticStep(tc, self.estimator, self.step_fn, None, self.loss_norm)
+            self.critic_step = CriticStep(tc, critic_estimator, self.step_fn, None, self.loss_norm)
         elif getattr(self.estimator, "needs_critic", False):
             self.critic = ModelRole("critic", self.spec, self.par, tc.parallel, dtype, value_head=True)
             critic_path = resolve_model_path(tc.critic.model_path) if tc.critic.model_path else self.model_path
@@ -65,7 +67,7 @@ class Trainer:
                 check_critic_model(model_spec(critic_path, plugins), self.spec, critic_path)
             self.critic.load_hf(HFCheckpoint(critic_path))
             self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
-            self.critic_step = CriticStep(tc, self.estimator, self.step_fn, self.critic, self.loss_norm)
+            self.critic_step = CriticStep(tc, critic_estimator, self.step_fn, self.critic, self.loss_norm)
         self.step = 0
         self.memory = Residency(trainer_offloads(cfg), {"actor": self.actor, "reference": self.reference,
                                                         "critic": self.critic}, device())

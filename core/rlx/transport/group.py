@@ -16,7 +16,10 @@ function on the engine side to this trainer side.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 DEFAULT_GROUP = "weight_update_group"
 
@@ -41,7 +44,7 @@ def device_of(backend: str) -> str:
     raise ValueError(f"unknown backend {backend!r}; use gloo or nccl")
 
 
-def group_store(store: Any, group_name: str, backend: str) -> Any:
+def group_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
     """The store view SGLang's group of this name and backend reads and writes."""
     import torch.distributed as dist
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext
@@ -20,7 +21,12 @@ from rlx.transport.verify import Fingerprints, served_dtypes, verify
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
     from rlx.protocols import Transport
+    from collections.abc import Callable
+    from rlx.plugins import ComponentRef
+    from rlx.train.model import ParallelState
 
+
+T = TypeVar("T")
 
 
 async def _tp_sizes(engines: list[Any]) -> list[int]:
@@ -32,9 +38,10 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 
 class WeightSender:
-    def __init__(self, trainer: Any, plugins: Plugins, transport_spec: Any, verify_weights: str = "sample",
-                 full_interval: int = 10, *, engine_for: Any):
-        """`engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
+    def __init__(self, trainer: Any, plugins: Plugins, transport_spec: ComponentRef, verify_weights: str = "sample",
+                 full_interval: int = 10, *, engine_for: Callable[[str], Any]):
+        """`trainer`: this rank's `Trainer` or `CriticTrainer` (Any: those are a layer above; it has ``par``).
+        `engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
         ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`)."""
         self.trainer = trainer
         self.par = trainer.par
@@ -78,7 +85,7 @@ class WeightSender:
         finally:
             self._close_clients(before)  # after the old transport closed (its close may call its engines)
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the sender's event loop (every call to the engines goes through it). As `asyncio.run`,
         it cancels what `coro` left running (the other engines' calls of a gather that failed on one), so that
         nothing of a failed push runs on at the next call."""
@@ -155,7 +162,7 @@ class WeightSender:
                 for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure
                     pass
 
-    def _agree(self, fn: Any, *args: Any) -> None:
+    def _agree(self, fn: Callable[..., object], *args: Any) -> None:
         agree(self.par, fn, *args)
 
     def close(self) -> None:
@@ -176,7 +183,7 @@ class WeightSender:
             self.run(close())
 
 
-def agree(par: Any, fn: Any, *args: Any) -> None:
+def agree(par: ParallelState, fn: Callable[..., object], *args: Any) -> None:
     """Run `fn` on this rank, then fail on every rank if it failed on any (no rank left in a barrier)."""
     import torch
     import torch.distributed as dist

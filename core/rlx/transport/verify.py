@@ -19,7 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlx.types import JSON
 
 from rlx.errors import EngineError, RLXError
 
@@ -38,7 +44,7 @@ class Fingerprints:
         self.hashes: dict[tuple[str, str], str] = {}
         self.head_hashes: dict[tuple[str, str], str] = {}
 
-    def watch(self, named: Any):
+    def watch(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass `named` through, remembering each tensor's first values (and hashes)."""
         import torch
 
@@ -88,11 +94,11 @@ async def served_dtypes(engines: list[Any]) -> dict[str, dict[str, str] | None]:
     return dict(zip((e.url for e in engines), await asyncio.gather(*(one(e) for e in engines)), strict=True))
 
 
-def _flat_head(rows: Any, n: int) -> list[float]:
+def _flat_head(rows: JSON, n: int) -> list[float]:
     """The first `n` values of SGLang's get_weights_by_name answer (rows of the first dimension)."""
     out: list[float] = []
 
-    def walk(x: Any) -> None:
+    def walk(x: JSON) -> None:
         if len(out) >= n:
             return
         if isinstance(x, list):

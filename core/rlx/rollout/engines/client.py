@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from rlx.errors import EngineError
 from rlx.types import GenerateResult as GenerateResult  # re-exported: a generation's result is a type
+
+if TYPE_CHECKING:
+    from rlx.types import JSON
 
 
 @dataclass
@@ -84,7 +87,7 @@ class EngineClient:
             )
         return self._session
 
-    async def request(self, method: str, path: str, body: Any = None, *, retries: int = 0,
+    async def request(self, method: str, path: str, body: JSON = None, *, retries: int = 0,
                       timeout_s: float | None = None) -> Any:
         """Send one request; JSON answers are decoded, text answers returned as str."""
         url = f"{self.base_url}{path}"
@@ -270,7 +273,7 @@ class EngineClient:
         return await self.request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
 
-def _checked(resp: Any, url: str) -> Any:
+def _checked(resp: JSON, url: str) -> JSON:
     if isinstance(resp, dict) and resp.get("success") is False:
         raise EngineError(f"engine at {url} refused the weight update: {resp.get('message')}")
     return resp

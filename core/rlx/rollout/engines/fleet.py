@@ -257,7 +257,7 @@ class EngineFleet:
         self.engines = []
 
 
-def _spawn_local(command: Any, log_path: Path, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
+def _spawn_local(command: Callable[[str, int], list[str]], log_path: Path, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
     port = free_port()
     proc = ManagedProcess(command(HOST, port), log_path)
     proc.start(env)

@@ -194,7 +194,7 @@ def _die_with_parent() -> None:
         _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def wait_healthy(url: str, process: Any, timeout_s: float, what: str = "engine") -> None:
+async def wait_healthy(url: str, process: ManagedProcess | None, timeout_s: float, what: str = "engine") -> None:
     """Poll ``/health`` until it answers 200; fail at once if the process dies."""
     deadline = time.monotonic() + timeout_s
     async with EngineClient(url, timeout_s=10) as client:

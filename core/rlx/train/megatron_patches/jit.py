@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
-from typing import Any
+from collections.abc import Sequence
 
 
 class _NoJitFuserOnCPU:  # a meta path finder (not importlib.abc's class: importing that costs 18 ms)
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != "megatron.core.jit":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)

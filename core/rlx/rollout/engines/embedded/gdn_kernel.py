@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlx.types import HFModel
 
 
-def gdn_modules(model: Any) -> list[Any]:
+def gdn_modules(model: HFModel) -> list[Any]:  # transformers' modeling modules (patched in place)
     """The transformers modules of the model's layers that call a module-level chunked gated delta rule."""
     found = {}
     for m in model.modules():
@@ -22,7 +25,7 @@ def gdn_modules(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def use_gdn_kernel(model: Any, choice: str = "auto") -> Callable[[], None] | None:
+def use_gdn_kernel(model: HFModel, choice: str = "auto") -> Callable[[], None] | None:
     """Route the model's GDN prefill through the chosen kernel; returns a function that puts transformers' back
     (None: nothing was replaced: no GDN module, or no kernel for it). A kernel named in ``model.kernels`` that
     cannot run on this engine's device (a GPU trainer's choice, CPU engines) gives way to ``auto``, saying so."""

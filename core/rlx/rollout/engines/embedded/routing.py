@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rlx.types import HFModel
 
 
 class RoutedExperts:
@@ -14,7 +17,7 @@ class RoutedExperts:
     ``top_k_index`` there, whatever the family's router. Layers without experts stay 0, as SGLang reports
     ``[tokens, num_hidden_layers, top_k]`` for every layer."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: HFModel):
         import re
 
         self.layers = model.config.num_hidden_layers
@@ -31,7 +34,7 @@ class RoutedExperts:
                              f"mixture-of-experts layers")
 
     def _hook(self, layer: int):
-        def pre(module: Any, args: tuple) -> None:
+        def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             if self._current is not None and len(args) > 1:
                 self._current[layer] = args[1].detach()
         return pre

@@ -29,12 +29,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlx.rollout.engines.embedded.routing import RoutedExperts
 from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample
+
+if TYPE_CHECKING:
+    from rlx.types import HFModel, KVCache, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ class Command:
 class Scheduler:
     """Owns the model and the running batch; everything that touches them runs in its thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_running: int = 64, seed: int = 0,
+    def __init__(self, model: HFModel, tokenizer: Tokenizer, *, max_running: int = 64, seed: int = 0,
                  max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
                  prefix_cache_bytes: int = 0):
         """`capture_experts`: record the experts each token is routed to (SGLang's
@@ -156,7 +159,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.rows: list[Request] = []
         # the running batch, one row per request in `rows` (empty tensors when no row runs)
-        self._cache: Any = None  # transformers' cache of the running rows (None when no row runs)
+        self._cache: KVCache = None  # transformers' cache of the running rows (None when no row runs)
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, L] 1 where a real token sits
         self._pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] position id of the next token
         self._last = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] last sampled token
@@ -286,7 +289,7 @@ class Scheduler:
         self.rows, self._cache, self._sampling = [], None, None
         self._mask, self._pos, self._last = self._mask.new_zeros((0, 0)), self._pos.new_zeros(0), self._last.new_zeros(0)
 
-    def _layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _layers(self, cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: (keys, values) ``[B, heads, L, d]``, or for a linear-attention layer (convolution window
         ``[B, channels, width]``, recurrent state ``[B, heads, dk, dv]``)."""
         return [(layer.conv_states[0], layer.recurrent_states[0]) if rec else (layer.keys, layer.values)
@@ -415,7 +418,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.clear()
 
-    def _remember(self, ids: list[int], cache: Any, row: int, length: int) -> None:
+    def _remember(self, ids: list[int], cache: KVCache, row: int, length: int) -> None:
         """Put row `row`'s last `length` KV columns (the KV of `ids`) into the prefix cache, as owned copies."""
         if self.prefix is None or not self._cacheable(cache) or length > self.prefix.max_tokens:
             return
@@ -429,11 +432,11 @@ class Scheduler:
         self.prefix.insert(list(ids), kv)
 
     @staticmethod
-    def _cacheable(cache: Any) -> bool:
+    def _cacheable(cache: KVCache) -> bool:
         """Full-attention layers only: a sliding-window or recurrent layer's state is not a per-token KV."""
         return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
 
-    def _merge(self, new: list[Request], cache: Any, mask: torch.Tensor, pos: torch.Tensor) -> None:
+    def _merge(self, new: list[Request], cache: KVCache, mask: torch.Tensor, pos: torch.Tensor) -> None:
         self._sampling = None
         if not self.rows:
             self.rows, self._cache, self._mask, self._pos = list(new), cache, mask, pos

@@ -16,7 +16,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -26,6 +26,9 @@ from rlx.rollout.engines.embedded.answers import BadRequest, ContractError, erro
 from rlx.rollout.engines.embedded.sampling import SamplingParams
 from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
 from rlx.rollout.engines.embedded.weight_routes import T, WeightRoutes
+
+if TYPE_CHECKING:
+    from rlx.types import JSON
 
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 # Accepted for compatibility with SGLang clients; they do not change what this engine does.
@@ -127,7 +130,7 @@ class EngineServer(WeightRoutes):
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _params(self, raw: Any) -> SamplingParams:
+    def _params(self, raw: JSON) -> SamplingParams:
         raw = raw or {}
         if not isinstance(raw, dict):
             raise BadRequest("sampling_params must be an object")
@@ -483,6 +486,6 @@ def _rlx_version() -> str:
         return "dev"
 
 
-def _resolve(fut: asyncio.Future, value: Any) -> None:
+def _resolve(fut: asyncio.Future[Request], value: Request) -> None:
     if not fut.done():
         fut.set_result(value)
