@@ -358,15 +358,3 @@ def _arity_problem(fn: Callable[..., Any], n: int, bound: bool) -> str | None:
 def describe_contract(kind: str) -> str:
     """One line per required method, for error messages and docs."""
     return ", ".join(m.describe() for m in CONTRACTS[kind])
-
-
-def __getattr__(name: str) -> Any:
-    """``rlx.protocols.ModelBridge``: moved beside the model API, to `rlx.train.spec.ModelBridge`; this alias goes in
-    the next release. Looked up by name: the contracts import nothing from the layers above them."""
-    if name == "ModelBridge":
-        import importlib
-        import warnings
-
-        warnings.warn("rlx.protocols.ModelBridge moved to rlx.train.spec.ModelBridge", DeprecationWarning, stacklevel=2)
-        return importlib.import_module("rlx.train.spec").ModelBridge
-    raise AttributeError(f"module 'rlx.protocols' has no attribute {name!r}")

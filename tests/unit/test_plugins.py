@@ -345,4 +345,3 @@ def test_keep_going_leaves_out_a_broken_plugin_with_its_error():
     infos = {i.name: i for i in p.infos}
     assert 'is missing the "Reward" protocol member score: score(sample)' in infos["bad"].error and infos["bad"].registers == {}
     assert infos["good"].error is None and p.get("rewards", "double") is Reward and "broken" not in p.names("rewards")
-

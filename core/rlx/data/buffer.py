@@ -47,7 +47,6 @@ from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
-    from rlx.rollout.engines.fleet import EngineFleet
     from rlx.types import JSON, Tokenizer
 
 
@@ -284,7 +283,7 @@ class TrajectoryBuffer:
 class BufferBatches:
     """Batches of `n_prompts` groups from the buffer, in arrival order (the loop's batch source)."""
 
-    def __init__(self, cfg: Config, buffer: TrajectoryBuffer, fleet: EngineFleet, announce=None):
+    def __init__(self, cfg: Config, buffer: TrajectoryBuffer, fleet: Any, announce=None):  # fleet: the run's engines
         self.cfg = cfg
         self.buffer = buffer
         self.fleet = fleet

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlx.errors import RLXError
 from rlx.transport import TransportContext
@@ -23,10 +23,16 @@ if TYPE_CHECKING:
     from rlx.protocols import Transport
     from collections.abc import Callable
     from rlx.plugins import ComponentRef
-    from rlx.train.model import ParallelState
 
 
 T = TypeVar("T")
+
+
+class Ranks(Protocol):
+    """Where this rank stands among the trainer's (`rlx.train.model.ParallelState` has it)."""
+
+    rank: int
+    world: int
 
 
 async def _tp_sizes(engines: list[Any]) -> list[int]:
@@ -183,7 +189,7 @@ class WeightSender:
             self.run(close())
 
 
-def agree(par: ParallelState, fn: Callable[..., object], *args: Any) -> None:
+def agree(par: Ranks, fn: Callable[..., object], *args: Any) -> None:
     """Run `fn` on this rank, then fail on every rank if it failed on any (no rank left in a barrier)."""
     import torch
     import torch.distributed as dist
