@@ -18,8 +18,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.errors import RLXError
 from rlx.hookspecs import Register
 from rlx.protocols import AdvantageEstimator
+from rlx.train.advantages import (grpo_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
+                                  trajectories, trajectory_rewards)
 
 
 class _Args(BaseModel):
@@ -41,8 +44,6 @@ class GRPO:
         self.config = config
 
     def advantages(self, groups):
-        from rlx.train.advantages import grpo_advantages
-
         c = self.config
         return grpo_advantages(groups, c.normalize_std, c.eps, c.bessel, c.branch_rewards)
 
@@ -59,8 +60,6 @@ class ReinforcePP:
         self.config = config
 
     def advantages(self, groups):
-        from rlx.train.advantages import reinforce_pp_advantages
-
         c = self.config
         return reinforce_pp_advantages(groups, c.gamma, c.eps, c.branch_rewards)
 
@@ -75,8 +74,6 @@ class ReinforcePPBaseline:
         self.config = config
 
     def advantages(self, groups):
-        from rlx.train.advantages import reinforce_pp_baseline_advantages
-
         return reinforce_pp_baseline_advantages(groups, self.config.eps, self.config.branch_rewards)
 
 
@@ -97,19 +94,17 @@ class GAE:
         eps: float = Field(1e-8, gt=0)  # added to the std before dividing (whiten)
 
     def __init__(self, config: Config):
+        from rlx.train.gae import advantages_and_returns  # torch: when a run builds it, not when the plugins load
+
         self.config = config
+        self._advantages_and_returns = advantages_and_returns
 
     def advantages(self, groups):
-        from rlx.errors import RLXError
-
         raise RLXError("the gae estimator needs a critic's values: the trainer calls advantages_and_returns")
 
     def advantages_and_returns(self, groups, values, kl=None, kl_coef=0.0):
         """Per sample id: advantages and returns (lists over response tokens). `values`: the critic's per
         response token; `kl`: per-token KL to the reference, put into the reward times `kl_coef`."""
-        from rlx.train.advantages import trajectories, trajectory_rewards
-        from rlx.train.gae import advantages_and_returns
-
         c = self.config
         masks, rewards = {}, {}
         for g in groups:
@@ -118,7 +113,7 @@ class GAE:
                 for s in ss:
                     masks[s.sample_id] = s.loss_mask
                     rewards[s.sample_id] = traj[tid]
-        return advantages_and_returns(masks, rewards, values, c.gamma, c.lam, c.lam_critic, kl, kl_coef, c.whiten,
+        return self._advantages_and_returns(masks, rewards, values, c.gamma, c.lam, c.lam_critic, kl, kl_coef, c.whiten,
                                       c.eps)
 
 

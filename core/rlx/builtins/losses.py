@@ -29,7 +29,7 @@ class _ClipArgs(_Args):
     dual_clip: float | None = Field(None, gt=1)  # cap for negative advantages (dual-clip PPO)
 
     def clip(self):
-        from rlx.train.losses import ClipConfig
+        from rlx.train.losses import ClipConfig  # torch: when a run builds the loss, not when the plugins load
 
         return ClipConfig(self.eps_low, self.eps_high, self.dual_clip)
 
@@ -41,12 +41,12 @@ class PPOClip:
     Config = _ClipArgs
 
     def __init__(self, config: _ClipArgs):
-        self.clip = config.clip()
-
-    def loss(self, inp):
         from rlx.train.losses import ppo_clip_loss
 
-        return ppo_clip_loss(inp.logprobs, inp.old_logprobs, inp.advantages, self.clip)
+        self.clip, self._loss = config.clip(), ppo_clip_loss
+
+    def loss(self, inp):
+        return self._loss(inp.logprobs, inp.old_logprobs, inp.advantages, self.clip)
 
 
 class GSPO:
@@ -61,12 +61,12 @@ class GSPO:
         eps_high: float = Field(4e-4, ge=0)
 
     def __init__(self, config: Config):
-        self.clip = config.clip()
-
-    def loss(self, inp):
         from rlx.train.losses import gspo_loss
 
-        return gspo_loss(inp.logprobs, inp.old_logprobs, inp.advantages, inp.seq_index, inp.mask, self.clip)
+        self.clip, self._loss = config.clip(), gspo_loss
+
+    def loss(self, inp):
+        return self._loss(inp.logprobs, inp.old_logprobs, inp.advantages, inp.seq_index, inp.mask, self.clip)
 
 
 class CISPO:
@@ -81,14 +81,12 @@ class CISPO:
         eps_high: float = Field(0.28, ge=0)  # weight ceiling 1 + eps_high
 
     def __init__(self, config: Config):
-        from rlx.train.losses import ClipConfig
+        from rlx.train.losses import ClipConfig, cispo_loss
 
-        self.clip = ClipConfig(config.eps_low, config.eps_high)
+        self.clip, self._loss = ClipConfig(config.eps_low, config.eps_high), cispo_loss
 
     def loss(self, inp):
-        from rlx.train.losses import cispo_loss
-
-        return cispo_loss(inp.logprobs, inp.old_logprobs, inp.advantages, self.clip)
+        return self._loss(inp.logprobs, inp.old_logprobs, inp.advantages, self.clip)
 
 
 @hookimpl

@@ -29,8 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlx.errors import RLXError
+from rlx.train.moe import sum_router_grads
 from rlx.train.packing import PackedBatch
 from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
 
@@ -87,8 +92,6 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_addr: str = "12
     """
     import os
 
-    import torch.distributed as dist
-
     from rlx.train.megatron_patches import cpu
 
     cpu.enable()
@@ -111,7 +114,6 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_addr: str = "12
     if world % (p.expert_tp * p.ep * p.pp):
         raise RLXError(f"{key}.world_size {world} is not a multiple of etp*ep*pp = "
                        f"{p.expert_tp * p.ep * p.pp}")
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not ps.model_parallel_is_initialized():
@@ -383,8 +385,6 @@ class ModelRole:
         ``loss_fn(mb, logits)`` runs on the last stage only and returns ``(loss, metrics)``, or, when
         ``forward_only``, any data to collect. Returns what the last stage collected ([] elsewhere).
         """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         if not batches:
             return []
         dev = device()
@@ -437,15 +437,11 @@ class ModelRole:
 
     def optimizer_step(self) -> float:
         """Finish the gradient reduction and step; returns the gradient norm."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
         # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
         finalize_model_grads([self.ddp])
         if self.spec.num_experts and self.par.tp > 1:  # each tensor-parallel rank routed part of the tokens
-            from megatron.core import parallel_state as ps
-
-            from rlx.train.moe import sum_router_grads
 
             sum_router_grads(self.ddp, ps.get_tensor_model_parallel_group())
         ok, grad_norm, _ = self.optimizer.step()
@@ -464,9 +460,6 @@ class ModelRole:
         """This stage's full HF tensors, one at a time (collective over the stage's tensor-parallel group, and
         with experts split over ranks its expert-parallel groups: every rank with `ParallelState.gathers`
         must iterate to the end)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
         state = self._local_state(self.model)
         par = self.par
 
@@ -504,8 +497,6 @@ class ModelRole:
 
     def _first_holder(self) -> bool:
         """Whether this is the lowest rank holding this shard (the one that writes it)."""
-        import torch.distributed as dist
-
         names: list[Any] = [None] * self.par.world
         dist.all_gather_object(names, self._shard_name)
         return names.index(self._shard_name) == self.par.rank
@@ -521,8 +512,6 @@ class ModelRole:
         gather-to-rank-0 loader expects a fused Adam without a ``step`` entry), so a resume must use
         the same parallel layout.
         """
-        import torch.distributed as dist
-
         d = folder / self.name
         d.mkdir(parents=True, exist_ok=True)
         if self.trainable:

@@ -7,6 +7,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from rlx.protocols import LossInputs as LossInputs  # re-exported: defined beside its contract
 from rlx.train.batch import TrainBatch
@@ -108,9 +112,6 @@ def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entr
     vocabulary on one rank, one log-softmax gives both (the [T, V] passes are most of the loss's time on a
     large vocabulary: 49k entries x 470 tokens is 92 MB a pass); split over TP ranks, megatron's cross
     entropy and `vocab_parallel_entropy` reduce across them."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
     dev = logits.device
     pos = mb.response_positions.to(dev)
     resp_logits = mb.at_response(logits).float()  # [T, V/tp]
@@ -135,10 +136,6 @@ def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entr
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the full vocabulary when its last dim is split over TP ranks."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
     tp = ps.get_tensor_model_parallel_world_size()
     m = logits.detach().max(-1, keepdim=True).values
     if tp > 1:

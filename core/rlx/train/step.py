@@ -20,10 +20,12 @@ Choices:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast, get_args
 
 import torch
+import torch.distributed as dist
 
 from rlx.errors import RLXError
 from rlx.train.advantages import Norm, token_weights
@@ -141,11 +143,6 @@ class RLStep:
     def check_finite(self, loss: float, update: int, updates: int, what: str = "loss", role: str = "policy") -> None:
         """Stop before an optimizer step on a NaN/inf loss (on any rank: all agree, none is left waiting in a
         collective), so the weights stay as they were and the error names the loss, not weight sync."""
-        import math
-
-        import torch
-        import torch.distributed as dist
-
         bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64)
         dist.all_reduce(bad)
         if bad.item():
@@ -170,8 +167,6 @@ class RLStep:
         metrics in `keys` summed over micro-batches, updates and ranks (tensor-parallel repeats counted once; every
         rank reduces the same keys, whether or not its stage computes losses), ``grad_norm`` averaged over the
         updates, and the maxima of the `maxes` keys."""
-        import torch.distributed as dist
-
         totals = dict.fromkeys(keys, 0.0)
         top = dict.fromkeys(maxes, 0.0)
         for update, (mini, scale) in enumerate(zip(minis, scales, strict=True), start=1):
