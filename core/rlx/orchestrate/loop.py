@@ -299,7 +299,7 @@ async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights:
     if settle is not None and cfg.rollout.offload_during_train:
         await settle()
     await batches.before_train()
-    train_metrics = await weights.train(batch)
+    train_metrics = await weights.train_step(batch)
     await batches.after_train()
     t2 = time.monotonic()
     await meter.mark()

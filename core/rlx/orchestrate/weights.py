@@ -37,7 +37,8 @@ class Weights:
         async with self.lock:
             await self._point(self.fleet.weight_targets)
 
-    async def train(self, batch: RolloutBatch) -> dict[str, Any]:
+    async def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
+        """One train step on `batch` (its policy version is the next), between the pushes and catch-ups."""
         async with self.lock:
             metrics = await asyncio.to_thread(self.trainer.train_step, batch)
             self.version += 1
