@@ -334,7 +334,7 @@ def test_plugin_group_filter_and_rollout_end_hook(tmp_path):
         trainer = SimpleNamespace(cpu_seconds=lambda: [])
         fleet = SimpleNamespace(serving=[])
 
-        async def train(self, batch):
+        async def train_step(self, batch):
             events.append(("train", batch.step))
             return {}
 
