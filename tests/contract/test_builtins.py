@@ -1,7 +1,5 @@
 """The built-in components pass the contract suites plugin authors use."""
 
-from pathlib import Path
-
 import pytest
 from rlx.testing import (
     AdvantageContract,
@@ -13,6 +11,7 @@ from rlx.testing import (
     RewardContract,
     TransportContract,
 )
+from rlx.testing.runs import read_events
 
 
 class TestExactMatch(RewardContract):
@@ -158,24 +157,6 @@ class TestDiskTransport(TransportContract):
 @pytest.mark.integration
 class TestBroadcastTransport(TransportContract):
     transport_name = "broadcast"
-
-
-def read_events(folder):
-    """Every event of the TensorBoard event files under `folder`, in file order (records: a length, its CRC, an
-    `Event` proto, its CRC)."""
-    import struct
-
-    from tensorboardX.proto.event_pb2 import Event
-
-    events = []
-    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
-            pos += 12 + n + 4
-    return events
 
 
 class TestTensorBoard(LoggerContract):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from rlx.builtins.loggers import read_events
+from rlx.testing.runs import read_events
 from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration

@@ -36,3 +36,21 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
             _merge(into[k], v)
         else:
             into[k] = v
+
+
+def read_events(folder: Path) -> list[Any]:
+    """Every event of the TensorBoard event files under `folder` (a run's ``tensorboard``), in file order: records
+    of a length, its CRC, an ``Event`` proto and its CRC."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for path in sorted(Path(folder).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+            pos += 12 + n + 4
+    return events
