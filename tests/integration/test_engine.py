@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlx.config import parse_config
-from rlx.transport.payloads import serialize_named_tensors, tensor_hash
-from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest
+from rlx.rollout.engines.fleet import EngineFleet
+from rlx.transport.payloads import serialize_named_tensors, tensor_hash
 
 pytestmark = pytest.mark.integration
 

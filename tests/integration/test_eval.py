@@ -8,9 +8,8 @@ import sys
 
 import pytest
 
-from rlx.testing.runs import read_events
 from rlx.tasks import arithmetic, write_jsonl
-from rlx.testing.runs import small_run_config
+from rlx.testing.runs import read_events, small_run_config
 
 pytestmark = pytest.mark.integration
 

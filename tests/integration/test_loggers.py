@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from rlx.testing.runs import read_events
-from rlx.testing.runs import small_run_config
+from rlx.testing.runs import read_events, small_run_config
 
 pytestmark = pytest.mark.integration
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
 from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest
+from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
 from rlx.transport.group import engine_ranks, open_group
 from rlx.transport.payloads import tensor_hash
 

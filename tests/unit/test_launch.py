@@ -8,9 +8,9 @@ import pytest
 
 from rlx.config import parse_config
 from rlx.errors import RLXError
+from rlx.rollout.engines.client import EngineError
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.engines.launch import ManagedProcess, flags, wait_healthy
-from rlx.rollout.engines.client import EngineError
 from rlx.rollout.engines.router import router_command
 
 

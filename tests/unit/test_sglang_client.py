@@ -9,14 +9,14 @@ import torch
 
 from rlx.config import parse_config
 from rlx.errors import RLXError
-from rlx.rollout.engines.fleet import EngineFleet
+from rlx.orchestrate.ranks import weight_target
 from rlx.rollout.engines.client import EngineError, GenerateRequest
-from rlx.types import GenerateResult, token_versions
+from rlx.rollout.engines.fleet import EngineFleet
 from rlx.transport import verify as V
 from rlx.transport.group import engine_ranks
-from rlx.orchestrate.ranks import weight_target
-from rlx.transport.verify import Fingerprints
 from rlx.transport.payloads import WireError, _device_index
+from rlx.transport.verify import Fingerprints
+from rlx.types import GenerateResult, token_versions
 
 
 def test_a_generate_body_names_only_what_was_asked_and_is_its_own_copy():

@@ -166,7 +166,8 @@ class AgentAdapter:
             overrides: dict[str, Any] = {"stop": list(ctx.sampling.stop) + req.stop}
             context = ctx.context_length
             room = None if context is None else context - len(ids) - 1  # what the engine takes (GenerateContext)
-            if context is not None and room is not None and room < 1:  # the chain ends here, truncated (as a sample that grew to the limit)
+            # the chain ends here, truncated (as a sample that grew to the limit)
+            if context is not None and room is not None and room < 1:
                 session.record(chain, turn, GenerateResult(
                     text="", output_ids=[], output_logprobs=[], finish_reason="length", matched_stop=None,
                     weight_version="", token_weight_versions=[], prompt_tokens=len(ids), rid=None, raw={}),

@@ -113,8 +113,8 @@ class GAE:
                 for s in ss:
                     masks[s.sample_id] = s.loss_mask
                     rewards[s.sample_id] = traj[tid]
-        return self._advantages_and_returns(masks, rewards, values, c.gamma, c.lam, c.lam_critic, kl, kl_coef, c.whiten,
-                                      c.eps)
+        return self._advantages_and_returns(masks, rewards, values, c.gamma, c.lam, c.lam_critic, kl, kl_coef,
+                                            c.whiten, c.eps)
 
 
 @hookimpl

@@ -74,7 +74,8 @@ class CoreMeter:
     interval when it reported at both ends (an engine restarted in between, whose counter went back, does not).
     """
 
-    def __init__(self, trainer_cpu: Callable[[], list[tuple[str, float]]], engines: Callable[[], Iterable[Any]], clock: Callable[[], float] = time.monotonic, own_cpu: Callable[[], tuple[str, float]] | None = None):
+    def __init__(self, trainer_cpu: Callable[[], list[tuple[str, float]]], engines: Callable[[], Iterable[Any]],
+                 clock: Callable[[], float] = time.monotonic, own_cpu: Callable[[], tuple[str, float]] | None = None):
         self.trainer_cpu = trainer_cpu
         self.engines = engines
         self.clock = clock  # wall time

@@ -217,7 +217,8 @@ def build_tiny_model(out: Path, name: str = "tiny-qwen3", seed: int = 0) -> Path
                               (p.read_text(encoding="utf-8", errors="replace") for p in stdlib_corpus()))
     else:
         tok = build_tokenizer()
-    shape: dict[str, Any] = {"max_position_embeddings": 2048, **SHAPES[name]}  # Any: Qwen3Config types each argument its own way
+    # Any: Qwen3Config types each of its arguments its own way
+    shape: dict[str, Any] = {"max_position_embeddings": 2048, **SHAPES[name]}
     config = Qwen3Config(
         vocab_size=len(tok),
         **shape,

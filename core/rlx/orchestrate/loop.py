@@ -37,8 +37,8 @@ from rlx.rollout.batches import BatchSource, batch_source
 from rlx.rollout.session import RolloutSession
 
 if TYPE_CHECKING:
-    from rlx.plugins import Plugins
     from rlx.orchestrate.placement import RayPlacement
+    from rlx.plugins import Plugins
     from rlx.types import RolloutBatch
 
 
@@ -116,9 +116,9 @@ class Run:
     """One run between its start and its end: where it is (step, weight version, last checkpoint, restarts), the
     step loop, and what each step ends with (metrics to the log and loggers, checkpoints, evaluations)."""
 
-    def __init__(self, cfg: Config, plugins: Plugins, placement: RayPlacement | None, trainers: Trainers, weights: Weights,
-                 batches: BatchSource, session: RolloutSession, loggers: list[Any], stop: StopRequest,
-                 progress: Callable[[int, dict[str, Any]], None] | None):
+    def __init__(self, cfg: Config, plugins: Plugins, placement: RayPlacement | None, trainers: Trainers,
+                 weights: Weights, batches: BatchSource, session: RolloutSession, loggers: list[Any],
+                 stop: StopRequest, progress: Callable[[int, dict[str, Any]], None] | None):
         self.cfg, self.plugins, self.placement, self.trainers = cfg, plugins, placement, trainers
         self.weights, self.batches, self.session, self.loggers = weights, batches, session, loggers
         self.stop, self.progress = stop, progress

@@ -100,7 +100,7 @@ class TrainerWorker:
     def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
         return self.trainer.train_step(batch)
 
-    def train_actor(self, batch: RolloutBatch, values: Tensors) -> tuple[dict[str, float | None], Tensors]:  # beside a critic
+    def train_actor(self, batch: RolloutBatch, values: Tensors) -> tuple[dict[str, float | None], Tensors]:  # + critic
         return self.trainer.train_actor(batch, values)
 
     def values(self, batch: RolloutBatch) -> Tensors:  # a critic rank's

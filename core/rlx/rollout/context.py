@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.config import SamplingConfig
-from rlx.rollout.engines.health import resendable
 from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest, GenerateResult
+from rlx.rollout.engines.health import resendable
 from rlx.types import Sample, SampleStatus
 
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}

@@ -89,7 +89,8 @@ def _settle(fut: asyncio.Future, result: object, error: BaseException | None) ->
         fut.set_result(result)
 
 
-def _hand_back(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: object, error: BaseException | None) -> None:
+def _hand_back(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: object,
+               error: BaseException | None) -> None:
     try:
         loop.call_soon_threadsafe(_settle, fut, result, error)
     except RuntimeError:  # the loop is closed: nobody waits for it

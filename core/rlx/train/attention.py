@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 
 class SDPACoreAttention(MegatronModule):
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
                  pg_collection: object = None, **kwargs: Any):  # megatron's call; the groups are not used
@@ -48,7 +49,8 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: BlockCausal | torch.Tensor | None,
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: BlockCausal | torch.Tensor | None,
                 attn_mask_type: AttnMaskType | None = None, attention_bias: torch.Tensor | None = None,
                 packed_seq_params: object = None, **kwargs: Any) -> torch.Tensor:
         """query [sq, b, heads, dk], key [sk, b, groups, dk], value [sk, b, groups, dv] -> [sq, b, heads * dv]."""

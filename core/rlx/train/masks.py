@@ -46,7 +46,8 @@ class BlockCausal:
         causal = torch.ones(self.width, self.width, dtype=torch.bool).tril()
         return ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
 
-    def buckets(self, device: torch.device | str, ratio: float = 0.8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def buckets(self, device: torch.device | str,
+                ratio: float = 0.8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The blocks in batches of about one length, for `block_causal_attention`; built once per device (every
         layer of a forward and its backward share them). Longest first, a batch takes blocks down to `ratio` of
         its longest (so its padded compute is at most 1/ratio^2 of its blocks' own). Per batch: ``gather``

@@ -328,7 +328,7 @@ class ModelRole:
     def _local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
 
-    def _wrap(self, optim: OptimConfig, total_updates: int) -> tuple[Any, Any, Any]:  # megatron's DDP, optimizer, scheduler
+    def _wrap(self, optim: OptimConfig, total_updates: int) -> tuple[Any, Any, Any]:  # megatron's DDP, optimizer, LR
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -365,7 +365,8 @@ class ModelRole:
         cols, rows = self._keep
         return (args[0][cols, rows].unsqueeze(1), *args[1:]), kwargs
 
-    def _rotary_at_positions(self, module: torch.nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+    def _rotary_at_positions(self, module: torch.nn.Module, args: tuple[Any, ...],
+                             out: torch.Tensor) -> torch.Tensor | None:
         """megatron rotates the token at row position ``p`` by angles for ``p``: the rotary table ``[L, 1, 1, D]``
         for positions 0..L-1. In a packed row each sample's tokens are rotated for their place in the sample
         instead (`PackedBatch.position_ids`), as the engine rotates them: ``[L, R, 1, D]``. Attention scores
@@ -437,12 +438,10 @@ class ModelRole:
 
     def optimizer_step(self) -> float:
         """Finish the gradient reduction and step; returns the gradient norm."""
-
         # Not just ddp.finish_grad_sync(): q/k layernorm weights are replicated over tensor-parallel
         # ranks but each rank only sees its own heads, so their gradients must also be summed over TP.
         finalize_model_grads([self.ddp])
         if self.spec.num_experts and self.par.tp > 1:  # each tensor-parallel rank routed part of the tokens
-
             sum_router_grads(self.ddp, ps.get_tensor_model_parallel_group())
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:

@@ -17,8 +17,8 @@ from rlx.train.batch import TrainBatch
 from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 
 if TYPE_CHECKING:
-    from rlx.protocols import PolicyLoss
     from rlx.config import ObjectiveConfig
+    from rlx.protocols import PolicyLoss
     from rlx.train.packing import PackedBatch
 
 

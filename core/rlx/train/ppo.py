@@ -81,7 +81,8 @@ def gather(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
 class CriticStep:
     """Trains the critic, then the actor, on a rollout batch (see the module's docstring)."""
 
-    def __init__(self, train_cfg: TrainConfig, estimator: CriticEstimator | None, step: RLStep, critic: ModelRole | None, loss_norm: Norm):
+    def __init__(self, train_cfg: TrainConfig, estimator: CriticEstimator | None, step: RLStep, critic: ModelRole | None,
+                 loss_norm: Norm):
         """`critic` None: the critic has ranks of its own, and this side only prepares and trains the actor."""
         self.tc = train_cfg
         self.cc = train_cfg.critic

@@ -56,7 +56,7 @@ class Trainer:
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.critic: ModelRole | None = None
         self.critic_step: CriticStep | None = None
-        critic_estimator = cast("CriticEstimator", self.estimator)  # what needs_critic says it is
+        critic_estimator = cast("CriticEstimator", self.estimator)  # read only where needs_critic says it is one
         if getattr(self.estimator, "needs_critic", False) and tc.critic.parallel is not None:
             # the critic has ranks of its own (CriticTrainer): this side makes advantages and trains the actor
             self.critic_step = CriticStep(tc, critic_estimator, self.step_fn, None, self.loss_norm)

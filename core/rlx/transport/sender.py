@@ -10,8 +10,8 @@ on one rank fails the push everywhere instead of leaving the others in a collect
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlx.errors import RLXError
@@ -19,10 +19,8 @@ from rlx.transport import TransportContext
 from rlx.transport.verify import Fingerprints, served_dtypes, verify
 
 if TYPE_CHECKING:
-    from rlx.plugins import Plugins
+    from rlx.plugins import ComponentRef, Plugins
     from rlx.protocols import Transport
-    from collections.abc import Callable
-    from rlx.plugins import ComponentRef
 
 
 T = TypeVar("T")

@@ -20,9 +20,9 @@ from typing import Any
 from rlx.config import Config, EngineGroupConfig, engines_offload, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
+from rlx.rollout.engines.client import EngineClient, EngineError
 from rlx.rollout.engines.launch import (HOST, NO_AMX_ENV, ManagedProcess, embedded_command, free_port,
                                         sglang_command, sglang_cpu_args, wait_healthy)
-from rlx.rollout.engines.client import EngineClient, EngineError
 from rlx.rollout.engines.router import Router
 
 
@@ -257,7 +257,8 @@ class EngineFleet:
         self.engines = []
 
 
-def _spawn_local(command: Callable[[str, int], list[str]], log_path: Path, env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
+def _spawn_local(command: Callable[[str, int], list[str]], log_path: Path,
+                 env: dict[str, str] | None = None) -> tuple[ManagedProcess, str]:
     port = free_port()
     proc = ManagedProcess(command(HOST, port), log_path)
     proc.start(env)

@@ -35,8 +35,8 @@ import time
 from typing import TYPE_CHECKING
 
 from rlx.config import FaultToleranceConfig
-from rlx.rollout.engines.launch import wait_healthy
 from rlx.rollout.engines.client import EngineClient, EngineError
+from rlx.rollout.engines.launch import wait_healthy
 
 if TYPE_CHECKING:
     from rlx.rollout.engines.fleet import Engine, EngineFleet

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlx.net import LOOPBACK, free_port
 from rlx.rollout.engines.client import EngineClient, EngineError
@@ -110,6 +110,20 @@ def embedded_command(model_path: str, port: int, *, server_args: dict[str, Any] 
             "--host", host, "--port", str(port), *flags(server_args or {})]
 
 
+class Process(Protocol):
+    """An engine process rlx started: here (`ManagedProcess`) or inside a Ray actor
+    (`rlx.orchestrate.placement.RayProcess`)."""
+
+    log_path: Path
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def alive(self) -> bool: ...
+
+    def log_tail(self, n: int = 20) -> str: ...
+
+
 @dataclass
 class ManagedProcess:
     """A server process rlx started, with where its log goes."""
@@ -194,7 +208,7 @@ def _die_with_parent() -> None:
         _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def wait_healthy(url: str, process: ManagedProcess | None, timeout_s: float, what: str = "engine") -> None:
+async def wait_healthy(url: str, process: Process | None, timeout_s: float, what: str = "engine") -> None:
     """Poll ``/health`` until it answers 200; fail at once if the process dies."""
     deadline = time.monotonic() + timeout_s
     async with EngineClient(url, timeout_s=10) as client:

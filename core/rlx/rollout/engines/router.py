@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlx.rollout.engines.launch import HOST, ManagedProcess, flags, free_port, wait_healthy
 from rlx.rollout.engines.client import EngineClient, EngineError
+from rlx.rollout.engines.launch import HOST, ManagedProcess, flags, free_port, wait_healthy
 
 
 def router_command(port: int, policy: str, *, worker_urls: list[str] = (),  # type: ignore[assignment]
