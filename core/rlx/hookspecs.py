@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import pluggy
 
+from rlx.protocols import (AdvantageEstimator, Agent, Balancer, Generator, Kernel, Logger, PolicyLoss, Reward,
+                           Transport)
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
     import typer
 
-    from rlx.protocols import (Agent, AdvantageEstimator, Balancer, Generator, Kernel, Logger, PolicyLoss, Reward,
-                               Transport)
     from rlx.types import Group, RewardResult, RolloutBatch, Sample
 
 PROJECT = "rlx"
@@ -49,13 +50,25 @@ class Register(Protocol[C]):
 #: A reward may also be a plain function of the sample (sync or async) returning a number or a `RewardResult`.
 RewardFunction = Callable[["Sample"], "float | RewardResult | Awaitable[float | RewardResult]"]
 
+#: Each kind's `Register`, to annotate a ``register_<kind>`` hook with (models: ``Register[type[ModelBridge]]``,
+#: `rlx.train.spec.ModelBridge`).
+RegisterRewards = Register[type[Reward] | Reward | RewardFunction]
+RegisterAdvantages = Register[type[AdvantageEstimator] | AdvantageEstimator]
+RegisterLosses = Register[type[PolicyLoss] | PolicyLoss]
+RegisterBalancers = Register[type[Balancer] | Balancer]
+RegisterTransports = Register[type[Transport] | Transport]
+RegisterGenerators = Register[type[Generator] | Generator]
+RegisterKernels = Register[type[Kernel] | Kernel]
+RegisterAgents = Register[type[Agent] | Agent]
+RegisterLoggers = Register[type[Logger] | Logger]
+
 #: The registration kinds, in the order `rl plugins` shows them. Each has a `register_<kind>` hook.
 KINDS = ("rewards", "advantages", "losses", "balancers", "transports", "generators", "models", "kernels", "agents",
          "loggers")
 
 
 @hookspec
-def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
+def register_rewards(register: RegisterRewards) -> None:
     """Register reward components.
 
     A reward has ``name`` and ``score(sample) -> RewardResult | float`` (a plain or ``async`` method);
@@ -67,7 +80,7 @@ def register_rewards(register: Register[type[Reward] | Reward | RewardFunction])
 
 
 @hookspec
-def register_advantages(register: Register[type[AdvantageEstimator] | AdvantageEstimator]) -> None:
+def register_advantages(register: RegisterAdvantages) -> None:
     """Register advantage estimators (GRPO, REINFORCE++, ...), selected by ``train.objective.advantage``.
 
     An estimator has ``advantages(groups) -> {sample_id: float | per-token sequence}``.
@@ -77,7 +90,7 @@ def register_advantages(register: Register[type[AdvantageEstimator] | AdvantageE
 
 
 @hookspec
-def register_losses(register: Register[type[PolicyLoss] | PolicyLoss]) -> None:
+def register_losses(register: RegisterLosses) -> None:
     """Register policy losses (PPO-clip, GSPO, ...), selected by ``train.objective.loss``.
 
     A policy loss has ``loss(inputs: LossInputs) -> (per_token_loss, clipped)``.
@@ -87,7 +100,7 @@ def register_losses(register: Register[type[PolicyLoss] | PolicyLoss]) -> None:
 
 
 @hookspec
-def register_balancers(register: Register[type[Balancer] | Balancer]) -> None:
+def register_balancers(register: RegisterBalancers) -> None:
     """Register data balancers, which partition a step's samples across data-parallel ranks:
     ``partition(lengths, k, flops) -> [indices per rank]``.
 
@@ -96,7 +109,7 @@ def register_balancers(register: Register[type[Balancer] | Balancer]) -> None:
 
 
 @hookspec
-def register_transports(register: Register[type[Transport] | Transport]) -> None:
+def register_transports(register: RegisterTransports) -> None:
     """Register weight transports, which move trainer weights into the engines (tensor, broadcast,
     disk, delta): ``async setup(ctx)``, ``async send(named, version, ctx)`` on every sending rank,
     ``async commit(version, ctx)`` once all have sent, ``async close()``. See `rlx.transport`.
@@ -106,7 +119,7 @@ def register_transports(register: Register[type[Transport] | Transport]) -> None
 
 
 @hookspec
-def register_generators(register: Register[type[Generator] | Generator]) -> None:
+def register_generators(register: RegisterGenerators) -> None:
     """Register generators, which turn a prompt into samples by talking to the engines (single-turn,
     multi-turn, agent).
 
@@ -126,7 +139,7 @@ def register_models(register: Register[Any]) -> None:
 
 
 @hookspec
-def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
+def register_kernels(register: RegisterKernels) -> None:
     """Register optional kernels (e.g. gated delta net) that model bridges may select by name: ``name``,
     ``op`` (the operation), ``supports(**query) -> None | reason`` and ``__call__``.
 
@@ -135,7 +148,7 @@ def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
 
 
 @hookspec
-def register_agents(register: Register[type[Agent] | Agent]) -> None:
+def register_agents(register: RegisterAgents) -> None:
     """Register agent harnesses that the agent generator runs against the API adapters.
 
     An agent is a class with ``name`` and ``async def run(self, base_url, api_key, task) -> float | None``:
@@ -148,7 +161,7 @@ def register_agents(register: Register[type[Agent] | Agent]) -> None:
 
 
 @hookspec
-def register_loggers(register: Register[type[Logger] | Logger]) -> None:
+def register_loggers(register: RegisterLoggers) -> None:
     """Register experiment loggers, selected by ``run.loggers``: ``open(run)`` once (a `RunInfo`: output
     folder, resolved config), ``log_metrics(step, metrics)`` every step, ``log_samples(step, rows)`` every
     ``run.log_samples_interval`` steps (rows of prompt, response, reward), ``close()`` at the end.

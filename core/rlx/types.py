@@ -19,6 +19,8 @@ Tokenizer = Any
 #: layers vary by model family (a union the library's types do not narrow).
 HFModel = Any
 KVCache = Any
+#: A transformers model config (``PretrainedConfig``): its attributes depend on the model family.
+HFConfig = Any
 
 
 class SampleStatus(str, enum.Enum):

@@ -26,8 +26,8 @@ from collections.abc import Iterable
 import torch
 
 from rlx import hookimpl
-from rlx.hookspecs import Register, RewardFunction
-from rlx.protocols import Reward, Transport, TransportContext
+from rlx.hookspecs import RegisterRewards, RegisterTransports
+from rlx.protocols import TransportContext
 from rlx.types import Sample
 
 
@@ -47,12 +47,12 @@ class HalfDone:
 
 
 @hookimpl
-def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
+def register_rewards(register: RegisterRewards) -> None:
     register(Shout)
 
 
 @hookimpl
-def register_transports(register: Register[type[Transport] | Transport]) -> None:
+def register_transports(register: RegisterTransports) -> None:
     register(HalfDone)
 '''
 

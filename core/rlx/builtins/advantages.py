@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import AdvantageEstimator
+from rlx.hookspecs import RegisterAdvantages
 from rlx.train.advantages import (grpo_advantages, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
                                   trajectories, trajectory_rewards)
 
@@ -118,6 +117,6 @@ class GAE:
 
 
 @hookimpl
-def register_advantages(register: Register[type[AdvantageEstimator] | AdvantageEstimator]) -> None:
+def register_advantages(register: RegisterAdvantages) -> None:
     for cls in (GRPO, ReinforcePP, ReinforcePPBaseline, GAE):
         register(cls)

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import Generation, Generator
+from rlx.hookspecs import RegisterGenerators
+from rlx.protocols import Generation
 from rlx.types import Sample, SampleStatus
 
 
@@ -147,5 +147,5 @@ def _failed(sample: Sample, why: str) -> Sample:
 
 
 @hookimpl
-def register_generators(register: Register[type[Generator] | Generator]) -> None:
+def register_generators(register: RegisterGenerators) -> None:
     register(AgentGenerator)

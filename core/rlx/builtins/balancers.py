@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import Balancer, Flops
+from rlx.hookspecs import RegisterBalancers
+from rlx.protocols import Flops
 from rlx.train.balance import karmarkar_karp
 
 
@@ -29,6 +29,6 @@ class ByFlops:
 
 
 @hookimpl
-def register_balancers(register: Register[type[Balancer] | Balancer]) -> None:
+def register_balancers(register: RegisterBalancers) -> None:
     register(ByTokens)
     register(ByFlops)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import Generation, Generator
+from rlx.hookspecs import RegisterGenerators
+from rlx.protocols import Generation
 from rlx.rollout.context import append_model_tokens
 from rlx.types import Sample, SampleStatus
 
@@ -32,5 +32,5 @@ class SingleTurn:
 
 
 @hookimpl
-def register_generators(register: Register[type[Generator] | Generator]) -> None:
+def register_generators(register: RegisterGenerators) -> None:
     register(SingleTurn)

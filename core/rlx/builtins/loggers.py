@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import Logger
+from rlx.hookspecs import RegisterLoggers
 
 
 def tag(key: str) -> str:
@@ -74,5 +73,5 @@ class TensorBoard:
 
 
 @hookimpl
-def register_loggers(register: Register[type[Logger] | Logger]) -> None:
+def register_loggers(register: RegisterLoggers) -> None:
     register(TensorBoard)

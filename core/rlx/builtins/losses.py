@@ -15,8 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import PolicyLoss
+from rlx.hookspecs import RegisterLosses
 
 
 class _Args(BaseModel):
@@ -90,6 +89,6 @@ class CISPO:
 
 
 @hookimpl
-def register_losses(register: Register[type[PolicyLoss] | PolicyLoss]) -> None:
+def register_losses(register: RegisterLosses) -> None:
     for cls in (PPOClip, GSPO, CISPO):
         register(cls)

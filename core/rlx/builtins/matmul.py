@@ -27,8 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlx.hookspecs import Register, hookimpl
-from rlx.protocols import Kernel
+from rlx.hookspecs import RegisterKernels, hookimpl
 
 if TYPE_CHECKING:
     import torch  # imported where a kernel runs: not when the plugins load
@@ -164,6 +163,6 @@ class TorchMatmul:
 
 
 @hookimpl
-def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
+def register_kernels(register: RegisterKernels) -> None:
     register(OneDNNMatmul)
     register(TorchMatmul)

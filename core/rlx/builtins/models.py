@@ -11,7 +11,8 @@ from __future__ import annotations
 from rlx import hookimpl
 from rlx.hookspecs import Register
 from rlx.train.decoder import DecoderSpec, decoder_flops
-from rlx.train.spec import HFConfig, ModelBridge, rope_theta
+from rlx.train.spec import ModelBridge, rope_theta
+from rlx.types import HFConfig
 
 
 class LlamaBridge:

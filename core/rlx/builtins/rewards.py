@@ -6,8 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
-from rlx.hookspecs import Register, RewardFunction
-from rlx.protocols import Reward
+from rlx.hookspecs import RegisterRewards
 from rlx.types import RewardResult, Sample
 
 
@@ -50,6 +49,6 @@ class DigitFraction:
 
 
 @hookimpl
-def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
+def register_rewards(register: RegisterRewards) -> None:
     register(ExactMatch)
     register(DigitFraction)

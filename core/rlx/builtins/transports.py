@@ -18,8 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import Transport
+from rlx.hookspecs import RegisterTransports
 from rlx.transport import update_sessions
 
 if TYPE_CHECKING:
@@ -267,6 +266,6 @@ class BroadcastTransport:
 
 
 @hookimpl
-def register_transports(register: Register[type[Transport] | Transport]) -> None:
+def register_transports(register: RegisterTransports) -> None:
     for cls in (TensorTransport, DiskTransport, BroadcastTransport):
         register(cls)

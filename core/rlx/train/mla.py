@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
 
     from rlx.config import ParallelConfig
-    from rlx.train.spec import HFConfig
+    from rlx.types import HFConfig
 
 LATENT_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
     from rlx.config import ParallelConfig
     from rlx.train.packing import PackedBatch
-    from rlx.train.spec import Gather, HFCheckpoint, HFConfig, Stage
+    from rlx.train.spec import Gather, HFCheckpoint, Stage
+    from rlx.types import HFConfig
     from rlx.types import Sample
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
+from rlx.types import HFConfig
 
 if TYPE_CHECKING:
     import torch
@@ -144,10 +145,6 @@ class HFCheckpoint:
         t = sl[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
         return t
-
-
-#: A transformers model config (``PretrainedConfig``): its attributes depend on the model family, so typed loosely.
-HFConfig = Any
 
 
 @runtime_checkable

@@ -40,8 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import Agent
+from rlx.hookspecs import RegisterAgents
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +202,7 @@ class Codex(Harness):
 
 
 @hookimpl
-def register_agents(register: Register[type[Agent] | Agent]) -> None:
+def register_agents(register: RegisterAgents) -> None:
     register(ClaudeCode)
     register(Codex)
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
-from rlx.hookspecs import Register, RewardFunction
-from rlx.protocols import Reward
+from rlx.hookspecs import RegisterRewards
 from rlx.types import RewardResult, Sample
 
 __all__ = ["Result", "Sandbox", "SandboxError", "SandboxTests"]
@@ -380,5 +379,5 @@ class SandboxTests:
 
 
 @hookimpl
-def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
+def register_rewards(register: RegisterRewards) -> None:
     register(SandboxTests)

@@ -22,8 +22,7 @@ import importlib.util
 from typing import Any
 
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import Kernel
+from rlx.hookspecs import RegisterKernels
 
 FLASHQLA_CAPABILITIES = {(9, 0), (10, 0), (10, 3), (12, 0), (12, 1)}
 
@@ -103,7 +102,7 @@ class FlashQLAGDN:
 
 
 @hookimpl
-def register_kernels(register: Register[type[Kernel] | Kernel]) -> None:
+def register_kernels(register: RegisterKernels) -> None:
     register(FlashQLAGDN)
     register(FlaGDN)
     register(TorchGDN)

@@ -20,8 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import Logger
+from rlx.hookspecs import RegisterLoggers
 
 RUN_ID_FILE = "mlflow-run-id"
 BATCH = 1000  # MLflow takes at most 1000 metrics per log_batch
@@ -91,7 +90,7 @@ class MlflowLogger:
 
 
 @hookimpl
-def register_loggers(register: Register[type[Logger] | Logger]) -> None:
+def register_loggers(register: RegisterLoggers) -> None:
     register(MlflowLogger)
 
 

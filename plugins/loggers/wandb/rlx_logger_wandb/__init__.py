@@ -18,8 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from rlx import hookimpl
 from rlx.errors import RLXError
-from rlx.hookspecs import Register
-from rlx.protocols import Logger
+from rlx.hookspecs import RegisterLoggers
 
 RUN_ID_FILE = "wandb-run-id"
 
@@ -76,7 +75,7 @@ class WandbLogger:
 
 
 @hookimpl
-def register_loggers(register: Register[type[Logger] | Logger]) -> None:
+def register_loggers(register: RegisterLoggers) -> None:
     register(WandbLogger)
 
 

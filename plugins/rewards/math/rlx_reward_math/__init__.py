@@ -14,8 +14,7 @@ import re
 from pydantic import BaseModel, ConfigDict
 
 from rlx import hookimpl
-from rlx.hookspecs import Register, RewardFunction
-from rlx.protocols import Reward
+from rlx.hookspecs import RegisterRewards
 from rlx.types import RewardResult, Sample
 
 # math-verify warns on every call that its own timeouts are off; that is this plugin's choice.
@@ -85,5 +84,5 @@ class MathReward:
 
 
 @hookimpl
-def register_rewards(register: Register[type[Reward] | Reward | RewardFunction]) -> None:
+def register_rewards(register: RegisterRewards) -> None:
     register(MathReward)

@@ -13,12 +13,11 @@ from typing import Annotated
 
 import typer
 from rlx import hookimpl
-from rlx.hookspecs import Register
-from rlx.protocols import Transport
+from rlx.hookspecs import RegisterTransports
 
 
 @hookimpl
-def register_transports(register: Register[type[Transport] | Transport]) -> None:
+def register_transports(register: RegisterTransports) -> None:
     from rlx_transport_delta.transport import DeltaTransport
 
     register(DeltaTransport)
