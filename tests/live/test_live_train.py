@@ -60,8 +60,11 @@ def test_the_quickstart_learns_through_live_sglang(sglang_py, tiny_model_path, t
           f"largest log-prob diff {diff:.2e}")
     # through the embedded engine: 0.15 -> 0.40-0.53 on an AMD EPYC, 0.30 -> 0.375-0.425 on an Intel Xeon (the warm
     # model's seconds of training are not bitwise the same on every CPU); through SGLang 0.30 -> 0.40 on the Xeon
-    # a run whose weights never reached SGLang answers the held-out prompts at step 60 exactly as at step 0
-    assert len(greedy) == 2 and greedy[-1] > greedy[0] and last > first
+    # a run whose weights never reached SGLang answers the held-out prompts at step 60 exactly as at step 0.
+    # The training reward is printed, not compared: sampled at temperature 1 on 8 new prompts a step, it stays
+    # near 0.3 while the held-out answers improve (one CI run: first five steps 0.313, last five 0.297, with
+    # greedy held-out 0.30 -> 0.425), so which five steps score higher is chance
+    assert len(greedy) == 2 and greedy[-1] > greedy[0]
     assert diff < 1e-3  # fp32 on both sides
 
 
