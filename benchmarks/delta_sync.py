@@ -68,7 +68,7 @@ def folder_bytes(path: Path) -> int:
 
 
 async def run_one(model: str, dtype: str, lr: float, steps: int, full_every: int, work: Path) -> dict:
-    from rlx.builtins.transports import DiskTransport
+    from rlx.transport.builtin import DiskTransport
     from rlx.models.tiny import resolve_model_path
     from rlx.transport import TransportContext
     from rlx_transport_delta import codec

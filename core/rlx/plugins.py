@@ -341,16 +341,17 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
         raise PluginError(f"plugin {name!r} rejected: {e}") from e
 
 
-#: The built-in plugins (`rlx.builtins`), registered first, by module name.
+#: The built-in plugins, registered first, by module name. A built-in component lives with its maths (the losses in
+#: `rlx.train.losses`); `rlx.builtins` holds those that have no other home.
 BUILTIN_PLUGINS = (
     "rlx.builtins.rewards",
     "rlx.builtins.generators",
     "rlx.builtins.agents",
-    "rlx.builtins.advantages",
-    "rlx.builtins.losses",
-    "rlx.builtins.balancers",
+    "rlx.train.advantages",
+    "rlx.train.losses",
+    "rlx.train.balance",
     "rlx.builtins.models",
-    "rlx.builtins.transports",
+    "rlx.transport.builtin",
     "rlx.builtins.loggers",
     "rlx.builtins.matmul",
 )

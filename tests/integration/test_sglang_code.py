@@ -283,7 +283,7 @@ def test_broadcast_group_with_sglangs_own_engine_side(version, tmp_path):
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tensor_payloads_load_with_sglangs_loader(version, tp, tmp_path):
-    from rlx.builtins.transports import TensorTransport
+    from rlx.transport.builtin import TensorTransport
     from rlx.transport import TransportContext
 
     whole = torch.randn(40)  # megatron's parameters are views into one buffer

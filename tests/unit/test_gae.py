@@ -4,7 +4,8 @@ eq. 16; PPO's clipped value loss; VAPO's separate critic lambda), with multi-tur
 import pytest
 import torch
 
-from rlx.train.gae import advantages_and_returns, explained_variance, gae, token_rewards, value_loss
+from rlx.train.advantages import advantages_and_returns, explained_variance, gae, token_rewards
+from rlx.train.losses import value_loss
 
 
 def test_with_gamma_and_lambda_one_the_advantage_is_the_reward_minus_the_value():
@@ -90,7 +91,7 @@ def _s(sid, mask, reward, traj=None):
 
 
 def test_the_gae_estimator_gives_each_branch_of_a_trajectory_its_reward_at_its_own_end():
-    from rlx.builtins.advantages import GAE
+    from rlx.train.advantages import GAE
     from rlx.types import Group
 
     est = GAE(GAE.Config(lam=1.0, whiten=False))
@@ -105,7 +106,7 @@ def test_the_gae_estimator_gives_each_branch_of_a_trajectory_its_reward_at_its_o
 
 
 def test_branches_that_disagree_on_the_reward_are_an_error_unless_told_how_to_combine():
-    from rlx.builtins.advantages import GAE
+    from rlx.train.advantages import GAE
     from rlx.errors import RLXError
     from rlx.types import Group
 

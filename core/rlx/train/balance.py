@@ -1,4 +1,5 @@
-"""Splitting a step's samples across data-parallel ranks.
+"""Splitting a step's samples across data-parallel ranks, and the built-in balancers (``train.balancer``):
+``tokens`` (equal token counts per rank) and ``flops`` (equal compute per rank).
 
 * Across ranks: Karmarkar–Karp (largest differencing) into k parts of near-equal cost, the cost of a
   sample being its tokens or its FLOPs, ``a·L + b·L²`` with ``a`` and ``b`` from the model's shape
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+
+from rlx import hookimpl
+from rlx.hookspecs import RegisterBalancers
+from rlx.protocols import Flops
 
 
 @dataclass
@@ -57,3 +62,29 @@ def karmarkar_karp(costs: list[float], k: int) -> list[list[int]]:
     if not heap:
         return [[] for _ in range(k)]
     return [sorted(p) for p in heap[0][3]]
+
+
+class ByTokens:
+    """Equal token counts per rank."""
+
+    name = "tokens"
+
+    def partition(self, lengths: list[int], k: int, flops: Flops | None = None) -> list[list[int]]:
+        return karmarkar_karp([float(n) for n in lengths], k)
+
+
+class ByFlops:
+    """Equal compute per rank: cost a·L + b·L² from the model's shape, so long samples weigh more."""
+
+    name = "flops"
+
+    def partition(self, lengths: list[int], k: int, flops: Flops | None = None) -> list[list[int]]:
+        if flops is None:
+            raise ValueError("the flops balancer needs the model's FlopsModel")
+        return karmarkar_karp([flops.cost(n) for n in lengths], k)
+
+
+@hookimpl
+def register_balancers(register: RegisterBalancers) -> None:
+    register(ByTokens)
+    register(ByFlops)

@@ -1,4 +1,12 @@
-"""Policy losses and the per-token terms beside them, as plain functions over flat per-token tensors.
+"""Policy losses and the per-token terms beside them, as plain functions over flat per-token tensors, and the
+built-in losses (``train.objective.loss``), each ``loss(inputs: LossInputs) -> (per_token_loss, clipped)``:
+
+* ``ppo_clip``: PPO (Schulman et al. 2017) with clip-higher (DAPO) and dual-clip; token mean by default.
+* ``gspo``: GSPO (Zheng et al. 2025): one ratio per sequence; averaged per sequence (``default_norm``).
+* ``cispo``: CISPO (MiniMax-M1 2025): the clipped importance weight, detached, times ``A · log p``.
+
+A loss may say which normalisation its paper uses (``default_norm``), used when ``train.objective.loss_norm`` is
+unset. The critic's value loss is here too (`value_loss`).
 
 Choices:
 
@@ -15,9 +23,19 @@ Choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlx import hookimpl
+from rlx.hookspecs import RegisterLosses
+from rlx.lazy import lazy_module
+from rlx.protocols import LossInputs
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # the plugins load this module without torch (`rlx.lazy`)
 
 KLType = Literal["k1", "k2", "k3", "low_var", "unbiased"]
 
@@ -134,3 +152,87 @@ def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     ratio = torch.exp(logprobs - old_logprobs).detach()
     weight = ratio.clamp(1.0 - clip.eps_low, 1.0 + clip.eps_high)
     return -weight * advantages * logprobs, weight != ratio
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token value loss ``0.5 * (V - R)^2``; with `clip`, PPO's clipped form
+    ``0.5 * max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)``. Also a per-token bool of
+    where the clipped term was the larger (the clip fraction)."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(values, dtype=torch.bool)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (clipped_values - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+# -- the built-in losses -------------------------------------------------------------------------
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _ClipArgs(_Args):
+    eps_low: float = Field(0.2, ge=0)  # ratio floor 1 - eps_low
+    eps_high: float = Field(0.28, ge=0)  # ratio ceiling 1 + eps_high (clip-higher)
+    dual_clip: float | None = Field(None, gt=1)  # cap for negative advantages (dual-clip PPO)
+
+    def clip(self) -> ClipConfig:
+        return ClipConfig(self.eps_low, self.eps_high, self.dual_clip)
+
+
+class PPOClip:
+    """Token-level PPO-clip with asymmetric bounds (clip-higher) and optional dual-clip."""
+
+    name = "ppo_clip"
+    Config = _ClipArgs
+
+    def __init__(self, config: _ClipArgs):
+        self.clip = config.clip()
+
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return ppo_clip_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, self.clip)
+
+
+class GSPO:
+    """Sequence-level importance ratio (geometric mean over the sequence), clipped like PPO; the paper
+    averages sequence losses, so its normalisation is per sequence."""
+
+    name = "gspo"
+    default_norm = "sequence"
+
+    class Config(_ClipArgs):
+        eps_low: float = Field(3e-4, ge=0)
+        eps_high: float = Field(4e-4, ge=0)
+
+    def __init__(self, config: Config):
+        self.clip = config.clip()
+
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return gspo_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.seq_index, inputs.mask, self.clip)
+
+
+class CISPO:
+    """Clipped IS-weight policy optimisation: every token keeps its gradient, weighted by its clipped,
+    detached importance ratio. The paper sets no lower bound (eps_low 1: the weight may fall to 0) and
+    tunes only eps_high."""
+
+    name = "cispo"
+
+    class Config(_Args):
+        eps_low: float = Field(1.0, ge=0, le=1)  # weight floor 1 - eps_low
+        eps_high: float = Field(0.28, ge=0)  # weight ceiling 1 + eps_high
+
+    def __init__(self, config: Config):
+        self.clip = ClipConfig(config.eps_low, config.eps_high)
+
+    def loss(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return cispo_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, self.clip)
+
+
+@hookimpl
+def register_losses(register: RegisterLosses) -> None:
+    for cls in (PPOClip, GSPO, CISPO):
+        register(cls)

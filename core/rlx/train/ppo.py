@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlx.errors import RLXError
-from rlx.train.advantages import Norm
+from rlx.train.advantages import Norm, explained_variance
 from rlx.train.batch import TrainBatch
-from rlx.train.gae import explained_variance, value_loss
-from rlx.train.losses import kl_penalty
+from rlx.train.losses import kl_penalty, value_loss
 from rlx.train.model import ModelRole
 from rlx.train.packing import PackedBatch
 from rlx.train.step import RLStep, batch_probes, per_token_weights

@@ -1,9 +1,9 @@
 """Weight sync: moving the trainer's weights into the engines, and checking that they serve them.
 
 This package is the one home of weight sync: the transport contract and its context (here), bucketing
-(`buckets`), the tensor wire format (`wire`), the trainer side of a push (`sender`) and verification
-(`verify`). Transports themselves are components (``register_transports``; the built-ins live in
-`rlx.builtins.transports`, the delta transport in its own plugin).
+(`buckets`), the tensor wire format (`payloads`), the trainer side of a push (`sender`), verification
+(`verify`) and the built-in transports (`builtin`). Transports are components (``register_transports``; the
+delta transport is a plugin of its own).
 
 A push, as the trainer runs it (`sender.WeightSender`):
 

@@ -1,4 +1,4 @@
-"""Built-in weight transports: tensor (serialized tensors over HTTP, CUDA IPC handles on GPU), broadcast
+"""The built-in weight transports: tensor (serialized tensors over HTTP, CUDA IPC handles on GPU), broadcast
 (a torch.distributed group between each sending rank and the engines, bucketed) and disk (an HF
 safetensors folder per version on storage the engines share).
 
@@ -18,11 +18,19 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlx import hookimpl
+from rlx.errors import EngineError
 from rlx.hookspecs import RegisterTransports
-from rlx.transport import update_sessions
+from rlx.lazy import lazy_module
+from rlx.net import free_port
+from rlx.transport import buckets, update_sessions
+from rlx.transport.group import engine_ranks, open_group
 
 if TYPE_CHECKING:
+    import torch
+
     from rlx.transport.shm import Segment
+else:
+    torch = lazy_module("torch")  # the plugins load this module without torch (`rlx.lazy`)
 
 
 class _Args(BaseModel):
@@ -75,7 +83,7 @@ class TensorTransport:
         self.versioned: int | None = None  # the version the last send set on every engine (sole sender)
 
     async def setup(self, ctx) -> None:
-        from rlx.transport.shm import Segment  # imports torch: not when the plugins load (rl plugins stays fast)
+        from rlx.transport.shm import Segment  # torch: not when the plugins load (`rlx.lazy`)
 
         here = {"127.0.0.1", "localhost", "::1", ctx.host}
         near = [e for e in ctx.engines if urlsplit(e.url).hostname in here] if self.config.shared_memory else []
@@ -88,9 +96,7 @@ class TensorTransport:
               f"this host, by value to {far}; CUDA tensors as IPC handles", flush=True)
 
     async def send(self, named, version: int, ctx) -> None:
-        from rlx.rollout.engines.client import EngineError
-        from rlx.transport import buckets
-        from rlx.transport.payloads import serialize_named_tensors
+        from rlx.transport.payloads import serialize_named_tensors  # torch: not when the plugins load
 
         # the only sender sets the version with its last bucket, which is then the commit (one call fewer)
         self.versioned = None
@@ -159,9 +165,7 @@ class DiskTransport:
         return self.root / f"v{version}"
 
     async def send(self, named, version: int, ctx) -> None:
-        from safetensors.torch import save_file
-
-        from rlx.transport import buckets
+        from safetensors.torch import save_file  # torch: not when the plugins load
 
         folder = self.folder(version)
         folder.mkdir(parents=True, exist_ok=True)
@@ -202,11 +206,6 @@ class BroadcastTransport:
         self.engines: list = []
 
     async def setup(self, ctx) -> None:
-        import torch
-
-        from rlx.net import free_port
-        from rlx.transport.group import engine_ranks, open_group
-
         # a new name each setup: the transport is set up again when engines leave or rejoin, and SGLang
         # refuses a group name it already has
         self.group_name = f"rlx-weights-{ctx.sender}-{next(_SETUPS)}"
@@ -230,8 +229,6 @@ class BroadcastTransport:
         self.pg = await pg_task
 
     async def send(self, named, version: int, ctx) -> None:
-        from rlx.transport import buckets
-
         async with update_sessions(ctx.engines):
             for bucket in buckets(named, self.config.bucket_mb << 20):
                 names = [n for n, _ in bucket]
