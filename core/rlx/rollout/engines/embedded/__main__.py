@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=1, help="must be 1: the embedded engine is one device")
     p.add_argument("--kernels", default="{}",
                    help='kernel choices as JSON, e.g. {"gdn": "torch"} (rlx\'s model.kernels; unnamed ops: auto, but matmul: torch)')
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="every request's tokens independent of what else runs (SGLang's flag): one request at a time, "
+                        "no prefix cache; with a sampling_seed per request, a run samples the same tokens again")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record the experts each token is routed to, for requests with return_routed_experts")
     return p.parse_args(argv)
@@ -70,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
 
     matmul = use_matmul(process_plugins(), matmul_choice(json.loads(args.kernels)), device,
                         getattr(torch, dtype), model.config.get_text_config().hidden_size, fallback=True)
-    scheduler = Scheduler(model, tokenizer, max_running=args.max_running_requests, seed=args.random_seed,
-                          max_context=args.context_length, capture_experts=args.enable_return_routed_experts,
-                          prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
-                          prefix_cache_bytes=0 if args.disable_radix_cache else int(args.prefix_cache_mb * 2**20))
+    # A forward's numbers for one row depend on the batch's shape (the matmuls' blocking): batch-invariant here means
+    # a batch of one. A prefix cache would hand a prompt KV computed within another, longer one: off.
+    deterministic = args.enable_deterministic_inference
+    no_cache = args.disable_radix_cache or deterministic
+    scheduler = Scheduler(model, tokenizer, max_running=1 if deterministic else args.max_running_requests,
+                          seed=args.random_seed, max_context=args.context_length,
+                          capture_experts=args.enable_return_routed_experts,
+                          prefix_cache_tokens=0 if no_cache else args.prefix_cache_tokens,
+                          prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20))
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlx.rollout.engines.embedded.routing import RoutedExperts
-from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample
+from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample, seeded_uniform
 
 if TYPE_CHECKING:
     from rlx.types import HFModel, KVCache, Tokenizer
@@ -493,15 +493,17 @@ class Scheduler:
 
     def _emit(self, logits: torch.Tensor, row_idx: list[int] | None = None) -> None:
         """Sample for `row_idx` (all rows when None), append, and retire rows that stopped."""
+        rows = self.rows if row_idx is None else [self.rows[i] for i in row_idx]
+        seeded = {i: seeded_uniform(r.params.sampling_seed, len(r.output_ids))
+                  for i, r in enumerate(rows) if r.params.sampling_seed is not None}
         if row_idx is None:
-            row_idx, rows = list(range(len(self.rows))), self.rows
+            row_idx = list(range(len(self.rows)))
             if self._sampling is None:
                 self._sampling = SamplingTensors([r.params for r in rows], self.device)
-            tokens, logprobs = sample(logits, self._sampling, self.generator)
+            tokens, logprobs = sample(logits, self._sampling, self.generator, seeded)
             self._last = tokens
         else:
-            rows = [self.rows[i] for i in row_idx]
-            tokens, logprobs = sample(logits, [r.params for r in rows], self.generator)
+            tokens, logprobs = sample(logits, [r.params for r in rows], self.generator, seeded)
             self._last.index_copy_(0, torch.tensor(row_idx, device=self.device), tokens)
         done: list[int] = []
         now = time.monotonic()

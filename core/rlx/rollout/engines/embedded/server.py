@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 _SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
 # Accepted for compatibility with SGLang clients; they do not change what this engine does.
 _IGNORED_SAMPLING_KEYS = {"frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-                          "spaces_between_special_tokens", "sampling_seed", "json_schema", "regex",
+                          "spaces_between_special_tokens", "json_schema", "regex",
                           "ebnf", "custom_params", "logit_bias"}
 
 
