@@ -174,6 +174,8 @@ def test_settings_of_the_other_training_mode_are_errors():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async}\nweight_sync: {interval: 2}\n")
     assert "train.async.max_staleness: must be at least weight_sync.interval (2)" in str(e.value)
+    [(where, msg)] = problems("model: {path: /m}\nrun: {deterministic: true}\ntrain: {mode: async}\n")
+    assert where == "<config>:2: run.deterministic" and msg.startswith("runs in sync mode only")
 
 
 def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():

@@ -130,3 +130,31 @@ def test_an_id_outside_the_vocabulary_is_never_sent():
     assert not c.requests
     asyncio.run(g.generate([0, 9], dict(P)))
     assert len(c.requests) == 1
+
+
+def test_under_run_deterministic_each_request_carries_a_seed_from_its_sample_and_position():
+    """With a seed (run.deterministic), a request whose rid came from new_rid carries sampling_seed =
+    request_seed(seed, sample id, tokens so far): two samples of one prompt get different seeds (and so go as two
+    requests, not one with n), a sample's next turn another one, and the same numbers come again in another run.
+    Without the seed, nothing is added."""
+    from rlx.rollout.context import request_seed
+    from rlx.types import Sample
+
+    def run(seed):
+        c = Client()
+        g = GenerateContext(c, None, SamplingConfig(max_new_tokens=2), coalesce=True, seed=seed)  # type: ignore[arg-type]
+        a, b = Sample(prompt_ids=[5, 6, 7], sample_id=3), Sample(prompt_ids=[5, 6, 7], sample_id=4)
+
+        async def go():
+            await asyncio.gather(g.generate([5, 6, 7], dict(P), g.new_rid(a)), g.generate([5, 6, 7], dict(P), g.new_rid(b)))
+            await g.generate([5, 6, 7, 1, 2, 9], dict(P), g.new_rid(a))
+            await g.generate([5, 6, 7], dict(P), "someone-elses-rid")
+
+        asyncio.run(go())
+        return [r.sampling_params.get("sampling_seed") for r in c.requests]
+
+    seeds = run(11)
+    assert seeds == [request_seed(11, 3, 3), request_seed(11, 4, 3), request_seed(11, 3, 6), None]
+    assert len(set(seeds[:3])) == 3 and run(11) == seeds and run(12)[:3] != seeds[:3]
+    assert all(0 <= s < 2**63 for s in seeds[:3])
+    assert run(None) == [None] * 3  # and the two samples of one prompt go as one request with n

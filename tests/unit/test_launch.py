@@ -111,6 +111,28 @@ def test_routing_replay_on_sglang_on_a_cpu_is_refused_with_the_reason(tmp_path, 
         EngineFleet(cfg, tmp_path)._command(cfg.rollout.engines[0], "127.0.0.1", 1)
 
 
+def test_run_deterministic_asks_each_engine_for_deterministic_inference_and_refuses_sglang_on_a_cpu(
+        tmp_path, monkeypatch):
+    """The embedded engine gets --enable-deterministic-inference and run.seed as its own seed (not one drawn from its
+    port); SGLang gets the flag on a GPU, and on a CPU, where its deterministic attention backends do not run, the run
+    is refused with the reason."""
+    path = _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
+    cfg = parse_config(f"model: {{path: {path}}}\nray: {{enabled: false}}\nrun: {{seed: 9, deterministic: true}}\n"
+                       "rollout: {engines: [{name: e}, {name: s, backend: sglang}]}")
+    fleet = EngineFleet(cfg, tmp_path)
+    embedded, sglang = cfg.rollout.engines
+    for port in (1, 2):
+        cmd = fleet._command(embedded, "127.0.0.1", port)
+        assert "--enable-deterministic-inference" in cmd and cmd[cmd.index("--random-seed") + 1] == "9"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "--enable-deterministic-inference" in fleet._command(sglang, "127.0.0.1", 1)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(RLXError, match=r"run.deterministic cannot run on SGLang on a CPU: .* GPU attention backend"):
+        fleet._command(sglang, "127.0.0.1", 1)
+    cfg.run.deterministic = False
+    assert "--enable-deterministic-inference" not in fleet._command(embedded, "127.0.0.1", 1)
+
+
 def test_an_interpreter_for_the_embedded_engine_is_refused():
     from rlx.errors import ConfigError
 

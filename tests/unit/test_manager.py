@@ -4,6 +4,7 @@ failing rewards, partial groups and exact state round trips."""
 import asyncio
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -48,6 +49,19 @@ class EchoLabel:
         sample.response_text = text
         sample.status = SampleStatus.COMPLETED
         return [sample]
+
+
+class Jittery(EchoLabel):
+    """EchoLabel, finishing in an order `JITTER` draws: a run of the manager under other timing."""
+
+    name = "jittery"
+
+    async def generate(self, ctx, sample):
+        await asyncio.sleep(JITTER.random() * 0.01)
+        return await super().generate(ctx, sample)
+
+
+JITTER = random.Random(0)
 
 
 class Boom:
@@ -146,7 +160,7 @@ class Unpicklable:
 
 def plugins():
     mod = types.ModuleType("test-gen")
-    mod.register_generators = hookimpl(lambda register: register(EchoLabel))
+    mod.register_generators = hookimpl(lambda register: [register(EchoLabel), register(Jittery)])
     mod.register_rewards = hookimpl(lambda register: [register(c) for c in (
         Boom, Slow, NotANumber, Hung, HangsOnOne, Crashes, Timed, Unpicklable)])
     return build_plugins(entry_points=False, extra=[("test-gen", mod)])
@@ -183,6 +197,33 @@ def test_zero_variance_groups_are_dropped_and_replaced(tmp_path):
     batch = asyncio.run(m.next_batch(1))
     assert len(batch.groups) == 3 and batch.metrics["rollout/groups_filtered"] == 1
     assert all(g.prompt_index != 0 for g in batch.groups)
+
+
+def test_under_run_deterministic_the_batch_and_what_is_left_over_do_not_depend_on_which_group_finished_first(
+        tmp_path):
+    """Over-sampling 6 groups for 3 and filtering the zero-variance ones: each round of groups finishes whole and is
+    taken in id order, so that under three timings the batches, and the groups left over for the next step, are the
+    same groups with the same samples."""
+    rows = [{"prompt": "same", "label": "x"}, *ROWS[:2], {"prompt": "same", "label": "x"}, *ROWS[2:]]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(json.dumps({
+        "run": {"deterministic": True}, "model": {"path": "/m"}, "data": {"path": str(data), "shuffle": False},
+        "rollout": {"generator": "jittery", "n_prompts": 3, "n_samples_per_prompt": 2, "rewards": ["exact_match"],
+                    "dynamic_sampling": {"filter_zero_variance": True},
+                    "partial_rollout": {"enabled": True, "over_sampling": 2.0}}}))
+
+    def run(timing):
+        JITTER.seed(timing)
+        m = RolloutManager(cfg, plugins(), PromptDataset(cfg.data, data),
+                           GenerateContext(client=None, tokenizer=ByteTok(), sampling=cfg.rollout.sampling))
+        steps = [asyncio.run(m.next_batch(step)) for step in (1, 2)]
+        return ([[(g.group_id, [(s.sample_id, s.response_text, s.reward) for s in g.samples]) for g in b.groups]
+                 for b in steps], [g.group_id for g in m.pending])
+
+    first = run(1)
+    assert [[gid for gid, _ in b] for b in first[0]][0] == [1, 2, 4]  # 0 and 3 ask "same": filtered
+    assert run(2) == first and run(3) == first
 
 
 def test_all_filtered_is_a_clear_error(tmp_path):

@@ -41,6 +41,7 @@ class RunConfig(Section):
     name: str = "rlx"  # run name, used in logs and the default output directory
     output_dir: str = "runs/rlx"  # checkpoints, metrics.jsonl and plots go here
     seed: int = 1234  # seeds python, numpy and torch; data order and sampling follow from it
+    deterministic: bool = False  # a run repeats bit for bit, slower (the reproducibility guide says what and how)
     loggers: list[ComponentSpec] = Field(default_factory=list)  # experiment trackers (`rl plugins`: loggers)
     log_samples_interval: int = Field(10, ge=1)  # loggers get a table of sample responses every N steps
 
@@ -552,6 +553,9 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "mode"), "async mode overlaps generation with training; with rollout.source: "
                          "buffer the trajectories come from outside, so use sync"))
     if cfg.train.mode == "async":
+        if cfg.run.deterministic:
+            problems.append((("run", "deterministic"), "runs in sync mode only: in async mode which weights a group "
+                             "is generated with depends on when it started, relative to the pushes"))
         if cfg.rollout.partial_rollout.enabled:
             problems.append((("rollout", "partial_rollout", "enabled"), "applies to sync mode; async mode always "
                              "carries in-flight samples over (see train.async.swap)"))

@@ -16,6 +16,7 @@ the HTTP work is a group's, not a sample's. Each caller still gets its own resul
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -71,7 +72,9 @@ class GenerateContext:
     routed_experts: bool = False  # ask engines for the experts each token was routed to (routing replay)
     coalesce: bool = False  # identical requests issued together go as one with n (rollout.requests.coalesce)
     vocab_size: int | None = None  # the model's embedding rows: an id outside them is never sent (SGLang dies)
+    seed: int | None = None  # run.seed under run.deterministic: every request gets a sampling_seed (`request_seed`)
     _rids: Any = field(default_factory=itertools.count)
+    _rid_samples: dict[str, int] = field(default_factory=dict)  # rid -> sample id, until the request is sent
     _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop
 
     def sampling_params(self, already: int = 0, **overrides: Any) -> dict[str, Any]:
@@ -85,7 +88,10 @@ class GenerateContext:
         return params | overrides
 
     def new_rid(self, sample: Sample) -> str:
-        return f"s{sample.sample_id}-{next(self._rids)}"
+        rid = f"s{sample.sample_id}-{next(self._rids)}"
+        if self.seed is not None:
+            self._rid_samples[rid] = sample.sample_id
+        return rid
 
     async def generate(self, input_ids: list[int], params: dict[str, Any], rid: str | None = None) -> GenerateResult:
         """One generation. Within the context length: SGLang refuses (400) a prompt that fills the context
@@ -93,6 +99,9 @@ class GenerateContext:
         no room left finishes at once with ``length`` and no tokens (a multi-turn sample that grew to the
         limit), as the rest of rlx expects of a truncated sample. An id outside the vocabulary is a ValueError
         here: SGLang 0.5.23's whole server dies on one (an IndexError in its embedding)."""
+        sample_id = self._rid_samples.pop(rid, None) if rid is not None else None
+        if sample_id is not None and self.seed is not None and "sampling_seed" not in params:
+            params = {**params, "sampling_seed": request_seed(self.seed, sample_id, len(input_ids))}
         # min/max run in C: an agent's 60k-token prompt is checked in well under a millisecond
         if self.vocab_size is not None and input_ids and (min(input_ids) < 0 or max(input_ids) >= self.vocab_size):
             bad = next(i for i, t in enumerate(input_ids) if not 0 <= t < self.vocab_size)
@@ -224,6 +233,13 @@ class _Together:
     requests: list[GenerateRequest] = field(default_factory=list)
     waiting: int = 0  # callers still waiting
     task: asyncio.Task | None = None
+
+
+def request_seed(run_seed: int, sample_id: int, position: int) -> int:
+    """The sampling seed of the request that continues sample `sample_id` from `position` tokens (prompt and response
+    so far: a new number each turn), under ``run.deterministic``: from these alone, never from timing or engines."""
+    digest = hashlib.blake2b(f"{run_seed}/{sample_id}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: SGLang holds it in an int64 tensor
 
 
 def append_model_tokens(sample: Sample, res: GenerateResult) -> None:

@@ -200,15 +200,25 @@ class RolloutManager:
         def launch(g: Group) -> None:
             running[asyncio.create_task(self.run_group(g))] = g
 
+        def refill() -> None:  # new groups for those dropped
+            nonlocal budget
+            while len(kept) + len(running) < target and budget > 0:
+                launch(self.new_group())
+                budget -= 1
+
         while self.pending and len(running) < max(start, len(self.pending)):
             launch(self.pending.pop(0))
         while len(running) < start and budget > 0:
             launch(self.new_group())
             budget -= 1
+        # run.deterministic: which groups make the batch must not depend on which finished first, so each round of
+        # groups finishes whole and is taken in id order (a group cut short would carry timing into the next step)
+        rounds = self.cfg.run.deterministic
         try:
             while running and len(kept) < target:
-                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
+                finished, _ = await asyncio.wait(
+                    running, return_when=asyncio.ALL_COMPLETED if rounds else asyncio.FIRST_COMPLETED)
+                for task in sorted(finished, key=lambda t: running[t].group_id):
                     running.pop(task)
                     group = task.result()
                     if len(kept) < target and self.keep(group):
@@ -218,9 +228,9 @@ class RolloutManager:
                         errors += [s.error for s in group.samples if s.error]
                     else:
                         self.pending.append(group)  # finished after the batch filled: next step's
-                    if len(kept) + len(running) < target and budget > 0:
-                        launch(self.new_group())
-                        budget -= 1
+                    if not rounds:
+                        refill()
+                refill()
             if running:
                 await self._cut(running)
         except BaseException:

@@ -84,17 +84,24 @@ class ParallelState:
 
 
 def init_distributed(parallel: ParallelConfig, seed: int, master_addr: str = "127.0.0.1",
-                     key: str = "train.parallel") -> ParallelState:
+                     key: str = "train.parallel", deterministic: bool = False) -> ParallelState:
     """Join (or create, for one process) the default process group and megatron's model-parallel groups.
 
     `parallel` is a ``ParallelConfig`` (at config `key`, for errors). Outside torchrun/Ray (no ``WORLD_SIZE``) a one-process group
-    is created on `master_addr`.
+    is created on `master_addr`. `deterministic` (``run.deterministic``): torch's deterministic algorithms from here
+    on (the models built after follow it: `ModelRole`), and on GPU what they and megatron's deterministic mode need
+    set before NCCL and cuBLAS start.
     """
     import os
 
     from rlx.train.megatron_patches import cpu
 
     cpu.enable()
+    if deterministic:
+        if torch.cuda.is_available():
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's reproducible workspaces
+            os.environ.setdefault("NCCL_ALGO", "Ring")  # one reduction order whatever the message size
+        torch.use_deterministic_algorithms(True)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             from rlx.net import free_port
@@ -219,6 +226,7 @@ class ModelRole:
         replay = {"moe_enable_routing_replay": True} if routing_replay else {}
         self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
                                               variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+                                              deterministic_mode=torch.are_deterministic_algorithms_enabled(),
                                               **replay)
         self.model = spec.build(self.config, self.stage)
         if value_head:

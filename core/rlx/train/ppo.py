@@ -236,7 +236,8 @@ class CriticTrainer:
         parallel = tc.critic.parallel
         if parallel is None:
             raise RLXError("a critic with ranks of its own needs train.critic.parallel")
-        self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel")
+        self.par = init_distributed(parallel, cfg.run.seed, master_addr, key="train.critic.parallel",
+                                    deterministic=cfg.run.deterministic)
         path = resolve_model_path(tc.critic.model_path or cfg.model.path)
         self.spec = model_spec(path, plugins, cfg.model.kernels)
         use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), torch_dtype(cfg.model.dtype),

@@ -36,7 +36,8 @@ class Trainer:
     def __init__(self, cfg: Config, plugins: Plugins, master_addr: str = "127.0.0.1"):
         tc = cfg.train
         self.cfg, self.tc = cfg, tc
-        self.par: ParallelState = init_distributed(tc.parallel, cfg.run.seed, master_addr)
+        self.par: ParallelState = init_distributed(tc.parallel, cfg.run.seed, master_addr,
+                                                   deterministic=cfg.run.deterministic)
         self.model_path = resolve_model_path(cfg.model.path)
         self.spec = model_spec(self.model_path, plugins, cfg.model.kernels)
         dtype = torch_dtype(cfg.model.dtype)

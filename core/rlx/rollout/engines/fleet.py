@@ -117,7 +117,9 @@ class EngineFleet:
                 raise RLXError(f"engine group {g.name!r}: the embedded engine runs one device (tp_size: 1)")
             if self.cfg.model.dtype != "auto":
                 args.setdefault("dtype", self.cfg.model.dtype)
-            args.setdefault("random_seed", self.cfg.run.seed + port % 1000)
+            args.setdefault("random_seed", self.cfg.run.seed)  # requests with no sampling_seed of their own
+            if self.cfg.run.deterministic:
+                args.setdefault("enable_deterministic_inference", True)
             if records_routing(self.cfg):
                 args.setdefault("enable_return_routed_experts", True)
             if self.cfg.model.kernels:  # the trainer's kernel choices (a GDN model's gated delta rule, matmul)
@@ -130,7 +132,13 @@ class EngineFleet:
         if engines_offload(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
             args.setdefault("enable_memory_saver", True)
         dtype = self.cfg.model.dtype
+        if self.cfg.run.deterministic:
+            args.setdefault("enable_deterministic_inference", True)
         if sglang_on_cpu(self.cfg, g):
+            if args.get("enable_deterministic_inference"):
+                raise RLXError(f"engine group {g.name!r}: run.deterministic cannot run on SGLang on a CPU: SGLang's "
+                               f"deterministic inference needs a GPU attention backend (fa3, flashinfer or triton); "
+                               f"use backend: embedded for a reproducible run on a CPU")
             if records_routing(self.cfg):
                 raise RLXError(f"engine group {g.name!r}: routing replay (rollout.routed_experts) cannot run on SGLang "
                                f"on a CPU: SGLang 0.5.23 records routed experts into host memory it pins through "
