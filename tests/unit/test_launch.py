@@ -113,9 +113,9 @@ def test_routing_replay_on_sglang_on_a_cpu_is_refused_with_the_reason(tmp_path, 
 
 def test_run_deterministic_asks_each_engine_for_deterministic_inference_and_refuses_sglang_on_a_cpu(
         tmp_path, monkeypatch):
-    """The embedded engine gets --enable-deterministic-inference and run.seed as its own seed (not one drawn from its
-    port); SGLang gets the flag on a GPU, and on a CPU, where its deterministic attention backends do not run, the run
-    is refused with the reason."""
+    """The embedded engine gets --enable-deterministic-inference (its own seed, which differs by port, then serves no
+    request: each carries its sampling_seed); SGLang gets the flag on a GPU, and on a CPU, where its deterministic
+    attention backends do not run, the run is refused with the reason."""
     path = _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
     cfg = parse_config(f"model: {{path: {path}}}\nray: {{enabled: false}}\nrun: {{seed: 9, deterministic: true}}\n"
                        "rollout: {engines: [{name: e}, {name: s, backend: sglang}]}")
@@ -123,7 +123,7 @@ def test_run_deterministic_asks_each_engine_for_deterministic_inference_and_refu
     embedded, sglang = cfg.rollout.engines
     for port in (1, 2):
         cmd = fleet._command(embedded, "127.0.0.1", port)
-        assert "--enable-deterministic-inference" in cmd and cmd[cmd.index("--random-seed") + 1] == "9"
+        assert "--enable-deterministic-inference" in cmd and cmd[cmd.index("--random-seed") + 1] == str(9 + port)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert "--enable-deterministic-inference" in fleet._command(sglang, "127.0.0.1", 1)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

@@ -117,7 +117,9 @@ class EngineFleet:
                 raise RLXError(f"engine group {g.name!r}: the embedded engine runs one device (tp_size: 1)")
             if self.cfg.model.dtype != "auto":
                 args.setdefault("dtype", self.cfg.model.dtype)
-            args.setdefault("random_seed", self.cfg.run.seed)  # requests with no sampling_seed of their own
+            # for requests without a sampling_seed of their own (all of them but under run.deterministic): engines
+            # on one host have distinct ports, and so distinct draws for the samples of one prompt
+            args.setdefault("random_seed", self.cfg.run.seed + port)
             if self.cfg.run.deterministic:
                 args.setdefault("enable_deterministic_inference", True)
             if records_routing(self.cfg):
