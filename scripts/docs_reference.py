@@ -86,6 +86,8 @@ def _default(field: typing.Any) -> str:
         value = field.default
     if hasattr(value, "model_dump"):
         value = value.model_dump()
+    if isinstance(value, list) and value and all(hasattr(v, "model_dump") for v in value):  # sections: below
+        return "one, as below" if len(value) == 1 else f"{len(value)}, as below"
     return f"`{json.dumps(value)}`"
 
 
@@ -115,8 +117,8 @@ def config_page() -> str:
             key = f"{path}.{field.alias or name}" if path else field.alias or name  # YAML spells the alias
             if section is not None and section.__name__ not in ("ComponentSpec", "RewardSpec"):
                 nested.append((f"{key}{kind}", section))
-                if field.default is not None:  # an optional section (None: absent) has a row of its own too
-                    continue
+                if field.default is not None and kind != "[]":  # an optional section (None: absent) or a list of
+                    continue  # them (empty, say) has a row of its own too
             text = comments.get((model.__name__, name)) or next(
                 (comments[(b.__name__, name)] for b in model.__mro__ if (b.__name__, name) in comments), "")
             written = next((annotations[(b.__name__, name)] for b in model.__mro__

@@ -22,7 +22,7 @@ from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describ
 from rlx.errors import ConfigError, RLXError
 
 if TYPE_CHECKING:
-    from rlx.config import Config, ParallelConfig
+    from rlx.config import Config, DataConfig, ParallelConfig
     from rlx.plugins import Plugins
 
 Problem = tuple[tuple[Any, ...], str]
@@ -140,6 +140,8 @@ def check(cfg: Config) -> list[Problem]:
         _model_dir(cfg.train.critic.model_path, ("train", "critic", "model_path"), problems)
     if cfg.data.path and cfg.rollout.source == "generate":
         problems += _rows(cfg, Path(cfg.data.path), ("data", "path"))
+    for i, source in enumerate(cfg.data.mix if cfg.rollout.source == "generate" else []):
+        problems += _rows(cfg, Path(source.path), ("data", "mix", i, "path"), cfg.data.source(i))
     for i, d in enumerate(cfg.eval.datasets):
         problems += _rows(cfg, Path(d.path), ("eval", "datasets", i, "path"))
     return problems
@@ -223,11 +225,11 @@ def _shape(model_dir: Path, key: tuple[Any, ...], par: ParallelConfig) -> list[P
     return out
 
 
-def _rows(cfg: Config, path: Path, where: tuple[Any, ...]) -> list[Problem]:
+def _rows(cfg: Config, path: Path, where: tuple[Any, ...], data: DataConfig | None = None) -> list[Problem]:
     from rlx.data.datasets import PromptDataset
 
     try:
-        PromptDataset(cfg.data, path, cfg.run.seed)
+        PromptDataset(data or cfg.data, path, cfg.run.seed)
     except RLXError as e:
         return [(where, str(e))]
     return []

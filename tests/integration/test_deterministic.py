@@ -1,5 +1,6 @@
 """run.deterministic: two runs with one seed repeat each other bit for bit (metrics and exported weights), with two
-engines sampling at temperature 1, whatever the ports, timing and which engine took which request."""
+engines sampling at temperature 1, whatever the ports, timing and which engine took which request. Their prompts are a
+3:1 mixture of a JSONL file and a folder `datasets` saved (data.mix), which trains as any dataset does."""
 
 import json
 import os
@@ -35,10 +36,16 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_two_deterministic_runs_with_two_engines_write_the_same_metrics_and_weights(tiny_model_path, tmp_path):
+    import datasets
+
+    from rlx.tasks import arithmetic
+
+    datasets.Dataset.from_list(arithmetic(20, seed=4)).save_to_disk(str(tmp_path / "saved"))
+    mix = [{"path": str(tmp_path / "data.jsonl"), "weight": 3}, {"path": str(tmp_path / "saved"), "weight": 1}]
     runs = []
     for name in ("a", "b"):
         cfg = small_run_config(
-            tmp_path, name, seed=5, run={"deterministic": True},
+            tmp_path, name, seed=5, run={"deterministic": True}, data={"path": None, "mix": mix},
             rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 8, "temperature": 1.0},
                      "dynamic_sampling": {"filter_zero_variance": True},
                      "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}]},

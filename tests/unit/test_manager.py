@@ -64,6 +64,17 @@ class Jittery(EchoLabel):
 JITTER = random.Random(0)
 
 
+class SamplingEcho(EchoLabel):
+    """Answers with the sampling its context holds: temperature and max_new_tokens."""
+
+    name = "sampling_echo"
+
+    async def generate(self, ctx, sample):
+        out = await super().generate(ctx, sample)
+        out[0].response_text = f"{ctx.sampling.temperature}/{ctx.sampling_params()['max_new_tokens']}"
+        return out
+
+
 class Boom:
     name = "boom"
 
@@ -160,7 +171,7 @@ class Unpicklable:
 
 def plugins():
     mod = types.ModuleType("test-gen")
-    mod.register_generators = hookimpl(lambda register: [register(EchoLabel), register(Jittery)])
+    mod.register_generators = hookimpl(lambda register: [register(c) for c in (EchoLabel, Jittery, SamplingEcho)])
     mod.register_rewards = hookimpl(lambda register: [register(c) for c in (
         Boom, Slow, NotANumber, Hung, HangsOnOne, Crashes, Timed, Unpicklable)])
     return build_plugins(entry_points=False, extra=[("test-gen", mod)])
@@ -224,6 +235,22 @@ def test_under_run_deterministic_the_batch_and_what_is_left_over_do_not_depend_o
     first = run(1)
     assert [[gid for gid, _ in b] for b in first[0]][0] == [1, 2, 4]  # 0 and 3 ask "same": filtered
     assert run(2) == first and run(3) == first
+
+
+def test_a_rows_sampling_overrides_reach_the_generator_for_its_samples_only(tmp_path):
+    rows = [{"prompt": "q0", "label": "0", "m": {"sampling": {"temperature": 0.25, "max_new_tokens": 7}, "tool": "x"}},
+            {"prompt": "q1", "label": "1"}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(json.dumps({"model": {"path": "/m"}, "data": {"path": str(data), "shuffle": False,
+                                                                     "metadata_key": "m"},
+                                   "rollout": {"generator": "sampling_echo", "n_prompts": 2, "n_samples_per_prompt": 2,
+                                               "sampling": {"temperature": 0.9, "max_new_tokens": 5}}}))
+    m = RolloutManager(cfg, plugins(), PromptDataset(cfg.data, data),
+                       GenerateContext(client=None, tokenizer=ByteTok(), sampling=cfg.rollout.sampling))
+    batch = asyncio.run(m.next_batch(1))
+    assert [[s.response_text for s in g.samples] for g in batch.groups] == [["0.25/7"] * 2, ["0.9/5"] * 2]
+    assert batch.groups[0].samples[0].metadata["tool"] == "x"  # the rest of the row's metadata reaches it as is
 
 
 def test_all_filtered_is_a_clear_error(tmp_path):

@@ -52,6 +52,22 @@ def test_missing_model_not_an_hf_folder_and_bad_prompt_files_are_all_reported(tm
     assert "missing.jsonl does not exist" in got[f"{p}:4: eval.datasets[0].path"]
 
 
+def test_a_mixtures_datasets_are_found_beside_the_config_and_checked_with_their_own_columns(tmp_path):
+    m = model(tmp_path)
+    (tmp_path / "a.jsonl").write_text(GOOD + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"q": "x"}) + "\n" + json.dumps({"prompt": "y"}) + "\n")
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\n"
+                                "data:\n"
+                                "  mix:\n"
+                                "    - {path: a.jsonl, weight: 3}\n"
+                                "    - {path: b.jsonl, prompt_key: q}\n")
+    assert list(got) == [f"{p}:5: data.mix[1].path"]
+    assert got[f"{p}:5: data.mix[1].path"].endswith(f"{tmp_path / 'b.jsonl'}:2: 'q' must be a non-empty string, is missing")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"q": "x"}) + "\n")
+    cfg = load_config(p, checks=config_checks(files=True))
+    assert [s.path for s in cfg.data.mix] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+
+
 @pytest.mark.parametrize(("shape", "par", "message"), [
     ({"heads": 8, "kv": 4, "layers": 6}, "tp: 3, world_size: 3", "3 does not divide the model's 8 attention heads"),
     ({"heads": 8, "kv": 2, "layers": 6}, "tp: 4, world_size: 4", "4 does not divide the model's 2 key-value heads"),

@@ -5,15 +5,17 @@
 from rlx.config.loading import Check, apply_override, describe_error, format_path, load_config, parse_config
 from rlx.config.schema import (
     COMPONENT_FIELDS, PATH_FIELDS, AsyncConfig, BufferConfig, CheckpointConfig, ComponentSpec, Config, CriticConfig,
-    DataConfig, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, ModelConfig, ObjectiveConfig,
-    OptimConfig, ParallelConfig, RayConfig, RewardSpec, RolloutConfig, RouterConfig, RunConfig, SamplingConfig,
-    Section, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig, DynamicSamplingConfig,
-    PartialRolloutConfig, check_modes, component_config, engines_offload, records_routing, trainer_offloads)
+    DataConfig, DataSource, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, ModelConfig,
+    ObjectiveConfig, OptimConfig, ParallelConfig, RayConfig, RewardSpec, RolloutConfig, RouterConfig, RunConfig,
+    SamplingConfig, Section, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig,
+    DynamicSamplingConfig, PartialRolloutConfig, check_modes, component_config, engines_offload, records_routing,
+    trainer_offloads)
 
 __all__ = [
     "Check", "apply_override", "describe_error", "format_path", "load_config", "parse_config",
     "COMPONENT_FIELDS", "PATH_FIELDS", "AsyncConfig", "BufferConfig", "CheckpointConfig", "ComponentSpec", "Config",
-    "CriticConfig", "DataConfig", "EngineGroupConfig", "EvalConfig", "EvalDatasetConfig", "FaultToleranceConfig",
+    "CriticConfig", "DataConfig", "DataSource", "EngineGroupConfig", "EvalConfig", "EvalDatasetConfig",
+    "FaultToleranceConfig",
     "ModelConfig", "ObjectiveConfig", "OptimConfig", "ParallelConfig", "RayConfig", "RewardSpec", "RolloutConfig",
     "RouterConfig", "RunConfig", "SamplingConfig", "Section", "TrainConfig", "WeightSyncConfig", "CpuConfig", "ScoringConfig", "RequestsConfig", "DynamicSamplingConfig", "PartialRolloutConfig", "check_modes", "component_config",
     "engines_offload", "records_routing", "trainer_offloads",

@@ -173,6 +173,8 @@ def resolve_paths(cfg: Config, base: Path) -> None:
         value = getattr(node, keys[-1])
         if value:
             setattr(node, keys[-1], resolve(value, keys in MODEL_FIELDS))
+    for source in cfg.data.mix:
+        source.path = resolve(source.path, False)
     for d in cfg.eval.datasets:
         if "://" not in d.path:
             d.path = str((base / Path(d.path).expanduser()).resolve())

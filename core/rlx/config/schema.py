@@ -61,8 +61,21 @@ class ModelConfig(Section):
     kernels: dict[str, str] = Field(default_factory=dict)
 
 
+class DataSource(Section):
+    """One dataset of a mixture (``data.mix``); a column key left unset is ``data``'s own."""
+
+    path: str  # JSONL or Parquet file, or a folder `datasets` saved (save_to_disk), relative to the config file
+    weight: float = Field(1.0, gt=0)  # its prompts are drawn in proportion to its weight among the mixture's
+    prompt_key: str | None = None  # this dataset's columns, where they differ from data's
+    messages_key: str | None = None  # (data.messages_key, ...)
+    label_key: str | None = None
+    metadata_key: str | None = None
+
+
 class DataConfig(Section):
-    path: str | None = None  # JSONL or Parquet prompt file, relative to the config file
+    # JSONL or Parquet prompt file, or a folder `datasets` saved (save_to_disk), relative to the config file
+    path: str | None = None
+    mix: list[DataSource] = Field(default_factory=list)  # several datasets drawn by weight, instead of path
     prompt_key: str = "prompt"  # column holding a plain-text prompt
     messages_key: str | None = None  # column holding chat messages instead of a prompt
     label_key: str = "label"  # column holding the reference answer given to rewards
@@ -73,6 +86,19 @@ class DataConfig(Section):
     max_prompt_tokens: int | None = Field(None, ge=1)  # longer prompts (after the chat template) are too long;
     #                                                   None: the engines' context length minus one
     on_long_prompt: Literal["skip", "error"] = "skip"  # a too-long prompt: skip it (counted, first one named) or stop
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.path is not None and self.mix:
+            raise ValueError("set data.path (one dataset) or data.mix (several), not both")
+        return self
+
+    def source(self, i: int) -> DataConfig:
+        """This section as mixture source `i` reads it: its path, with its own column keys where it sets them."""
+        s = self.mix[i]
+        keys = ("prompt_key", "messages_key", "label_key", "metadata_key")
+        return self.model_copy(update={"path": s.path, "mix": [],
+                                       **{k: getattr(s, k) for k in keys if getattr(s, k) is not None}})
 
 
 class SamplingConfig(Section):
@@ -435,7 +461,7 @@ class EvalDatasetConfig(Section):
     """One held-out prompt file, evaluated through the run's engines and generator."""
 
     name: str  # metrics are eval/<name>/...
-    path: str  # JSONL or Parquet, read with the data section's keys (prompt_key, label_key, ...)
+    path: str  # JSONL, Parquet or a `datasets` folder, read with the data section's keys (prompt_key, label_key, ...)
     n_samples: int = Field(1, ge=1)  # samples per prompt: pass@k for k = 1 and n_samples
     max_prompts: int | None = Field(None, ge=1)  # the first N prompts of the file (default: all)
     # sampling: default the rollout's, greedy (temperature 0) when n_samples is 1; given, it replaces it
@@ -462,7 +488,7 @@ class EvalDatasetConfig(Section):
 class EvalConfig(Section):
     """Evaluation on held-out prompts during training (and by `rl eval`)."""
 
-    datasets: list[EvalDatasetConfig] = Field(default_factory=list)
+    datasets: list[EvalDatasetConfig] = Field(default_factory=list)  # held-out datasets, each scored on its own
     interval: int = Field(0, ge=0)  # evaluate after every N training steps (0: not during training)
     at_start: bool = True  # and the initial policy, before the first step (not on --resume)
 

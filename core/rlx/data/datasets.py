@@ -1,10 +1,19 @@
-"""Prompt datasets from JSONL or Parquet, with a resumable shuffled cursor.
+"""Prompt datasets from JSONL, Parquet or a folder `datasets` saved, with a resumable shuffled cursor, and mixtures
+of several.
 
 Choices:
 
 * Rows are checked when the file is read: each bad row (not JSON, not an object, a missing or
-  mistyped prompt) is reported as ``file:line: what`` and then skipped or fatal, as
-  ``data.on_bad_row`` says. Parquet rows are numbered from 1 like lines.
+  mistyped prompt, sampling overrides SamplingConfig refuses) is reported as ``file:line: what`` and then skipped
+  or fatal, as ``data.on_bad_row`` says. Parquet and `datasets` rows are numbered from 1 like lines.
+* A `datasets` folder (``Dataset.save_to_disk``) is read with pyarrow, as the Arrow stream files its ``state.json``
+  lists, so that reading one needs no `datasets` install. A ``DatasetDict`` folder holds one folder per split: the
+  error names them.
+* A row's ``metadata.sampling`` (an object of ``rollout.sampling`` keys) overrides the run's sampling for that
+  row's samples (`rlx.rollout.context.for_sample`); the rest of its metadata reaches generators and rewards as is.
+* A mixture (``data.mix``) draws each prompt's source at random by weight, from a generator seeded by ``run.seed``
+  and the draw's number, and then the source's next row; each source keeps its own shuffled cursor. Its position
+  is the number of draws and every source's cursor.
 * The chat template is applied once per prompt, with the model's tokenizer, when the prompt is
   first drawn; ``prompt_ids`` are what the engine receives, never re-tokenized later.
 * Order is a permutation of the rows seeded by ``run.seed`` and the epoch number, so the cursor
@@ -13,6 +22,7 @@ Choices:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -20,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import DataConfig
+from pydantic import ValidationError
+
+from rlx.config import DataConfig, SamplingConfig
 from rlx.errors import RLXError
 
 if TYPE_CHECKING:
@@ -31,12 +43,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PromptRow:
-    index: int  # position in the file (0-based), stable across epochs
-    line: int  # 1-based line (JSONL) or row number (Parquet), for messages
+    index: int  # position in the file (0-based; in a mixture, after the sources before it), stable across epochs
+    line: int  # 1-based line (JSONL) or row number (Parquet, `datasets`), for messages
     prompt: str | None
     messages: list[dict[str, Any]] | None
     label: Any
     metadata: dict[str, Any] = field(default_factory=dict)
+    path: Path = Path()  # the file it came from, for messages
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
 
 
 def tokenize_prompt(tokenizer: Tokenizer, row: PromptRow, chat: bool) -> list[int]:
@@ -76,12 +93,14 @@ class PromptDataset:
     def _read(self) -> list[PromptRow]:
         if not self.path.exists():
             raise RLXError(f"{self.path} does not exist")
-        if self.path.suffix == ".parquet":
+        if self.path.is_dir():
+            raw = self._saved()
+        elif self.path.suffix == ".parquet":
             raw = self._parquet()
         elif self.path.suffix in (".jsonl", ".json", ".ndjson"):
             raw = self._jsonl()
         else:
-            raise RLXError(f"{self.path}: expected a .jsonl or .parquet file")
+            raise RLXError(f"{self.path}: expected a .jsonl or .parquet file, or a folder `datasets` saved")
         rows: list[PromptRow] = []
         for line, obj in raw:
             try:
@@ -111,6 +130,24 @@ class PromptDataset:
         for i, obj in enumerate(pq.read_table(self.path).to_pylist(), 1):
             yield i, obj
 
+    def _saved(self):
+        """The rows of a folder ``datasets.Dataset.save_to_disk`` wrote: Arrow stream files, listed in state.json."""
+        import pyarrow as pa
+
+        if (self.path / "dataset_dict.json").exists():
+            splits = sorted(p.name for p in self.path.iterdir() if (p / "state.json").exists())
+            raise RLXError(f"{self.path} holds a DatasetDict: name one split's folder, one of "
+                           f"{', '.join(f'{self.path / s}' for s in splits)}")
+        state = self.path / "state.json"
+        if not state.exists():
+            raise RLXError(f"{self.path}: a folder must be one `datasets` saved (save_to_disk), with a state.json")
+        line = 0
+        for f in json.loads(state.read_text())["_data_files"]:
+            with pa.ipc.open_stream(self.path / f["filename"]) as reader:
+                for obj in reader.read_all().to_pylist():
+                    line += 1
+                    yield line, obj
+
     def _row(self, index: int, line: int, obj: JSON) -> PromptRow:
         c = self.cfg
         if not isinstance(obj, dict):
@@ -131,7 +168,13 @@ class PromptDataset:
         meta = obj.get(c.metadata_key, {}) if c.metadata_key else {}
         if not isinstance(meta, dict):
             raise ValueError(f"{c.metadata_key!r} must be an object")
-        return PromptRow(index, line, prompt, messages, obj.get(c.label_key), dict(meta))
+        if meta.get("sampling") is not None:
+            try:
+                SamplingConfig.model_validate(meta["sampling"])
+            except ValidationError as e:
+                errors = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'sampling'}: {x['msg']}" for x in e.errors())
+                raise ValueError(f"{c.metadata_key}.sampling overrides rollout.sampling, and {errors}") from None
+        return PromptRow(index, line, prompt, messages, obj.get(c.label_key), dict(meta), self.path)
 
     def _bad(self, line: int, why: str) -> None:
         where = f"{self.path}:{line}: {why}"
@@ -164,6 +207,53 @@ class PromptDataset:
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "epoch" not in state:
+            raise RLXError("the checkpoint's data position is of a mixture of datasets (data.mix); this run reads one")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._permutation(self.epoch)
+
+
+class MixedDataset:
+    """Several datasets (``data.mix``), each prompt drawn from one at random by weight; the same interface as
+    `PromptDataset`."""
+
+    def __init__(self, cfg: DataConfig, seed: int = 0):
+        self.seed = seed
+        # each source its own shuffle (a seed of its own), its rows numbered after the sources before it
+        self.sources = [PromptDataset(cfg.source(i), Path(s.path), seed + 1_000_003 * i) for i, s in enumerate(cfg.mix)]
+        self.offsets = [sum(len(d) for d in self.sources[:i]) for i in range(len(self.sources))]
+        total = sum(s.weight for s in cfg.mix)
+        self.cumulative = [sum(s.weight for s in cfg.mix[:i + 1]) / total for i in range(len(cfg.mix))]
+        self.path = "data.mix (" + ", ".join(str(d.path) for d in self.sources) + ")"
+        self.draws = 0
+
+    def next(self) -> PromptRow:
+        u = random.Random(f"{self.seed}/mix/{self.draws}").random()
+        i = next((k for k, c in enumerate(self.cumulative) if u < c), len(self.sources) - 1)
+        self.draws += 1
+        row = self.sources[i].next()
+        return dataclasses.replace(row, index=self.offsets[i] + row.index)
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.sources)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self.draws, "sources": [d.state_dict() for d in self.sources]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sources" not in state or len(state["sources"]) != len(self.sources):
+            raise RLXError(f"the checkpoint's data position is not of this mixture of {len(self.sources)} datasets "
+                           f"(data.mix changed since it was saved)")
+        self.draws = int(state["draws"])
+        for d, s in zip(self.sources, state["sources"], strict=True):
+            d.load_state_dict(s)
+
+
+def open_dataset(cfg: DataConfig, seed: int) -> PromptDataset | MixedDataset:
+    """The run's prompts: ``data.path``, or the mixture ``data.mix``."""
+    if cfg.mix:
+        return MixedDataset(cfg, seed)
+    if cfg.path is None:
+        raise RLXError("a prompt file (or data.mix) is required")
+    return PromptDataset(cfg, Path(cfg.path), seed)

@@ -16,6 +16,7 @@ the HTTP work is a group's, not a sample's. Each caller still gets its own resul
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -233,6 +234,15 @@ class _Together:
     requests: list[GenerateRequest] = field(default_factory=list)
     waiting: int = 0  # callers still waiting
     task: asyncio.Task | None = None
+
+
+def for_sample(ctx: GenerateContext, sample: Sample) -> GenerateContext:
+    """`ctx`, with the sampling the sample's row asks for (its ``metadata.sampling``, `rlx.data.datasets`) over
+    the run's."""
+    overrides = sample.metadata.get("sampling")
+    if not overrides:
+        return ctx
+    return dataclasses.replace(ctx, sampling=SamplingConfig.model_validate({**ctx.sampling.model_dump(), **overrides}))
 
 
 def request_seed(run_seed: int, sample_id: int, position: int) -> int:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rlx.config import Config, EvalDatasetConfig
 from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
-from rlx.rollout.context import GenerateContext
+from rlx.rollout.context import GenerateContext, for_sample
 from rlx.rollout.rewards import Rewards
 from rlx.types import Sample, SampleStatus
 
@@ -118,7 +118,7 @@ class Evaluator:
         async with self.sem:
             for _ in range(MAX_RESUMES):
                 try:
-                    out = await self.generator.generate(ctx, sample)
+                    out = await self.generator.generate(for_sample(ctx, sample), sample)
                 except Exception as e:  # an eval sample that fails counts as failed, it does not end the run
                     sample.status, sample.error = SampleStatus.FAILED, f"{type(e).__name__}: {e}"
                     return [sample]

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
-from rlx.data.datasets import PromptDataset, PromptRow, tokenize_prompt
+from rlx.data.datasets import MixedDataset, PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
-from rlx.rollout.context import GenerateContext
+from rlx.rollout.context import GenerateContext, for_sample
 from rlx.rollout.engines.client import EngineError
 from rlx.rollout.rewards import Rewards
 from rlx.types import Group, RolloutBatch, Sample, SampleStatus
@@ -46,7 +46,7 @@ GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_t
 
 
 class RolloutManager:
-    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset, ctx: GenerateContext,
+    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset, ctx: GenerateContext,
                  abort_all: Callable[[], Any] | None = None):
         """`abort_all`: an async callable that aborts every in-flight request on every engine."""
         self.cfg = cfg
@@ -73,7 +73,7 @@ class RolloutManager:
                 self._prompt_cache[row.index] = tokenize_prompt(self.ctx.tokenizer, row,
                                                                 self.cfg.data.apply_chat_template)
             except Exception as e:
-                raise RLXError(f"{self.dataset.path}:{row.line}: could not apply the chat template: {e}") from e
+                raise RLXError(f"{row.where}: could not apply the chat template: {e}") from e
         return self._prompt_cache[row.index]
 
     def _prompt_limit(self) -> int | None:
@@ -92,7 +92,7 @@ class RolloutManager:
             ids = self._prompt_ids(row)
             if limit is None or len(ids) <= limit:
                 return row, ids
-            where = f"{self.dataset.path}:{row.line}: the prompt has {len(ids)} tokens"
+            where = f"{row.where}: the prompt has {len(ids)} tokens"
             why = (f"over data.max_prompt_tokens ({self.cfg.data.max_prompt_tokens})"
                    if self.cfg.data.max_prompt_tokens is not None and len(ids) > self.cfg.data.max_prompt_tokens
                    else f"and the engines' context is {self.ctx.context_length} tokens")
@@ -122,7 +122,7 @@ class RolloutManager:
     async def _run_sample(self, sample: Sample) -> list[Sample]:
         async with self.sem:
             try:
-                out = await self.generator.generate(self.ctx, sample)
+                out = await self.generator.generate(for_sample(self.ctx, sample), sample)
             except EngineError:
                 raise
             except Exception as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config, records_routing
-from rlx.data.datasets import PromptDataset
+from rlx.data.datasets import open_dataset
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.context import GenerateContext
@@ -82,15 +82,13 @@ class RolloutSession:
         return self._manager
 
     async def __aenter__(self) -> RolloutSession:
-        if self.with_data and self.cfg.data.path is None:
-            raise RLXError("data.path: a prompt file is required")
         tokenizer = load_tokenizer(self.cfg)
         dataset = None
-        if self.with_data and self.cfg.data.path is not None:
+        if self.with_data:
             try:
-                dataset = PromptDataset(self.cfg.data, Path(self.cfg.data.path), self.cfg.run.seed)
+                dataset = open_dataset(self.cfg.data, self.cfg.run.seed)
             except RLXError as e:
-                raise RLXError(f"data.path: {e}") from None
+                raise RLXError(f"data.{'mix' if self.cfg.data.mix else 'path'}: {e}") from None
         await self.fleet.start()
         ctx = self._ctx = GenerateContext(
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
