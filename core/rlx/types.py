@@ -158,6 +158,26 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return sum(s.total_len for s in self.samples)
 
+    def sample_metrics(self) -> dict[str, float]:
+        """What the samples say of themselves: counts by status, the mean reward (and each reward's) and response
+        length over the trainable ones."""
+        samples = self.samples
+        trainable = [s for s in samples if s.status.trainable]
+        rewards = [s.reward for s in trainable if s.reward is not None]
+        lens = [len(s.response_ids) for s in trainable]
+        m = {
+            "rollout/groups": float(len(self.groups)),
+            "rollout/samples": float(len(samples)),
+            "rollout/failed": float(sum(s.status == SampleStatus.FAILED for s in samples)),
+            "rollout/truncated": float(sum(s.status == SampleStatus.TRUNCATED for s in samples)),
+            "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
+        }
+        for name in sorted({name for s in trainable for name in s.rewards}):
+            vals = [s.rewards[name].score for s in trainable if name in s.rewards]
+            m[f"reward/{name}/mean"] = sum(vals) / len(vals)
+        return m
+
 
 @dataclass
 class GenerateResult:

@@ -1,9 +1,12 @@
 """run.deterministic: two runs with one seed repeat each other bit for bit (metrics and exported weights), with two
-engines sampling at temperature 1, whatever the ports, timing and which engine took which request. Their prompts are a
-3:1 mixture of a JSONL file and a folder `datasets` saved (data.mix), which trains as any dataset does."""
+engines sampling at temperature 1, whatever the ports, timing and which engine took which request; and a step replayed
+from the checkpoint before it, on the batch the run saved (rollout.source: replay, no engines), repeats that step's
+loss and update. The runs' prompts are a 3:1 mixture of a JSONL file and a folder `datasets` saved (data.mix), which
+trains as any dataset does."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -19,11 +22,12 @@ from rlx.testing.runs import small_run_config
 pytestmark = pytest.mark.integration
 
 WALL_CLOCK = ("time/", "cores/")  # what a run measures of the machine, not of the training
+STEPS = 3
 
 
-def train(cfg: Path, hf: Path) -> list[dict]:
+def train(cfg: Path, hf: Path, *args: str) -> list[dict]:
     tag = uuid.uuid4().hex
-    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(hf)],
+    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(hf), *args],
                        env={**os.environ, "RLX_TEST_TAG": tag}, capture_output=True, text=True, timeout=600)
     assert wait_gone(tag) == [], "rl train left processes behind"
     assert p.returncode == 0, p.stderr[-3000:]
@@ -35,24 +39,50 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_two_deterministic_runs_with_two_engines_write_the_same_metrics_and_weights(tiny_model_path, tmp_path):
+def config(folder: Path, name: str, **sections) -> Path:
+    mix = [{"path": str(folder / "data.jsonl"), "weight": 3}, {"path": str(folder / "saved"), "weight": 1}]
+    rollout = {"n_prompts": 3, "sampling": {"max_new_tokens": 8, "temperature": 1.0},
+               "dynamic_sampling": {"filter_zero_variance": True}, "save_batches": True,
+               "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}]}
+    return small_run_config(folder, name, seed=5, run={"deterministic": True}, data={"path": None, "mix": mix},
+                            rollout={**rollout, **sections.pop("rollout", {})},
+                            train={"num_steps": STEPS, "checkpoint": {"interval": 1}}, ray={"cpus_per_engine": 0.5},
+                            **sections)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tiny_model_path, tmp_path_factory):
     import datasets
 
     from rlx.tasks import arithmetic
 
-    datasets.Dataset.from_list(arithmetic(20, seed=4)).save_to_disk(str(tmp_path / "saved"))
-    mix = [{"path": str(tmp_path / "data.jsonl"), "weight": 3}, {"path": str(tmp_path / "saved"), "weight": 1}]
-    runs = []
-    for name in ("a", "b"):
-        cfg = small_run_config(
-            tmp_path, name, seed=5, run={"deterministic": True}, data={"path": None, "mix": mix},
-            rollout={"n_prompts": 3, "sampling": {"max_new_tokens": 8, "temperature": 1.0},
-                     "dynamic_sampling": {"filter_zero_variance": True},
-                     "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}]},
-            train={"num_steps": 3, "checkpoint": {"interval": 0}}, ray={"cpus_per_engine": 0.5})
-        runs.append((train(cfg, tmp_path / f"hf-{name}"), weights(tmp_path / f"hf-{name}")))
-    (metrics_a, weights_a), (metrics_b, weights_b) = runs
-    assert len(metrics_a) == 3 and metrics_a == metrics_b
+    tmp = tmp_path_factory.mktemp("deterministic")
+    datasets.Dataset.from_list(arithmetic(20, seed=4)).save_to_disk(str(tmp / "saved"))
+    return tmp, {name: (train(config(tmp, name), tmp / f"hf-{name}"), weights(tmp / f"hf-{name}")) for name in "ab"}
+
+
+def test_two_deterministic_runs_with_two_engines_write_the_same_metrics_and_weights(two_runs):
+    _, runs = two_runs
+    (metrics_a, weights_a), (metrics_b, weights_b) = runs["a"], runs["b"]
+    assert len(metrics_a) == STEPS and metrics_a == metrics_b
     assert 0 < metrics_a[-1]["reward/mean"] < 1 and metrics_a[0]["weight_version"] == 1  # it sampled, and trained
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+def test_a_step_replayed_from_the_checkpoint_before_it_repeats_its_loss_and_update(two_runs):
+    """The last step again, from run a's checkpoint of the step before, on the batch run a saved for it: the same
+    training metrics and the same weights after it, with no engine started."""
+    tmp, runs = two_runs
+    (tmp / "replay" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp / "a" / "checkpoints" / f"step_{STEPS - 1}", tmp / "replay" / "checkpoints" / f"step_{STEPS - 1}")
+    cfg = config(tmp, "replay", rollout={"source": "replay", "replay": str(tmp / "a" / "batches"), "save_batches": False})
+    [replayed] = train(cfg, tmp / "hf-replay", "--resume")
+    original = runs["a"][0][-1]
+    generation = ("engines/", "rollout/groups_filtered", "rollout/pending_groups", "rollout/long_prompts_skipped",
+                  "rollout/resent_requests")  # what only generating measures
+    assert replayed == {k: v for k, v in original.items() if not k.startswith(generation)}
+    assert replayed["step"] == STEPS and "loss" in replayed and "grad_norm" in replayed
+    after = weights(tmp / "hf-replay")
+    assert all(torch.equal(after[k], runs["a"][1][k]) for k in after)
+    assert not list((tmp / "replay" / "logs").glob("engine-*.log"))

@@ -178,6 +178,16 @@ def test_settings_of_the_other_training_mode_are_errors():
     assert where == "<config>:2: run.deterministic" and msg.startswith("runs in sync mode only")
 
 
+def test_a_replay_needs_its_batches_sync_mode_and_no_evaluation():
+    got = dict(problems("model: {path: /m}\nrollout: {source: replay}\ntrain: {mode: async}\n"
+                        "eval: {datasets: [{name: h, path: h.jsonl}]}\n"))
+    assert got["<config>:2: rollout.source"].startswith("replay trains on saved batches: set rollout.replay")
+    assert got["<config>:3: train.mode"] == "a replay trains on saved batches, step by step: use sync"
+    assert got["<config>:4: eval.datasets"] == "evaluation generates, and a replay starts no engines"
+    [(where, msg)] = problems("model: {path: /m}\nrollout: {replay: runs/x/batches}\n")
+    assert where == "<config>:2: rollout.replay" and msg == "applies to rollout.source: replay"
+
+
 def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():
     from rlx.config import trainer_offloads
 

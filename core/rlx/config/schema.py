@@ -234,8 +234,11 @@ class RolloutConfig(Section):
     #   routing agrees (moe/routing_agreement); train.objective.routing_replay implies it
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
-    source: Literal["generate", "buffer"] = "generate"  # buffer: train on trajectories POSTed by external agents
+    # buffer: train on trajectories POSTed by external agents; replay: on saved batches (rollout.replay), no engines
+    source: Literal["generate", "buffer", "replay"] = "generate"
     buffer: BufferConfig = Field(default_factory=lambda: BufferConfig())  # source: buffer: the service
+    replay: str | None = None  # source: replay: batches saved (save_batches, rl rollout), a file or folder of them
+    save_batches: bool = False  # write each step's batch, whole, to <output_dir>/batches/step-<k>.jsonl
     output: str | None = None  # rl rollout: where to write groups (default <output_dir>/rollout.jsonl)
     num_steps: int = Field(1, ge=1)  # rl rollout: how many rollout steps to run
 
@@ -542,7 +545,7 @@ COMPONENT_FIELDS: list[tuple[tuple[str, ...], str]] = [
 # workers and engines in other folders or on other hosts never re-parse or guess.
 PATH_FIELDS: list[tuple[str, ...]] = [
     ("model", "path"), ("model", "tokenizer"), ("data", "path"), ("run", "output_dir"), ("rollout", "output"),
-    ("train", "critic", "model_path"),
+    ("rollout", "replay"), ("train", "critic", "model_path"),
 ]
 #: Those of them that name a model (a folder, builtin://, or a Hugging Face Hub id), beside each engine group's
 #: ``model_path``.
@@ -578,6 +581,16 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     if cfg.rollout.source == "buffer" and cfg.train.mode == "async":
         problems.append((("train", "mode"), "async mode overlaps generation with training; with rollout.source: "
                          "buffer the trajectories come from outside, so use sync"))
+    if cfg.rollout.source == "replay":
+        if cfg.rollout.replay is None:
+            problems.append((("rollout", "source"), "replay trains on saved batches: set rollout.replay to their file "
+                             "or folder (a run's batches/, written with rollout.save_batches, or rl rollout's file)"))
+        if cfg.train.mode == "async":
+            problems.append((("train", "mode"), "a replay trains on saved batches, step by step: use sync"))
+        if cfg.eval.datasets:
+            problems.append((("eval", "datasets"), "evaluation generates, and a replay starts no engines"))
+    elif cfg.rollout.replay is not None:
+        problems.append((("rollout", "replay"), "applies to rollout.source: replay"))
     if cfg.train.mode == "async":
         if cfg.run.deterministic:
             problems.append((("run", "deterministic"), "runs in sync mode only: in async mode which weights a group "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
 from rlx.cpu.meter import CoreMeter
+from rlx.data.replay import ReplayBatches, save_batch
 from rlx.errors import Interrupted
 from rlx.orchestrate import checkpoint
 from rlx.orchestrate.evals import Evals
@@ -272,9 +273,12 @@ class Trainers:
 
 
 async def make_batches(cfg: Config, session: RolloutSession, plugins: Plugins) -> BatchSource:
-    """Where batches come from: generated (sync or async), or POSTed to the rollout buffer service."""
+    """Where batches come from: generated (sync or async), saved ones replayed, or POSTed to the rollout buffer
+    service."""
     if cfg.rollout.source == "generate":
         return batch_source(cfg, session.manager, session.fleet)
+    if cfg.rollout.source == "replay":
+        return ReplayBatches(cfg)
     from rlx.data.buffer import BufferBatches, TrajectoryBuffer  # the buffer service's runs only
 
     batches = BufferBatches(cfg, TrajectoryBuffer(cfg, session.ctx.tokenizer, plugins), session.fleet,
@@ -292,6 +296,8 @@ async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights:
     await meter.mark()
     t0 = time.monotonic()
     batch = await batches.next_batch(step, version)
+    if cfg.rollout.save_batches:  # before the plugins' hook, which runs on a replayed batch again
+        await asyncio.to_thread(save_batch, batch, Path(cfg.run.output_dir) / "batches")
     plugins.on_rollout_end(batch)
     t1 = time.monotonic()
     await meter.mark()  # phases are timed without the marks' calls

@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 
 
 def launched_engines(cfg: Config) -> int:
-    """The engines the run starts (none when it attaches to engines by address)."""
-    return sum(g.num_engines for g in cfg.rollout.engines) if not cfg.rollout.external_engines else 0
+    """The engines the run starts (none when it attaches to engines by address, or replays saved batches)."""
+    if cfg.rollout.external_engines or cfg.rollout.source == "replay":
+        return 0
+    return sum(g.num_engines for g in cfg.rollout.engines)
 
 
 class RayPlacement:

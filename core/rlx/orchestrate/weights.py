@@ -29,7 +29,7 @@ class Weights:
 
     async def _point(self, engines: list[Any]) -> None:
         urls = [e.url for e in engines]
-        if urls != self.urls:
+        if urls and urls != self.urls:
             await asyncio.to_thread(self.trainer.setup_transport, urls, self.out)
             self.urls = urls
 
@@ -49,8 +49,8 @@ class Weights:
             for attempt in range(3):
                 try:
                     await self._point(self.fleet.weight_targets)
-                    if not self.urls:  # every engine is out: each gets the weights when it comes back
-                        return
+                    if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
+                        return  # back), or none runs (rollout.source: replay)
                     await asyncio.to_thread(self.trainer.push_weights, version)
                     return
                 except Exception as e:

@@ -259,25 +259,9 @@ class RolloutManager:
     def batch_metrics(self, batch: RolloutBatch, dropped: int, seconds: float) -> dict[str, float]:
         """Reward, length, status and timing metrics of a batch (sync and async alike)."""
         samples = batch.samples
-        trainable = [s for s in samples if s.status.trainable]
-        rewards = [s.reward for s in trainable if s.reward is not None]
-        lens = [len(s.response_ids) for s in trainable]
-        m = {
-            "rollout/groups": float(len(batch.groups)),
-            "rollout/groups_filtered": float(dropped),
-            "rollout/samples": float(len(samples)),
-            "rollout/failed": float(sum(s.status == SampleStatus.FAILED for s in samples)),
-            "rollout/truncated": float(sum(s.status == SampleStatus.TRUNCATED for s in samples)),
-            "rollout/pending_groups": float(len(self.pending)),
-            "rollout/long_prompts_skipped": float(self.long_prompts),
-            "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
-            "time/rollout_s": seconds,
-        }
-        for b in self.rewards:
-            vals = [s.rewards[b.name].score for s in trainable if b.name in s.rewards]
-            if vals:
-                m[f"reward/{b.name}/mean"] = sum(vals) / len(vals)
+        m = {**batch.sample_metrics(), "rollout/groups_filtered": float(dropped),
+             "rollout/pending_groups": float(len(self.pending)),
+             "rollout/long_prompts_skipped": float(self.long_prompts), "time/rollout_s": seconds}
         failed = [s.error for s in samples if s.status == SampleStatus.FAILED and s.error]
         if failed:  # a count alone hides why: say the most common reason
             reasons = Counter(failed)

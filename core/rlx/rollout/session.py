@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config, records_routing
 from rlx.data.datasets import open_dataset
+from rlx.data.replay import batch_records
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.manager import RolloutManager
-from rlx.types import RolloutBatch
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
@@ -90,6 +90,8 @@ class RolloutSession:
             except RLXError as e:
                 raise RLXError(f"data.{'mix' if self.cfg.data.mix else 'path'}: {e}") from None
         await self.fleet.start()
+        if not self.fleet.engines:  # rollout.source: replay: nothing generates
+            return self
         ctx = self._ctx = GenerateContext(
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
             health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
@@ -109,33 +111,6 @@ class RolloutSession:
         await self.fleet.stop()
 
 
-def group_records(batch: RolloutBatch) -> list[dict[str, Any]]:
-    """One JSON object per group, as `rl rollout` writes them."""
-    out = []
-    for g in batch.groups:
-        out.append({
-            "step": batch.step,
-            "group_id": g.group_id,
-            "prompt_index": g.prompt_index,
-            "samples": [{
-                "sample_id": s.sample_id,
-                "status": s.status.value,
-                "finish_reason": s.finish_reason,
-                "prompt_ids": s.prompt_ids,
-                "response_ids": s.response_ids,
-                "rollout_logprobs": s.rollout_logprobs,
-                "prompt_text": s.prompt_text,
-                "response_text": s.response_text,
-                "label": s.label,
-                "reward": s.reward,
-                "rewards": {k: {"score": v.score, "parts": v.parts} for k, v in s.rewards.items()},
-                "error": s.error,
-                "weight_version": s.weight_version,
-            } for s in g.samples],
-        })
-    return out
-
-
 async def rollout_only(cfg: Config, plugins: Plugins, out_path: Path | None = None, progress=None) -> Path:
     """Run ``rollout.num_steps`` rollout steps with no training and write the groups as JSONL."""
     async with RolloutSession(cfg, plugins) as session:
@@ -146,7 +121,7 @@ async def rollout_only(cfg: Config, plugins: Plugins, out_path: Path | None = No
             for step in range(1, cfg.rollout.num_steps + 1):
                 batch = await session.manager.next_batch(step)
                 plugins.on_rollout_end(batch)
-                for rec in group_records(batch):
+                for rec in batch_records(batch):
                     f.write(json.dumps(rec) + "\n")
                 f.flush()
                 if progress is not None:

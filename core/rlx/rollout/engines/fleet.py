@@ -187,7 +187,7 @@ class EngineFleet:
         timeout = self.cfg.weight_sync.timeout_s
         if self.rc.external_engines:
             self.engines = [Engine(u.rstrip("/"), "external", timeout_s=timeout) for u in self.rc.external_engines]
-        else:
+        elif self.rc.source != "replay":  # a replay trains on saved batches: no engine generates
             for g in self.rc.engines:
                 for i in range(g.num_engines):
                     log_path = self.log_dir / f"engine-{g.name}-{i}.log"
@@ -195,6 +195,8 @@ class EngineFleet:
                     self.engines.append(Engine(url, g.name, g.worker_type, g.update_weights, tp_size=g.tp_size,
                                                process=proc, timeout_s=timeout, launch=(g, log_path)))
         await asyncio.gather(*(wait_healthy(e.url, e.process, self.rc.startup_timeout_s) for e in self.engines))
+        if not self.engines:
+            return
         if self.rc.external_engines:  # what an attached engine runs, it says itself
             for e, tp in zip(self.engines, await self.for_each(lambda c: c.tp_size()), strict=True):
                 e.tp_size = tp
