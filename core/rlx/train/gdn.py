@@ -91,6 +91,11 @@ class GatedDeltaNet(MegatronModule):
     """A GDN layer in megatron's ``self_attention`` slot (``[s, b, h]`` in, ``(out, bias)`` out). `kernel` maps
     ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernel_choice.select` behind it)."""
 
+    # A rank's rows of in_proj (and channels of conv1d) are its q, k, v, z, beta and a heads side by side, so the
+    # rows saved in a checkpoint interleave by rank: they load only under the tensor parallelism that wrote them
+    # (`ModelRole.load` says so); pipeline and data parallelism may change.
+    tp_reshardable = False
+
     def __init__(self, config: TransformerConfig, layer_number: int | None = None, pg_collection: object = None,
                  kernel: Callable[..., Any] | None = None, **kwargs: Any):
         super().__init__(config=config)

@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlx.errors import RLXError
+from rlx.train.megatron_patches import checkpoint as checkpoint_patches
 from rlx.train.moe import sum_router_grads
 from rlx.train.packing import PackedBatch
 from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
@@ -495,67 +497,73 @@ class ModelRole:
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return [o.optimizer for o in chained]
 
-    @property
-    def _shard_name(self) -> str:
-        """The model shard this rank holds: one per tensor, pipeline and expert (tensor) parallel position."""
+    def _layout(self) -> dict[str, int]:
         p = self.par
-        return (f"model_tp{p.tp_rank}_pp{p.pp_rank}" + (f"_ep{p.ep_rank}" if p.ep > 1 else "")
-                + (f"_etp{p.etp_rank}" if p.etp != p.tp else "") + ".pt")
+        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.etp}
 
-    def _first_holder(self) -> bool:
-        """Whether this is the lowest rank holding this shard (the one that writes it)."""
-        names: list[Any] = [None] * self.par.world
-        dist.all_gather_object(names, self._shard_name)
-        return names.index(self._shard_name) == self.par.rank
-
-    def _layout(self) -> list[int]:
-        p = self.par
-        return [p.tp, p.pp, p.dp, p.ep, p.etp]
+    def _sharded_state(self, loading: bool = False) -> dict[str, Any]:
+        """The model (and the optimizer's state) as megatron's sharded tensors: each a slice of one global tensor,
+        however the ranks split it, so that a checkpoint written under one layout loads under another."""
+        checkpoint_patches.install()
+        model = cast(Any, self.model).sharded_state_dict()  # (a megatron module)
+        if not self.trainable:
+            return {"model": model}
+        if loading:  # megatron loads into the optimizer's state, which torch's Adam creates at its first step
+            for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                if not o.optimizer.state:
+                    o._init_optimizer_states_with_dummy_values()  # (the weights it moves are loaded over)
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                                                 "chained_optim_avoid_prefix": True})}
 
     def save(self, folder: Path) -> None:
-        """Model shard (one per tp/pp/ep position) and this rank's optimizer shard into `folder`/<role>.
-
-        Optimizer state is saved per rank as torch's own state dict of the shard (megatron's
-        gather-to-rank-0 loader expects a fused Adam without a ``step`` entry), so a resume must use
-        the same parallel layout.
-        """
+        """The model and the optimizer's state into `folder`/<role> in megatron's reshardable format (torch_dist,
+        `megatron.core.dist_checkpointing`), with the LR schedule and this rank's random state beside it."""
         d = folder / self.name
         d.mkdir(parents=True, exist_ok=True)
-        if self.trainable:
-            inner = self._inner_optimizers()
-            torch.save({
-                "inner": [o.state_dict() for o in inner],
-                "main": [[p.detach().cpu().clone() for g in o.param_groups for p in g["params"]] for o in inner],
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-            }, d / f"optimizer_rank{self.par.rank}.pt")
-        if self._first_holder():
-            torch.save(self.model.state_dict(), d / self._shard_name)
-        if self.par.rank == 0 and self.trainable:
-            torch.save({"scheduler": self.scheduler.state_dict(), "layout": self._layout()}, d / "scheduler.pt")
+        dist.barrier()  # the folder exists for every rank
+        dist_checkpointing.save(self._sharded_state(), str(d))
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   d / f"rng_rank{self.par.rank}.pt")
+        if self.par.rank == 0:
+            torch.save(self._layout(), d / "layout.pt")
+            if self.trainable:
+                torch.save({"scheduler": self.scheduler.state_dict()}, d / "scheduler.pt")
         dist.barrier()
 
     def load(self, folder: Path) -> None:
+        """What `save` wrote, under this run's layout whatever the saving run's was (TP, PP, EP, DP). A run's random
+        state comes back only under the layout that saved it (each rank's is its own)."""
         d = folder / self.name
-        shard = d / self._shard_name
-        if self.trainable:
-            meta = torch.load(d / "scheduler.pt", weights_only=False)
-            if meta["layout"] != self._layout():
-                raise RLXError(f"--resume: checkpoint {folder} was written with tp, pp, dp, ep, etp = "
-                               f"{meta['layout']}; this run has {self._layout()} (resume needs the same layout)")
-        if not shard.exists():
-            raise RLXError(f"--resume: checkpoint {folder} has no {self.name} shard {shard.name}")
-        self.model.load_state_dict(torch.load(shard, weights_only=False), strict=False)
+        if not (d / "metadata.json").exists():
+            old = "written per rank by rlx before checkpoints reshard" if any(d.glob("model_tp*.pt")) else "absent"
+            raise RLXError(f"--resume: the {self.name} checkpoint in {folder} is {old}: start the run again "
+                           f"(or resume it with the rlx that wrote it)")
+        layout = torch.load(d / "layout.pt", weights_only=False)
+        fixed = sorted({type(m).__name__ for m in self.model.modules() if getattr(m, "tp_reshardable", True) is False})
+        if fixed and layout["tp"] != self.par.tp:
+            raise RLXError(f"--resume: the {self.name} checkpoint in {folder} was written at tp={layout['tp']} and "
+                           f"this run has tp={self.par.tp}: the model's {', '.join(fixed)} layers load only at the "
+                           f"tensor parallelism that saved them (pipeline and data parallelism may change)")
+        if self.trainable:  # megatron keeps experts' parameters in an optimizer of their own when ep > 1
+            saved = dist_checkpointing.load_common_state_dict(str(d))["optimizer"]
+            parts = len(saved) if all(isinstance(k, int) for k in saved) else 1
+            here = len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+            if parts != here:
+                raise RLXError(f"--resume: the {self.name} checkpoint in {folder} holds the optimizer in {parts} "
+                               f"part(s) and this run's has {here}: megatron keeps the experts' state apart when "
+                               f"ep > 1, and a checkpoint does not yet move between ep = 1 and ep > 1 (TP, PP, DP and "
+                               f"ep > 1 to another ep > 1 do)")
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(d))
+        self.model.load_state_dict(loaded["model"], strict=False)
         if not self.trainable:
             return
-        opt = torch.load(d / f"optimizer_rank{self.par.rank}.pt", weights_only=False)
-        with torch.no_grad():
-            for o, sd, main in zip(self._inner_optimizers(), opt["inner"], opt["main"], strict=True):
-                o.load_state_dict(sd)
-                for p, v in zip((p for g in o.param_groups for p in g["params"]), main, strict=True):
-                    p.copy_(v)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        torch.set_rng_state(opt["rng"]["torch"])
-        random.setstate(opt["rng"]["python"])
-        if opt["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(opt["rng"]["cuda"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=False)["scheduler"])
+        if layout == self._layout():
+            rng = torch.load(d / f"rng_rank{self.par.rank}.pt", weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])

@@ -18,5 +18,7 @@ a plain decorator)             process (``import rlx.train``)              plain
 experts`                       sequence parallelism (`ModelRole`)          (tp > 1 vs one process)
 `ddp.skip_lone_collectives`    a data-parallel group of one rank, any      tests/unit/test_grad_sync.py
                                device (`ModelRole.start_training`)
+`checkpoint.step_kept_on_load` reshardable checkpoints with torch's Adam    tests/integration/test_reshard.py
+                               (no Apex or TE): CPU (`ModelRole.load`)
 =============================  ==========================================  ===========================================
 """
