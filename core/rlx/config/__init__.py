@@ -3,12 +3,13 @@
 """
 
 from rlx.config.loading import Check, apply_override, describe_error, format_path, load_config, parse_config
+from rlx.config.modes import check_modes
 from rlx.config.schema import (
     COMPONENT_FIELDS, PATH_FIELDS, AsyncConfig, BufferConfig, CheckpointConfig, ComponentSpec, Config, CriticConfig,
     DataConfig, DataSource, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, ModelConfig,
     ObjectiveConfig, OptimConfig, ParallelConfig, RayConfig, RewardSpec, RolloutConfig, RouterConfig, RunConfig,
     SamplingConfig, Section, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig,
-    DynamicSamplingConfig, PartialRolloutConfig, check_modes, component_config, engines_offload, records_routing,
+    DynamicSamplingConfig, PartialRolloutConfig, component_config, engines_offload, records_routing,
     trainer_offloads)
 
 __all__ = [

@@ -23,7 +23,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, Raw, check_modes
+from rlx.config.modes import check_modes
+from rlx.config.schema import MODEL_FIELDS, PATH_FIELDS, Config, Raw
 from rlx.errors import ConfigError
 from rlx.models.hub import is_hub_id
 

@@ -1,0 +1,62 @@
+"""Checks across sections: settings that mean something in one mode (sync or async training, a source of batches,
+a reproducible run) only, or that need another setting beside them. Each problem is (key path, message), reported with
+the schema's own (`rlx.config.loading`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlx.config.schema import AsyncConfig, Config
+
+
+def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
+    """Settings that only mean something in one training mode: set in the other, they are errors."""
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    if cfg.rollout.source == "buffer" and cfg.train.mode == "async":
+        problems.append((("train", "mode"), "async mode overlaps generation with training; with rollout.source: "
+                         "buffer the trajectories come from outside, so use sync"))
+    if cfg.rollout.source == "replay":
+        if cfg.rollout.replay is None:
+            problems.append((("rollout", "source"), "replay trains on saved batches: set rollout.replay to their file "
+                             "or folder (a run's batches/, written with rollout.save_batches, or rl rollout's file)"))
+        if cfg.train.mode == "async":
+            problems.append((("train", "mode"), "a replay trains on saved batches, step by step: use sync"))
+        if cfg.eval.datasets:
+            problems.append((("eval", "datasets"), "evaluation generates, and a replay starts no engines"))
+    elif cfg.rollout.replay is not None:
+        problems.append((("rollout", "replay"), "applies to rollout.source: replay"))
+    if cfg.train.mode == "async":
+        if cfg.run.deterministic:
+            problems.append((("run", "deterministic"), "runs in sync mode only: in async mode which weights a group "
+                             "is generated with depends on when it started, relative to the pushes"))
+        if cfg.rollout.partial_rollout.enabled:
+            problems.append((("rollout", "partial_rollout", "enabled"), "applies to sync mode; async mode always "
+                             "carries in-flight samples over (see train.async.swap)"))
+        if cfg.rollout.offload_during_train:
+            problems.append((("rollout", "offload_during_train"), "async mode generates while it trains, so "
+                             "engines cannot release their memory"))
+        if cfg.train.offload:
+            problems.append((("train", "offload"), "async mode trains while the engines generate, so the trainer "
+                             "cannot give its memory to them"))
+        if cfg.rollout.partial_rollout.over_sampling != 1.0:
+            problems.append((("rollout", "partial_rollout", "over_sampling"), "applies to sync partial rollout; in "
+                             "async mode train.async.max_staleness sets how many groups run ahead"))
+        if cfg.train.async_.max_staleness < cfg.weight_sync.interval:
+            problems.append((("train", "async", "max_staleness"), f"must be at least weight_sync.interval "
+                             f"({cfg.weight_sync.interval}): between pushes the engines serve weights up to "
+                             f"that many versions old"))
+    if cfg.train.offload and cfg.rollout.offload_during_train is False:
+        problems.append((("train", "offload"), "the trainer takes its memory back to train, which the engines must "
+                         "then have released: leave rollout.offload_during_train on (or both unset: on when "
+                         "colocated on GPUs)"))
+    if cfg.train.critic.placement != "shared" and cfg.train.critic.parallel is None:
+        problems.append((("train", "critic", "placement"), "places a critic with processes of its own: set "
+                         "train.critic.parallel too (without it the critic lives in the actor's processes)"))
+    if cfg.train.critic.parallel is not None and not cfg.ray.enabled:
+        problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
+                         "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
+    if cfg.train.mode != "async":
+        for key, field in AsyncConfig.model_fields.items():
+            if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults
+                problems.append((("train", "async", key), "applies to train.mode: async only"))
+    return problems
