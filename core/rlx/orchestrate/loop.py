@@ -265,10 +265,15 @@ class Trainers:
 
     async def shutdown(self) -> None:
         if self.group is None:  # the engines failed to start, or the trainers did: a thread cannot be cancelled
+            # waited for, not awaited: raising its error again here would rewrite the traceback of the one already
+            # on its way up (the thread's frames lost)
             try:
-                self.group = await asyncio.shield(self.starting)
-            except BaseException:  # noqa: BLE001 - its error, if any, is already on its way up (or a second one is not)
+                await asyncio.wait([self.starting])
+            except asyncio.CancelledError:  # a second Ctrl-C: stop at once, the thread left to the process's end
                 return
+            if self.starting.cancelled() or self.starting.exception() is not None:
+                return
+            self.group = self.starting.result()
         self.group.shutdown()
 
 
