@@ -46,7 +46,8 @@ def config(folder: Path, name: str, **sections) -> Path:
                "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}]}
     return small_run_config(folder, name, seed=5, run={"deterministic": True}, data={"path": None, "mix": mix},
                             rollout={**rollout, **sections.pop("rollout", {})},
-                            train={"num_steps": STEPS, "checkpoint": {"interval": 1}}, ray={"cpus_per_engine": 0.5},
+                            train={"num_steps": STEPS, "checkpoint": {"interval": 1}, **sections.pop("train", {})},
+                            ray={"cpus_per_engine": 0.5},
                             **sections)
 
 
@@ -86,3 +87,24 @@ def test_a_step_replayed_from_the_checkpoint_before_it_repeats_its_loss_and_upda
     after = weights(tmp / "hf-replay")
     assert all(torch.equal(after[k], runs["a"][1][k]) for k in after)
     assert not list((tmp / "replay" / "logs").glob("engine-*.log"))
+
+
+def test_async_mode_runs_one_step_off_and_repeats_itself_across_a_resume(tiny_model_path, tmp_path):
+    """train.mode: async under run.deterministic: each batch generates whole while the step before trains, on the
+    weights that step started from. A run stopped after step 2 (its checkpoint holds step 3's batch, generated
+    already) and resumed writes what the run that went on wrote, bit for bit."""
+    import datasets
+
+    from rlx.tasks import arithmetic
+
+    datasets.Dataset.from_list(arithmetic(20, seed=4)).save_to_disk(str(tmp_path / "saved"))
+    whole = config(tmp_path, "whole", train={"mode": "async"})
+    metrics = train(whole, tmp_path / "hf-whole")
+    assert [r["async/staleness_max"] for r in metrics] == [0.0, 1.0, 1.0]  # step 1's batch: before any training
+    resumed = config(tmp_path, "resumed", train={"mode": "async"})
+    assert train(resumed, tmp_path / "hf-first", "--set", f"train.num_steps={STEPS - 1}") == metrics[:-1]
+    saved = json.loads((tmp_path / "resumed" / "checkpoints" / f"step_{STEPS - 1}" / "rollout.json").read_text())
+    assert saved["ahead"]["step"] == STEPS and saved["ahead"]["weight_version"] == STEPS - 2
+    assert train(resumed, tmp_path / "hf-resumed", "--resume") == metrics
+    a, b = weights(tmp_path / "hf-whole"), weights(tmp_path / "hf-resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -26,9 +26,10 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     elif cfg.rollout.replay is not None:
         problems.append((("rollout", "replay"), "applies to rollout.source: replay"))
     if cfg.train.mode == "async":
-        if cfg.run.deterministic:
-            problems.append((("run", "deterministic"), "runs in sync mode only: in async mode which weights a group "
-                             "is generated with depends on when it started, relative to the pushes"))
+        if cfg.run.deterministic:  # one step off the policy on a fixed schedule (rlx.rollout.batches)
+            problems += [(("train", "async", key), "does not apply under run.deterministic, whose async mode runs "
+                          "one step off the policy on a fixed schedule (each batch generated whole, while the step "
+                          "before trains, on the weights that step started from)") for key in sorted(cfg.train.async_.model_fields_set)]
         if cfg.rollout.partial_rollout.enabled:
             problems.append((("rollout", "partial_rollout", "enabled"), "applies to sync mode; async mode always "
                              "carries in-flight samples over (see train.async.swap)"))
@@ -41,7 +42,7 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         if cfg.rollout.partial_rollout.over_sampling != 1.0:
             problems.append((("rollout", "partial_rollout", "over_sampling"), "applies to sync partial rollout; in "
                              "async mode train.async.max_staleness sets how many groups run ahead"))
-        if cfg.train.async_.max_staleness < cfg.weight_sync.interval:
+        if cfg.train.async_.max_staleness < cfg.weight_sync.interval and not cfg.run.deterministic:
             problems.append((("train", "async", "max_staleness"), f"must be at least weight_sync.interval "
                              f"({cfg.weight_sync.interval}): between pushes the engines serve weights up to "
                              f"that many versions old"))

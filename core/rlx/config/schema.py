@@ -358,7 +358,8 @@ class ObjectiveConfig(Section):
 
 
 class AsyncConfig(Section):
-    """train.mode: async only: how far generation may run ahead of training."""
+    """train.mode: async only: how far generation may run ahead of training (run.deterministic's async mode has a
+    fixed schedule instead: one step ahead)."""
 
     max_staleness: int = Field(1, ge=0)  # a group may lag the trainer by at most this many weight versions
     stale_groups: Literal["regenerate", "drop"] = "regenerate"  # what happens to a group past max_staleness

@@ -71,9 +71,8 @@ class ReplayBatches:
         t0 = time.monotonic()
         if step not in self.steps:
             held = sorted(self.steps)
-            raise RLXError(f"rollout.replay: {self.path} has no batch for step {step}; it holds steps "
-                           f"{held[0]}-{held[-1]}" if held == list(range(held[0], held[-1] + 1)) else
-                           f"rollout.replay: {self.path} has no batch for step {step}; it holds steps {held}")
+            steps = f"{held[0]}-{held[-1]}" if held == list(range(held[0], held[-1] + 1)) else str(held)
+            raise RLXError(f"rollout.replay: {self.path} has no batch for step {step}; it holds steps {steps}")
         batch = RolloutBatch(step, self.steps[step], version)
         batch.metrics.update({**batch.sample_metrics(), "time/rollout_s": time.monotonic() - t0})
         return batch

@@ -21,6 +21,11 @@ whole time while the trainer trains on groups already finished. Choices:
   saved in order, and both come back first on resume (nothing lost, nothing twice), then the stream
   restarts.
 * Rollout errors (a dead engine) surface in `next_batch`, not silently in a background task.
+
+``train.mode: async`` under ``run.deterministic`` (`OneStepOffBatches`): one step off the policy on a fixed
+schedule. Step k+1's batch is generated whole, as a sync step's is, while step k trains, with the weights step k-1
+left; the push waits for it. Every batch's weights are so fixed by its step, never by timing, and the run repeats
+bit for bit; the ``train.async`` knobs, which trade that for throughput, do not apply.
 """
 
 from __future__ import annotations
@@ -97,6 +102,62 @@ class SyncBatches:
 
     async def close(self) -> None:
         pass
+
+
+class OneStepOffBatches(SyncBatches):
+    """Async mode under run.deterministic (module docstring): the next batch generates while this one trains."""
+
+    def __init__(self, cfg: Config, manager: RolloutManager, fleet: EngineFleet):
+        super().__init__(cfg, manager, fleet)
+        self.ahead: asyncio.Task[RolloutBatch] | None = None  # the next step's batch, generating
+        self.restored: RolloutBatch | None = None  # the next step's batch, from a checkpoint
+
+    async def next_batch(self, step: int, version: int) -> RolloutBatch:
+        if self.restored is not None:
+            batch, self.restored = self.restored, None
+        elif self.ahead is not None:
+            batch, self.ahead = await self.ahead, None
+        else:  # the run's first step
+            batch = await self.manager.next_batch(step, version)
+        # on the weights the engines hold now (`version`): the push after this step waits for it (`swap`)
+        self.ahead = asyncio.create_task(self.manager.next_batch(step + 1, version))
+        lag = float(version - batch.weight_version)  # 1 but at the first step (as async mode's metrics name it)
+        batch.metrics.update({"async/staleness_mean": lag, "async/staleness_max": lag})
+        return batch
+
+    async def _next(self) -> RolloutBatch | None:
+        """The next step's batch, whole (None before the first step)."""
+        if self.ahead is not None:
+            self.restored, self.ahead = await self.ahead, None
+        return self.restored
+
+    async def swap(self, push: Push) -> None:
+        await self._next()
+        await push()
+
+    async def state_dict(self) -> dict[str, Any]:
+        ahead = await self._next()
+        state = self.manager.state_dict()
+        if ahead is not None:
+            state["ahead"] = {"step": ahead.step, "weight_version": ahead.weight_version, "metrics": ahead.metrics,
+                              "groups": [g.to_dict() for g in ahead.groups]}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state)
+        a = state.get("ahead")
+        self.restored = None if a is None else RolloutBatch(
+            a["step"], [Group.from_dict(g) for g in a["groups"]], a["weight_version"], a["metrics"])
+
+    async def rewind(self, state: dict[str, Any]) -> None:
+        await self.close()
+        self.load_state_dict(state)
+
+    async def close(self) -> None:
+        task, self.ahead = self.ahead, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class AsyncBatches:
@@ -241,4 +302,6 @@ class AsyncBatches:
 
 
 def batch_source(cfg: Config, manager: RolloutManager, fleet: EngineFleet) -> BatchSource:
-    return AsyncBatches(cfg, manager, fleet) if cfg.train.mode == "async" else SyncBatches(cfg, manager, fleet)
+    if cfg.train.mode == "sync":
+        return SyncBatches(cfg, manager, fleet)
+    return OneStepOffBatches(cfg, manager, fleet) if cfg.run.deterministic else AsyncBatches(cfg, manager, fleet)
