@@ -77,9 +77,10 @@ def test_metrics_have_every_required_key(uninterrupted):
         assert r["samples"] == 6 and r["tokens"] > 0 and r["time/step_s"] >= r["time/train_s"]
 
 
-def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_then_resume(uninterrupted, tmp_path):
-    """kill -9 of the driver at a random step, then --resume: the same sample ids, in the same order, as an
-    uninterrupted run. With PPO and the critic in Ray processes of its own, on bundles of its own, so the
+def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_during_a_save_then_resume(uninterrupted, tmp_path):
+    """kill -9 of the driver while a random step's checkpoint is being written (train.checkpoint.async_save: the
+    ranks train on meanwhile), then --resume: from the checkpoint before, the same sample ids, in the same order,
+    as an uninterrupted run. With PPO and the critic in Ray processes of its own, on bundles of its own, so the
     critic's processes must go with the driver, and --resume restores the actor and the critic. (GRPO's resume
     is this one without the critic: the data order and the actor's state are the same code.)"""
     want = sample_order(uninterrupted / "run")  # sample ids do not depend on the objective
@@ -91,10 +92,21 @@ def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_then_resume(uninterrup
     kill_at = random.Random().randint(2, STEPS - 2)
     tag = uuid.uuid4().hex
     p = rl("train", cfg, *sets, tag=tag)
-    kill_after_steps(p, tmp_path / "ppo" / "metrics.jsonl", kill_at, tag)  # the critic's processes go as well
+    ckpt = tmp_path / "ppo" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpt / f".step_{kill_at}.tmp").exists():  # being written: the step after it may have started
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert wait_gone(tag) == [], "engines or trainers outlived the killed driver"  # the critic's processes too
+    assert not (ckpt / f"step_{kill_at}").exists(), "the kill came after the save, not during it"
     from rlx.orchestrate.checkpoint import newest
 
-    assert (newest(tmp_path / "ppo" / "checkpoints") / "critic" / "scheduler.pt").exists()  # what --resume takes
+    before = newest(ckpt)  # what --resume takes
+    assert before is not None and before.name == f"step_{kill_at - 1}"
+    assert (before / "critic" / "scheduler.pt").exists()
 
     p = rl("train", cfg, *sets, "--resume", tag=tag)
     _, err = p.communicate(timeout=600)

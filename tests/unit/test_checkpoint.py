@@ -15,7 +15,7 @@ class FakeTrainer:
     def __init__(self, fail: BaseException | None = None):
         self.fail = fail
 
-    def save(self, folder):
+    def save(self, folder, background=False):
         (folder / "model.pt").write_bytes(b"weights")
         if self.fail is not None:
             raise self.fail

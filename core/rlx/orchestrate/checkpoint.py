@@ -8,16 +8,22 @@ an id, kept across resumes: pruning keeps the newest ``keep`` checkpoints *of th
 another run's left in the same folder, and ``--resume`` takes the most recently saved complete checkpoint.
 A save that fails (a full disk says so, naming the filesystem and the path) leaves nothing behind, and the
 leftovers of a save that was killed are removed by the next one.
+
+With ``train.checkpoint.async_save`` (`Saving`), the trainer ranks copy their state and train on while their files are
+written, for as many steps as that takes; the folder becomes a checkpoint (marked, renamed, older ones pruned) once
+every file is, so a run killed meanwhile resumes from the checkpoint before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,38 +44,71 @@ def save(root: Path, step: int, trainer: TrainerGroup, rollout_state: dict[str, 
          meta: dict[str, Any], keep: int = 2) -> Path:
     """`trainer` has ``save(folder)``; it writes its own files into the new checkpoint folder. `meta` should
     carry ``run_id`` (pruning keeps to that run's checkpoints)."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step_*.tmp"):  # a save killed half way
-        shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step_{step}"
-    tmp = root / f".step_{step}.tmp"
-    body = {"step": step, "saved_at": time.time(), **meta}
-    try:
-        tmp.mkdir()
-        trainer.save(tmp)
-        (tmp / "rollout.json").write_text(json.dumps(rollout_state))
-        (tmp / "meta.json").write_text(json.dumps(body))
-        fsync_tree(tmp)
-        write_synced(tmp / MARKER, json.dumps({"step": step, "run_id": meta.get("run_id")}).encode())
-        fsync_path(tmp)
-        if final.exists():  # the same step saved before (a run restarted in this folder): replaced whole
-            gone = root / f".step_{step}.old-{uuid.uuid4().hex[:8]}.tmp"
-            os.rename(final, gone)
-            shutil.rmtree(gone, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_path(root)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _no_space(e, root):
-            raise RLXError(f"no space left on {_filesystem(root)} writing checkpoint {tmp} "
-                           f"({type(e).__name__}: {e}); the previous checkpoint is intact") from e
-        raise
-    (root / ".latest.tmp").write_text(final.name)
-    os.replace(root / ".latest.tmp", root / "latest")
-    mine = [(s, f) for s, f, m in complete(root) if m.get("run_id") == meta.get("run_id")]
-    for _, old in sorted(mine)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return Saving(root, step, trainer, rollout_state, meta, keep).finish()
+
+
+class Saving:
+    """A checkpoint being written: started at once (`trainer.save(folder, background)`, the rollout's state and
+    `meta` beside it), whole at `finish`, which marks and renames it, then prunes. Until then the folder is a
+    ``.tmp``: a run killed before is resumed from the checkpoint before."""
+
+    def __init__(self, root: Path, step: int, trainer: TrainerGroup, rollout_state: dict[str, Any],
+                 meta: dict[str, Any], keep: int = 2, background: bool = False):
+        self.root, self.step, self.trainer, self.meta, self.keep = root, step, trainer, meta, keep
+        self.background = background
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp"):  # a save killed half way
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tmp = root / f".step_{step}.tmp"
+        body = {"step": step, "saved_at": time.time(), **meta}
+        with self._cleaned():
+            self.tmp.mkdir()
+            trainer.save(self.tmp, background=background)
+            (self.tmp / "rollout.json").write_text(json.dumps(rollout_state))
+            (self.tmp / "meta.json").write_text(json.dumps(body))
+
+    @contextlib.contextmanager
+    def _cleaned(self) -> Iterator[None]:
+        """What fails leaves no folder behind (a full disk said as such)."""
+        try:
+            yield
+        except BaseException as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            if _no_space(e, self.root):
+                raise RLXError(f"no space left on {_filesystem(self.root)} writing checkpoint {self.tmp} "
+                               f"({type(e).__name__}: {e}); the previous checkpoint is intact") from e
+            raise
+
+    def written(self) -> bool:
+        """Every rank's files written and finalised (each role's ``metadata.json``, which megatron writes last)."""
+        return not self.background or all((d / "metadata.json").exists() for d in self._roles())
+
+    def _roles(self) -> list[Path]:
+        return [p.parent for p in self.tmp.glob("*/layout.pt")]  # (rank 0 writes a role's layout as it saves)
+
+    def finish(self) -> Path:
+        """The checkpoint, whole: waits for the ranks' files (`trainer.finish_save`) unless `written`; the trainer
+        is not to be called meanwhile."""
+        root, tmp, step = self.root, self.tmp, self.step
+        final = root / f"step_{step}"
+        with self._cleaned():
+            if not self.written():
+                self.trainer.finish_save()
+            fsync_tree(tmp)
+            write_synced(tmp / MARKER, json.dumps({"step": step, "run_id": self.meta.get("run_id")}).encode())
+            fsync_path(tmp)
+            if final.exists():  # the same step saved before (a run restarted in this folder): replaced whole
+                gone = root / f".step_{step}.old-{uuid.uuid4().hex[:8]}.tmp"
+                os.rename(final, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+            os.rename(tmp, final)
+            fsync_path(root)
+        (root / ".latest.tmp").write_text(final.name)
+        os.replace(root / ".latest.tmp", root / "latest")
+        mine = [(s, f) for s, f, m in complete(root) if m.get("run_id") == self.meta.get("run_id")]
+        for _, old in sorted(mine)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
 
 
 def complete(root: Path) -> list[tuple[int, Path, dict[str, Any]]]:

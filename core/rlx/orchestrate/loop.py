@@ -98,10 +98,14 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
         await run.begin(resume)
         try:
             await run.steps()
+        except Exception:  # the last checkpoint still kept if its files are written (not on a second Ctrl-C)
+            await run.saved_whole(failing=True)
+            raise
         finally:
             if run.evals:
                 run.evals.cancel()
             await run.batches.close()
+        await run.saved_whole()
         if save_hf is not None:
             await asyncio.to_thread(run.trainer.export_hf, save_hf)
         await asyncio.to_thread(run.trainer.close)
@@ -128,6 +132,7 @@ class Run:
         self.evals = Evals(cfg, plugins, session, loggers, self.out) if cfg.eval.datasets else None
         self.watch = DiffWatch()
         self.step, self.version, self.run_id, self.restarts = 1, 0, checkpoint.new_run_id(), 0
+        self.saving: checkpoint.Saving | None = None  # the last checkpoint, being written
 
     @property
     def trainer(self) -> TrainerGroup:
@@ -166,6 +171,8 @@ class Run:
                 batch, record = await one_step(cfg, self.plugins, self.batches, self.weights, self.step, self.version,
                                                self.evals.wait if self.evals else None)
                 await self.report(batch, record)
+                if self.saving is not None and self.saving.written():  # (the ranks finalise it as they train)
+                    await self.saved_whole()
                 every = cfg.train.checkpoint.interval
                 if (every and self.step % every == 0) or self.step == cfg.train.num_steps:
                     await self.save(self.step)
@@ -201,9 +208,32 @@ class Run:
             self.progress(step, record)
 
     async def save(self, step: int) -> None:
-        checkpoint.save(self.ckpt_root, step, self.trainer, await self.batches.state_dict(),
-                        {"version": self.version, "run_id": self.run_id}, keep=self.cfg.train.checkpoint.keep)
+        """A checkpoint of the step just trained; with train.checkpoint.async_save its files are written while the
+        next steps run, and it is made whole once they are (`steps`) or when it must be (`saved_whole`)."""
+        await self.saved_whole()  # one at a time
+        ck = self.cfg.train.checkpoint
+        self.saving = checkpoint.Saving(self.ckpt_root, step, self.trainer, await self.batches.state_dict(),
+                                        {"version": self.version, "run_id": self.run_id}, ck.keep, ck.async_save)
         self.saved = step
+        if self.saving.written():
+            await self.saved_whole()
+
+    async def saved_whole(self, failing: bool = False) -> None:
+        """The checkpoint being written, whole. `failing`: the run (or a trainer rank) is failing already, and its
+        ranks are not called again: the checkpoint is kept only if its files are all written."""
+        saving, self.saving = self.saving, None
+        if saving is None:
+            return
+        if failing and not saving.written():
+            print(f"rlx: checkpoint step_{saving.step} was still being written: not kept", file=sys.stderr,
+                  flush=True)
+            return
+        try:
+            await asyncio.to_thread(saving.finish)
+        except Exception as e:
+            if not failing:
+                raise
+            print(f"rlx: checkpoint step_{saving.step} is lost: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     async def stop_here(self) -> None:
         """A stop request: a checkpoint of what trained since the last one, then `Interrupted`."""
@@ -211,6 +241,7 @@ class Run:
         assert signum is not None, "called on a stop request"
         if self.saved < step - 1:
             await self.save(step - 1)
+        await self.saved_whole()
         where = f"checkpoint step_{self.saved} saved" if self.saved >= 1 else "nothing trained yet"
         raise Interrupted(f"stopped by {self.stop.name} after step {step - 1}; {where} (continue with "
                           f"rl train CONFIG --resume)", signum)
@@ -224,6 +255,7 @@ class Run:
         print(f"rlx: {died}", file=sys.stderr, flush=True)
         print(f"rlx: restarting the trainers ({self.restarts} of train.max_restarts {cfg.train.max_restarts})",
               file=sys.stderr, flush=True)
+        await self.saved_whole(failing=True)  # (a dead rank's part is not written: the folder is dropped)
         self.trainer.shutdown()
         assert self.placement is not None, "trainer ranks that can die are Ray actors"
         self.trainers.group = trainer = await asyncio.to_thread(ray_trainer_group, cfg, self.placement.pg)

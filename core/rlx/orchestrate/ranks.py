@@ -56,6 +56,7 @@ class TrainerWorker:
         self.role = role
         self.trainer: Any = None
         self.sender: Any = None
+        self.writes: Any = None  # a checkpoint being written in the background (`save`)
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 holds the trainers' rendezvous: this node's address and a port free on it."""
@@ -70,6 +71,9 @@ class TrainerWorker:
         from rlx.train.trainer import Trainer
         from rlx.transport.sender import WeightSender
 
+        from rlx.train.megatron_patches.checkpoint import BackgroundWrites
+
+        self.writes = BackgroundWrites()
         plugins = process_plugins()
         if self.role == "critic":
             self.trainer = CriticTrainer(self.cfg, plugins, master_addr)
@@ -98,15 +102,19 @@ class TrainerWorker:
         return process_cpu()
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
+        self.finish_save(wait=False)
         return self.trainer.train_step(batch)
 
     def train_actor(self, batch: RolloutBatch, values: Tensors) -> tuple[dict[str, float | None], Tensors]:  # + critic
+        self.finish_save(wait=False)
         return self.trainer.train_actor(batch, values)
 
     def values(self, batch: RolloutBatch) -> Tensors:  # a critic rank's
+        self.finish_save(wait=False)
         return self.trainer.values(batch)
 
     def train_critic(self, batch: RolloutBatch, returns: Tensors, values: Tensors) -> dict[str, float]:  # a critic's
+        self.finish_save(wait=False)
         return self.trainer.train(batch, returns, values)
 
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
@@ -115,18 +123,31 @@ class TrainerWorker:
     def push_weights(self, version: int) -> None:
         self.sender.push(version)
 
-    def save(self, folder: str) -> None:
-        self.trainer.save(Path(folder))
+    def save(self, folder: str, background: bool = False) -> None:
+        """The trainer's checkpoint into `folder`; `background`: its tensors copied now and written while the rank
+        trains on, whole once every rank's files are: the first training call after that finalises it (or any
+        other call of the checkpoint's, such as `finish_save`, waiting for the files)."""
+        self.finish_save()
+        self.trainer.save(Path(folder), self.writes if background else None)
+        if background:
+            self.writes.start()
+
+    def finish_save(self, wait: bool = True) -> None:
+        if self.writes is not None:
+            self.writes.finish(wait)
 
     def load(self, folder: str) -> None:
+        self.finish_save()
         self.trainer.load(Path(folder))
 
     def export_hf(self, folder: str) -> None:
         from rlx.train.export import export_hf
 
+        self.finish_save()
         export_hf(self.trainer, Path(folder))
 
     def close(self) -> None:
+        self.finish_save()
         if self.sender is not None:
             self.sender.close()
 
@@ -169,8 +190,12 @@ class TrainerGroup(ABC):
     def push_weights(self, version: int) -> None:
         self._all("push_weights", version)
 
-    def save(self, folder: Path) -> None:
-        self._all("save", str(folder))
+    def save(self, folder: Path, background: bool = False) -> None:
+        self._all("save", str(folder), background)
+
+    def finish_save(self) -> None:
+        """A background `save`, whole (every rank's files and the checkpoint's metadata written)."""
+        self._all("finish_save")
 
     def load(self, folder: Path) -> None:
         self._all("load", str(folder))
@@ -309,9 +334,13 @@ class CriticTrainerGroup(TrainerGroup):
         metrics, returns = self.actor._all("train_actor", batch, values)[0]
         return {**self.critic._all("train_critic", batch, returns, values)[0], **metrics}
 
-    def save(self, folder: Path) -> None:
-        self.actor.save(folder)
-        self.critic.save(folder)
+    def save(self, folder: Path, background: bool = False) -> None:
+        self.actor.save(folder, background)
+        self.critic.save(folder, background)
+
+    def finish_save(self) -> None:
+        self.actor.finish_save()
+        self.critic.finish_save()
 
     def load(self, folder: Path) -> None:
         self.actor.load(folder)

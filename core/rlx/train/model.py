@@ -516,13 +516,19 @@ class ModelRole:
             model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
                                                  "chained_optim_avoid_prefix": True})}
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes: checkpoint_patches.BackgroundWrites | None = None) -> None:
         """The model and the optimizer's state into `folder`/<role> in megatron's reshardable format (torch_dist,
-        `megatron.core.dist_checkpointing`), with the LR schedule and this rank's random state beside it."""
+        `megatron.core.dist_checkpointing`), with the LR schedule and this rank's random state beside it. With
+        `writes`, the tensors are copied now and written by `writes` (the checkpoint is whole once it finishes)."""
         d = folder / self.name
         d.mkdir(parents=True, exist_ok=True)
         dist.barrier()  # the folder exists for every rank
-        dist_checkpointing.save(self._sharded_state(), str(d))
+        if writes is None:
+            dist_checkpointing.save(self._sharded_state(), str(d))
+        else:
+            request = dist_checkpointing.save(self._sharded_state(), str(d), async_sharded_save=True)
+            assert request is not None, "an asynchronous save returns its request"
+            writes.add(request)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    d / f"rng_rank{self.par.rank}.pt")

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rlx.config import Config, TrainConfig
     from rlx.plugins import Plugins
     from rlx.protocols import CriticEstimator
+    from rlx.train.megatron_patches.checkpoint import BackgroundWrites
     from rlx.train.spec import ModelSpec
 
 
@@ -269,9 +270,9 @@ class CriticTrainer:
         finally:
             self.memory.hold()
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes: BackgroundWrites | None = None) -> None:
         self.memory.hold(critic="all")
-        self.critic.save(folder)
+        self.critic.save(folder, writes)
         self.memory.hold()
 
     def load(self, folder: Path) -> None:

@@ -30,6 +30,7 @@ from rlx.types import RolloutBatch
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
     from rlx.protocols import CriticEstimator
+    from rlx.train.megatron_patches.checkpoint import BackgroundWrites
 
 
 class Trainer:
@@ -118,12 +119,14 @@ class Trainer:
         finally:
             self.memory.hold()
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, writes: BackgroundWrites | None = None) -> None:
+        """Every trained role's checkpoint into `folder` (`ModelRole.save`; with `writes`, written in the
+        background)."""
         import torch.distributed as dist
 
         for role in self.trained_roles():
             self.memory.hold(**{role.name: "all"})
-            role.save(folder)
+            role.save(folder, writes)
         self.memory.hold()
         if self.par.rank == 0:
             torch.save({"step": self.step}, folder / "trainer.pt")

@@ -1,9 +1,14 @@
 """megatron-core 0.16.1's reshardable checkpoints (torch_dist, the optimizer's state ``fully_reshardable``) as rlx's
-trainers write and read them: synchronously, with torch's own Adam (no Apex, no Transformer Engine).
+trainers write and read them, with torch's own Adam (no Apex, no Transformer Engine).
 
-Writing: megatron's file writer hands its results to the saving process through a queue it gets from a
-``multiprocessing`` manager, a server process it spawns at the first save (4 to 6 s here) and that outlives a trainer
-killed with -9. A synchronous save puts and takes those results in the saving process itself: a plain queue serves.
+Writing, in the background (`BackgroundWrites`): megatron's asynchronous save plans the checkpoint with every rank
+(collectives) and hands back the file writes and the finalisation (collectives again: rank 0 writes the metadata).
+Here the rank copies what is to be written (megatron's own staging copies only GPU tensors: a CPU tensor would be
+written while the next step changes it), writes the files in a thread while it trains on, and finalises at its next
+call from the driver, which every rank gets in the same order. Megatron's file writer hands its results to the
+saving process through a queue it gets from a ``multiprocessing`` manager, a server process it spawns at the first
+save (4 to 6 s here) that outlives a trainer killed with -9; the writes run in the saving process, so a plain queue
+serves.
 
 Loading: torch's Adam keeps a ``step`` tensor in every parameter's state, which the format saves once, in the
 parameter groups. On load megatron
@@ -17,9 +22,13 @@ parameter groups. On load megatron
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 _set_states = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -47,3 +56,60 @@ def install() -> None:
         filesystem_async._results_queue = queue.Queue()
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_saved_states  # type: ignore[method-assign]
     DistributedOptimizer.load_state_dict = _load_with_own_steps  # type: ignore[method-assign]
+
+
+class BackgroundWrites:
+    """A rank's checkpoint writes (megatron's `AsyncRequest` of each saved role) run in one thread, in order, while
+    the rank trains on; `finish` waits for them and finalises them, on every rank at the same call."""
+
+    def __init__(self) -> None:
+        self.requests: list[AsyncRequest] = []
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()  # a rank in the driver's process is called from more than one thread
+
+    def add(self, request: AsyncRequest) -> None:
+        """Stage `request`'s tensors (copies: the rank may change its own from now on); written at `start`."""
+        if request.async_fn is not None:
+            rank, buckets, results = request.async_fn_args
+            staged = [(file, key, (data, [(item, t.detach().to("cpu", copy=True)) for item, t in tensors]))
+                      for file, key, (data, tensors) in buckets]
+            request = request._replace(async_fn_args=(rank, staged, results))
+        self.requests.append(request)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._write, name="rlx-checkpoint-writes", daemon=True)
+        self.thread.start()
+
+    def _write(self) -> None:
+        try:
+            for r in self.requests:
+                if r.async_fn is not None:
+                    r.async_fn(*r.async_fn_args, **r.async_fn_kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised in `finish`, on the rank's own thread
+            self.error = e
+
+    def finish(self, wait: bool = True) -> bool:
+        """Finalise the writes once every rank's are done (collectives: every rank calls this at the same call);
+        `wait`: for this rank's first. True when nothing is left pending."""
+        with self.lock:
+            if self.thread is None:
+                return True
+            if wait:
+                self.thread.join()
+            # each rank's state, which every rank learns here, so that none waits for another: 0 written,
+            # 1 writing, 2 failed
+            mine = 1.0 if self.thread.is_alive() else 2.0 if self.error is not None else 0.0
+            state = torch.tensor([mine], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(state, op=dist.ReduceOp.MAX)
+            if state.item() == 1.0:
+                return False
+            requests, error, self.requests, self.thread, self.error = self.requests, self.error, [], None, None
+            if error is not None:
+                raise error
+            if state.item() == 2.0:
+                raise RuntimeError("another trainer rank failed to write its part of the checkpoint (its log says why)")
+            for r in requests:
+                for fn in r.finalize_fns:
+                    fn()
+            return True
