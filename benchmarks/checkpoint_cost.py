@@ -1,8 +1,8 @@
-"""What a checkpoint at every step costs a run: none, written while the step waits, and written in the background
+"""What checkpoints cost a run: none, written while the step waits, and written in the background
 (``train.checkpoint.async_save``), side by side.
 
-    scripts/loopback .venv/bin/python benchmarks/checkpoint_cost.py             # 6 steps each
-    scripts/loopback .venv/bin/python benchmarks/checkpoint_cost.py --steps 10
+    scripts/loopback .venv/bin/python benchmarks/checkpoint_cost.py                        # 9 steps, every 3rd
+    scripts/loopback .venv/bin/python benchmarks/checkpoint_cost.py --steps 12 --interval 1
 
 The model is a random Qwen3 of 85M parameters (12 layers, hidden 768; the tiny models' vocabulary), big enough that
 a save (the weights and Adam's state in fp32 on CPU, about 1 GB) takes seconds; the rollout is 4 prompts x 4
@@ -50,7 +50,7 @@ def run(folder: Path, model: Path, name: str, steps: int, interval: int, async_s
         "model": {"path": str(model)},
         "data": {"path": str(ROOT / "examples" / "data" / "arithmetic.jsonl")},
         "rollout": {"n_prompts": 4, "n_samples_per_prompt": 4, "rewards": ["digits"],
-                    "sampling": {"max_new_tokens": 8}},
+                    "sampling": {"max_new_tokens": 32}},
         "train": {"num_steps": steps, "checkpoint": {"interval": interval, "async_save": async_save}},
     }
     cfg = folder / f"{name}.yaml"
@@ -65,22 +65,23 @@ def run(folder: Path, model: Path, name: str, steps: int, interval: int, async_s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--interval", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = build_model(folder)
-        variants = (("no checkpoints", 0, True), ("every step, waited for", 1, False),
-                    ("every step, in background", 1, True))
-        walls = {name: run(folder, model, name.replace(" ", "_").replace(",", ""), args.steps, interval, a)
-                 for name, interval, a in variants}
-        ckpt = folder / "every_step_in_background" / "checkpoints" / f"step_{args.steps}"
+        variants = (("no checkpoints", 0, True), ("saves waited for", args.interval, False),
+                    ("saves in the background", args.interval, True))
+        walls = {name: run(folder, model, name.replace(" ", "_"), args.steps, every, a) for name, every, a in variants}
+        ckpt = folder / "saves_in_the_background" / "checkpoints" / f"step_{args.steps}"
         size = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()) / 2**30
     base = walls["no checkpoints"]
-    print(f"{args.steps} steps, a checkpoint of {size:.2f} GiB at every step (or none)")
-    print(f"{'variant':>28} {'wall s':>7} {'s/step added':>13}")
+    saves = len({*range(args.interval, args.steps + 1, args.interval), args.steps})
+    print(f"{args.steps} steps, {saves} checkpoints of {size:.2f} GiB (every {args.interval} steps and at the end)")
+    print(f"{'variant':>24} {'wall s':>7} {'s/save added':>13}")
     for name, wall in walls.items():
-        print(f"{name:>28} {wall:>7.1f} {(wall - base) / args.steps:>13.2f}")
+        print(f"{name:>24} {wall:>7.1f} {(wall - base) / saves:>13.2f}")
 
 
 if __name__ == "__main__":

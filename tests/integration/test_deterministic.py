@@ -46,7 +46,8 @@ def config(folder: Path, name: str, **sections) -> Path:
                "engines": [{"num_engines": 2, "server_args": {"num_threads": 1}}]}
     return small_run_config(folder, name, seed=5, run={"deterministic": True}, data={"path": None, "mix": mix},
                             rollout={**rollout, **sections.pop("rollout", {})},
-                            train={"num_steps": STEPS, "checkpoint": {"interval": 1}, **sections.pop("train", {})},
+                            train={"num_steps": STEPS, "checkpoint": {"interval": 1, "async_save": True},
+                                   **sections.pop("train", {})},
                             ray={"cpus_per_engine": 0.5},
                             **sections)
 

@@ -88,6 +88,7 @@ def test_ppo_with_a_critic_in_processes_of_its_own_kill_9_during_a_save_then_res
     cfg = write_config(tmp_path, "ppo")
     sets = ["--set", "train.objective.advantage=gae", "--set", "train.critic.parallel.world_size=1",
             "--set", "train.critic.placement=own",  # bundles of its own (test_parallel covers shared ones)
+            "--set", "train.checkpoint.async_save=true",
             "--set", "ray.cpus_per_trainer=0.5", "--set", "ray.cpus_per_engine=0.5"]
     kill_at = random.Random().randint(2, STEPS - 2)
     tag = uuid.uuid4().hex

@@ -371,8 +371,9 @@ class AsyncConfig(Section):
 class CheckpointConfig(Section):
     interval: int = Field(0, ge=0)  # checkpoint every N steps (0: only at the end)
     keep: int = Field(2, ge=1)  # newest checkpoints kept on disk
-    async_save: bool = True  # trainer ranks copy their state into host memory and train on while it is written
-    #                          (a checkpoint once every file is); false: the step waits for the files, no copy
+    async_save: bool = False  # trainer ranks copy their state into host memory and train on while it is written
+    #                           (a checkpoint once every file is): for GPU trainers; on CPU the writes take the
+    #                           cores the run trains on (the training guide has the figures)
 
 
 class TrainConfig(Section):
