@@ -552,20 +552,17 @@ class ModelRole:
             raise RLXError(f"--resume: the {self.name} checkpoint in {folder} was written at tp={layout['tp']} and "
                            f"this run has tp={self.par.tp}: the model's {', '.join(fixed)} layers load only at the "
                            f"tensor parallelism that saved them (pipeline and data parallelism may change)")
-        if self.trainable:  # megatron keeps experts' parameters in an optimizer of their own when ep > 1
-            saved = dist_checkpointing.load_common_state_dict(str(d))["optimizer"]
-            parts = len(saved) if all(isinstance(k, int) for k in saved) else 1
-            here = len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-            if parts != here:
-                raise RLXError(f"--resume: the {self.name} checkpoint in {folder} holds the optimizer in {parts} "
-                               f"part(s) and this run's has {here}: megatron keeps the experts' state apart when "
-                               f"ep > 1, and a checkpoint does not yet move between ep = 1 and ep > 1 (TP, PP, DP and "
-                               f"ep > 1 to another ep > 1 do)")
-        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(d))
+        template = self._sharded_state(loading=True)
+        loaded = dist_checkpointing.load(template, str(d))
         self.model.load_state_dict(loaded["model"], strict=False)
         if not self.trainable:
             return
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        # megatron keeps the experts' parameters in an optimizer of their own when ep > 1: between ep = 1 and ep > 1
+        # the saved parameter groups are regrouped as this run's optimizer holds them (the state tensors load by name)
+        parts = len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        saved = dist_checkpointing.load_common_state_dict(str(d))["optimizer"]
+        self.optimizer.load_state_dict(checkpoint_patches.regrouped(saved, loaded["optimizer"], template["optimizer"],
+                                                                    parts))
         self.scheduler.load_state_dict(torch.load(d / "scheduler.pt", weights_only=False)["scheduler"])
         if layout == self._layout():
             rng = torch.load(d / f"rng_rank{self.par.rank}.pt", weights_only=False)

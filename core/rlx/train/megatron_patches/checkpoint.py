@@ -113,3 +113,34 @@ class BackgroundWrites:
                 for fn in r.finalize_fns:
                     fn()
             return True
+
+
+def regrouped(saved: dict[Any, Any], loaded: dict[Any, Any], template: dict[Any, Any], parts: int) -> dict[Any, Any]:
+    """The optimizer's state to load, `loaded` as megatron read it, its parameter groups as this run's optimizer of
+    `parts` parts holds them. With ep > 1 megatron keeps the experts' parameters in an optimizer of their own (two
+    parts, each its own groups), with ep = 1 in one; the state tensors are saved by parameter name (`template`'s
+    sharded tensors, filled in `loaded`) and load under either, but the groups (the learning rate's settings, Adam's
+    step) are saved per part. Between ep = 1 and ep > 1 each group of this run takes the saved group of the same kind
+    (weight decay and learning-rate multipliers; expert or not where both have it)."""
+    saved_parts = [saved[k] for k in sorted(saved)] if all(isinstance(k, int) for k in saved) else [saved]
+    if len(saved_parts) == parts:
+        return loaded
+    groups = [g for part in saved_parts for g in part["optimizer"]["param_groups"]]
+
+    def kind(g: dict[str, Any], expert: bool = True) -> tuple[Any, ...]:
+        return (g["wd_mult"], g["lr_mult"], g["is_decoupled_lr"]) + ((g["is_expert_parallel"],) if expert else ())
+
+    def like(want: dict[str, Any]) -> dict[str, Any]:
+        match = [g for g in groups if kind(g) == kind(want)] or [g for g in groups if kind(g, False) == kind(want, False)]
+        if not match:
+            raise RuntimeError(f"no saved parameter group like {kind(want)} among {[kind(g) for g in groups]}")
+        return {**match[0], "is_expert_parallel": want["is_expert_parallel"]}
+
+    def part(here: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+        return {"optimizer": {"param_groups": [like(g) for g in here["optimizer"]["param_groups"]]},
+                "param_state_sharding_type": saved_parts[0]["param_state_sharding_type"],
+                "param_state": tensors["param_state"]}
+
+    if parts == 1:
+        return part(template, loaded)
+    return {i: part(template[i], loaded[i]) for i in range(parts)}
