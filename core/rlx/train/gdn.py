@@ -91,11 +91,6 @@ class GatedDeltaNet(MegatronModule):
     """A GDN layer in megatron's ``self_attention`` slot (``[s, b, h]`` in, ``(out, bias)`` out). `kernel` maps
     ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernel_choice.select` behind it)."""
 
-    # A rank's rows of in_proj (and channels of conv1d) are its q, k, v, z, beta and a heads side by side, so the
-    # rows saved in a checkpoint interleave by rank: they load only under the tensor parallelism that wrote them
-    # (`ModelRole.load` says so); pipeline and data parallelism may change.
-    tp_reshardable = False
-
     def __init__(self, config: TransformerConfig, layer_number: int | None = None, pg_collection: object = None,
                  kernel: Callable[..., Any] | None = None, **kwargs: Any):
         super().__init__(config=config)
@@ -128,6 +123,35 @@ class GatedDeltaNet(MegatronModule):
         torch.nn.init.uniform_(self.conv1d.weight, -0.5, 0.5)
         for p in (self.conv1d.weight, self.dt_bias, self.A_log):
             tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
+        """In checkpoints, each of in_proj's q, k, v, z, beta and a rows (and conv1d's q, k, v channels) is a tensor
+        of its own, split over tensor-parallel ranks by heads, as are dt_bias and A_log: a rank's rows side by side
+        would interleave by rank in one tensor, and load only under the tensor parallelism that wrote them."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        proj = sd[f"{prefix}in_proj.weight"]
+        axis = len(sharded_offsets)  # (pipeline parallelism prepends the layer's own)
+        tp_rank = proj.global_offset[axis] // proj.local_shape[0]
+        qk, v, n = self.nk_local * self.dk, self.nv_local * self.dv, self.nv_local
+        for name, parts in (("in_proj.weight", {"q": qk, "k": qk, "v": v, "z": v, "b": n, "a": n}),
+                            ("conv1d.weight", {"q": qk, "k": qk, "v": v})):
+            key = f"{prefix}{name}"
+
+            def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any,
+                      parts: dict[str, int] = parts) -> list[ShardedTensor]:
+                return [ShardedTensor.from_rank_offsets(f"{key}.{part}", piece, *sharded_offsets,
+                                                        (axis, tp_rank, self.tp), replica_id=replica_id,
+                                                        prepend_axis_num=axis)
+                        for part, piece in zip(parts, t.split(list(parts.values())), strict=True)]
+
+            sd[key] = ShardedTensorFactory(key, sd[key].data, build, torch.cat, proj.replica_id)
+        for name in ("dt_bias", "A_log"):
+            sd[f"{prefix}{name}"] = make_tp_sharded_tensor_for_checkpoint(getattr(self, name), f"{prefix}{name}", 0,
+                                                                          prepend_offsets=sharded_offsets)
+        return sd
 
     def _kernel(self, x: torch.Tensor) -> Any:
         key = (x.device, x.dtype)

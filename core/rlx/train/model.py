@@ -547,11 +547,6 @@ class ModelRole:
             raise RLXError(f"--resume: the {self.name} checkpoint in {folder} is {old}: start the run again "
                            f"(or resume it with the rlx that wrote it)")
         layout = torch.load(d / "layout.pt", weights_only=False)
-        fixed = sorted({type(m).__name__ for m in self.model.modules() if getattr(m, "tp_reshardable", True) is False})
-        if fixed and layout["tp"] != self.par.tp:
-            raise RLXError(f"--resume: the {self.name} checkpoint in {folder} was written at tp={layout['tp']} and "
-                           f"this run has tp={self.par.tp}: the model's {', '.join(fixed)} layers load only at the "
-                           f"tensor parallelism that saved them (pipeline and data parallelism may change)")
         template = self._sharded_state(loading=True)
         loaded = dist_checkpointing.load(template, str(d))
         self.model.load_state_dict(loaded["model"], strict=False)
