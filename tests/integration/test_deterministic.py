@@ -21,7 +21,9 @@ from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
-WALL_CLOCK = ("time/", "cores/")  # what a run measures of the machine, not of the training
+# what a run measures of the machine, not of the training: its clock, its cores, and the engines' health (on a loaded
+# machine a probe can time out and an engine be taken out and back, its requests resent with their own seeds)
+WALL_CLOCK = ("time/", "cores/", "engines/", "rollout/resent_requests")
 STEPS = 3
 
 

@@ -29,7 +29,9 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         if cfg.run.deterministic:  # one step off the policy on a fixed schedule (rlx.rollout.batches)
             problems += [(("train", "async", key), "does not apply under run.deterministic, whose async mode runs "
                           "one step off the policy on a fixed schedule (each batch generated whole, while the step "
-                          "before trains, on the weights that step started from)") for key in sorted(cfg.train.async_.model_fields_set)]
+                          "before trains, on the weights that step started from)")
+                         for key, field in AsyncConfig.model_fields.items()
+                         if getattr(cfg.train.async_, key) != field.default]  # a dumped config has the defaults
         if cfg.rollout.partial_rollout.enabled:
             problems.append((("rollout", "partial_rollout", "enabled"), "applies to sync mode; async mode always "
                              "carries in-flight samples over (see train.async.swap)"))

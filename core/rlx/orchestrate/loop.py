@@ -106,9 +106,10 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
                 run.evals.cancel()
             await run.batches.close()
         await run.saved_whole()
-        if save_hf is not None:
-            await asyncio.to_thread(run.trainer.export_hf, save_hf)
-        await asyncio.to_thread(run.trainer.close)
+        async with weights.lock:  # (an engine may still be rejoining)
+            if save_hf is not None:
+                await asyncio.to_thread(run.trainer.export_hf, save_hf)
+            await asyncio.to_thread(run.trainer.close)
     return out
 
 
@@ -212,8 +213,10 @@ class Run:
         next steps run, and it is made whole once they are (`steps`) or when it must be (`saved_whole`)."""
         await self.saved_whole()  # one at a time
         ck = self.cfg.train.checkpoint
-        self.saving = checkpoint.Saving(self.ckpt_root, step, self.trainer, await self.batches.state_dict(),
-                                        {"version": self.version, "run_id": self.run_id}, ck.keep, ck.async_save)
+        state = await self.batches.state_dict()  # (not under the lock: the rollout may wait for an engine to rejoin)
+        async with self.weights.lock:  # no engine's rejoining push between the ranks' collectives
+            self.saving = checkpoint.Saving(self.ckpt_root, step, self.trainer, state,
+                                            {"version": self.version, "run_id": self.run_id}, ck.keep, ck.async_save)
         self.saved = step
         if self.saving.written():
             await self.saved_whole()
@@ -229,7 +232,8 @@ class Run:
                   flush=True)
             return
         try:
-            await asyncio.to_thread(saving.finish)
+            async with self.weights.lock:
+                await asyncio.to_thread(saving.finish)
         except Exception as e:
             if not failing:
                 raise

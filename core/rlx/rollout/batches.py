@@ -125,6 +125,12 @@ class OneStepOffBatches(SyncBatches):
         batch.metrics.update({"async/staleness_mean": lag, "async/staleness_max": lag})
         return batch
 
+    async def before_train(self) -> None:  # async mode: the engines generate the next batch while this one trains
+        pass
+
+    async def after_train(self) -> None:
+        pass
+
     async def _next(self) -> RolloutBatch | None:
         """The next step's batch, whole (None before the first step)."""
         if self.ahead is not None:
