@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from rlx.testing.processes import processes_tagged, wait_gone
+from rlx.testing.processes import tagged_pids, wait_gone
 
 ROOT = Path(__file__).parents[1]
 # what a fault changes and nothing else: the machine's time, the engines' and trainers' own counts
@@ -53,17 +53,6 @@ def start(cfg: Path, hf: Path, tag: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(hf), *args],
                             env={**os.environ, "RLX_TEST_TAG": tag}, stdout=subprocess.DEVNULL,
                             stderr=open(cfg.with_suffix(".log"), "a"))
-
-
-def pids(tag: str, needle: bytes) -> list[int]:
-    out = []
-    for pid in processes_tagged(tag):
-        try:
-            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return sorted(out)
 
 
 def last_step(metrics: Path) -> int:
@@ -96,7 +85,7 @@ def chaos_run(cfg: Path, hf: Path, faults: list[tuple[int, str]]) -> list[tuple[
             done.append((step, fault, f"pid {p.pid} resumed"))
             continue
         needle = b"TrainerWorker" if fault.startswith("trainer") else b"rlx.rollout.engines.embedded"
-        while not (found := pids(tag, needle)):  # (an engine restarting: the one in its place)
+        while not (found := tagged_pids(tag, needle)):  # (an engine restarting: the one in its place)
             time.sleep(0.05)
         pid = found[0] if fault != "engine frozen" else found[-1]
         os.kill(pid, signal.SIGSTOP if fault == "engine frozen" else signal.SIGKILL)

@@ -13,24 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from rlx.testing.processes import environ, processes_tagged, wait_gone
+from rlx.testing.processes import environ, tagged_pids, wait_gone
 from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
 STEPS = 60  # a step takes ~0.2 s here; a restart ~10 s: the engine must come back before the end
-
-
-def tagged_pids(tag: str, needle: bytes) -> list[int]:
-    """This test's processes whose command line holds `needle` (an engine module, a Ray actor's class)."""
-    out = []
-    for pid in processes_tagged(tag):
-        try:
-            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return sorted(out)
 
 
 def engine_pids(tag: str) -> list[int]:

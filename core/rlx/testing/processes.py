@@ -28,6 +28,18 @@ def processes_tagged(tag: str, var: str = "RLX_TEST_TAG") -> list[int]:
     return pids
 
 
+def tagged_pids(tag: str, needle: bytes) -> list[int]:
+    """`processes_tagged(tag)` whose command line holds `needle` (an engine's module, a Ray actor's class), sorted."""
+    out = []
+    for pid in processes_tagged(tag):
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return sorted(out)
+
+
 def environ(pid: int) -> dict[str, str]:
     """The environment process `pid` started with (Linux /proc)."""
     raw = Path(f"/proc/{pid}/environ").read_bytes()
