@@ -270,6 +270,9 @@ def _proxy_megatron_torch() -> None:
             importlib.import_module(name)
         except ImportError:
             continue
-    for name, module in list(sys.modules.items()):
+    # a copy taken at once: list(sys.modules.items()) runs Python (a garbage collection) as it goes, and another
+    # thread importing meanwhile (the engines starting beside the trainer) stopped a run with "dictionary changed
+    # size during iteration"
+    for name, module in sys.modules.copy().items():
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             setattr(module, "torch", proxy)  # an attribute a module's type does not declare
