@@ -152,10 +152,15 @@ def test_a_second_ctrl_c_stops_at_once(tiny_model_path, tmp_path):
                      tag=tag)
     wait_rows(p, tmp_path / "int" / "metrics.jsonl", 1)
     p.send_signal(signal.SIGINT)
-    time.sleep(0.02)
+    seen = []  # the second Ctrl-C once the first is acknowledged, as a user presses it
+    for line in p.stderr:
+        seen.append(line)
+        if "stopping at the end of this step" in line:
+            break
     p.send_signal(signal.SIGINT)
     t0 = time.monotonic()
-    _, err = p.communicate(timeout=120)
+    _, rest = p.communicate(timeout=120)
+    err = "".join(seen) + rest
     assert p.returncode == 130, err[-3000:]
     assert "rlx: stopped at once by a second Ctrl-C" in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "int" / "checkpoints").exists() or not any((tmp_path / "int" / "checkpoints").iterdir())

@@ -115,7 +115,8 @@ class AgentGenerator:
         task = {"prompt": sample.prompt_text, "label": sample.label, "metadata": dict(sample.metadata),
                 "sample_id": sample.sample_id}
         try:
-            reward = await asyncio.wait_for(self.fn(adapter.base_url, key, task), self.config.timeout_s)
+            async with asyncio.timeout(self.config.timeout_s):
+                reward = await self.fn(adapter.base_url, key, task)
         except asyncio.TimeoutError:
             return [_failed(sample, f"agent {self.config.function} timed out after {self.config.timeout_s:.0f}s")]
         except Exception as e:

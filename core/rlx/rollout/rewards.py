@@ -411,7 +411,8 @@ class Rewards:
         if i in self.keys:  # a sync reward in a worker process: the pool enforces the time limit
             return as_result(await self._pool().run(self.keys[i], sample, self.timeout_s), b.name)
         try:
-            return await asyncio.wait_for(call_reward(b.reward, sample, b.name, self.workers), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # (3.11's wait_for can drop a cancellation: a 2nd Ctrl-C)
+                return await call_reward(b.reward, sample, b.name, self.workers)
         except TimeoutError:
             raise RewardFailed(f"timed out after {self.timeout_s:g}s") from None
 

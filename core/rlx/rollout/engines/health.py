@@ -231,7 +231,8 @@ class FleetHealth:
                                   f"back (see the lines above and the engine logs under {self.fleet.log_dir})")
             self._serving.clear()
             try:
-                await asyncio.wait_for(self._serving.wait(), max(deadline - time.monotonic(), 0))
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await self._serving.wait()
             except TimeoutError:
                 raise EngineError(f"no engine served for rollout.fault_tolerance.recovery_timeout_s "
                                   f"({self.cfg.recovery_timeout_s:g}s); engine logs under {self.fleet.log_dir}") from None

@@ -337,7 +337,8 @@ class EngineServer(WeightRoutes):
         r.on_done = lambda req: loop.call_soon_threadsafe(_resolve, fut, req)
         self.s.submit(r)
         try:
-            await asyncio.wait_for(fut, 30)
+            async with asyncio.timeout(30):
+                await fut
         except TimeoutError:
             return web.Response(status=503, text="generation did not finish in 30s")
         return web.Response(text="")
