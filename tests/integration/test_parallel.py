@@ -97,13 +97,12 @@ WORKER = textwrap.dedent("""
         from safetensors.torch import save_file
         from rlx.errors import RLXError
         from rlx.train.model import ModelRole
-        from rlx.train.spec import HFCheckpoint
         ckpt = pathlib.Path(tempfile.mkdtemp()) / "critic"
         shutil.copytree(trainer.model_path, ckpt)
         hidden = trainer.critic.config.hidden_size
         save_file({"score.weight": torch.full((1, hidden), 0.5)}, str(ckpt / "score.safetensors"))
         role = ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32, value_head=True)
-        role.load_hf(HFCheckpoint(ckpt))
+        role.load_hf(ckpt)
         resumed.append(role.model.output_layer.weight.flatten().tolist())
         # a reward model's checkpoint: untied, a score head and no LM head at all
         hf_cfg = json.loads((ckpt / "config.json").read_text())
@@ -112,13 +111,13 @@ WORKER = textwrap.dedent("""
         untied = model_spec(ckpt, build_plugins())
         assert not untied.tied
         role = ModelRole("critic", untied, trainer.par, cfg.train.parallel, torch.float32, value_head=True)
-        role.load_hf(HFCheckpoint(ckpt))
+        role.load_hf(ckpt)
         resumed.append(role.model.output_layer.weight.flatten().tolist())
         (ckpt / "config.json").write_text(json.dumps(hf_cfg))
         save_file({"score.weight": torch.zeros(2, hidden)}, str(ckpt / "score.safetensors"))
         try:
             ModelRole("critic", trainer.spec, trainer.par, cfg.train.parallel, torch.float32,
-                      value_head=True).load_hf(HFCheckpoint(ckpt))
+                      value_head=True).load_hf(ckpt)
         except RLXError as e:
             resumed.append(str(e))
     if torch.distributed.get_rank() == 0:

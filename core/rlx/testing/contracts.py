@@ -477,6 +477,7 @@ class ModelBridgeContract(_Contract):
         spec = self._spec(tmp_path)
         ckpt = HFCheckpoint(tmp_path)
         reference = {n: ckpt.get(n) for n in ckpt.names()}
+        carried = set(spec.carried(ckpt.names()))
         for layout in self.layouts:
             tp, pp, ep = (*layout, 1)[:3]
             n = spec.num_layers // pp
@@ -485,10 +486,11 @@ class ModelBridgeContract(_Contract):
                 stages = {(r, e): Stage(stage_rank * n, n, stage_rank == 0, stage_rank == pp - 1, tp_rank=r, tp=tp,
                                         ep_rank=e, ep=ep, etp_rank=r, etp=tp)
                           for r in range(tp) for e in range(ep)}
-                shards = {k: dict(spec.to_megatron(HFCheckpoint(tmp_path), st)) for k, st in stages.items()}
+                shards = {k: dict(spec.to_megatron(spec.read(tmp_path), st)) for k, st in stages.items()}
                 assert all(set(s) == set(shards[(0, 0)]) for s in shards.values())
-                back.update(spec.to_hf(stages[(0, 0)], ShardGather(shards, tp, ep)))
-            expected = set(reference) - ({"lm_head.weight"} if spec.tied else set())
+                back.update(spec.hf_tensors(stages[(0, 0)], ShardGather(shards, tp, ep)))
+            lm_head = {spec.wrapper.outer("lm_head.weight") if spec.wrapper else "lm_head.weight"}
+            expected = set(reference) - carried - (lm_head if spec.tied else set())
             assert set(back) == expected, f"{layout}: {sorted(set(back) ^ expected)[:5]}"
             for name, t in back.items():
                 assert torch.equal(t, reference[name]), f"{layout}: {name} differs after the round trip"
@@ -533,17 +535,17 @@ from megatron.core import parallel_state as ps
 ps.initialize_model_parallel(1, 1)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 model_parallel_cuda_manual_seed(1)
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from rlx.config import ParallelConfig
 from rlx.plugins import build_plugins
-from rlx.train.spec import HFCheckpoint, Stage
+from rlx.train.spec import Stage
 extra = [(module, importlib.import_module(module))] if module else []
 plugins = build_plugins(entry_points=not extra, extra=extra)
 hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-spec = plugins.bridge_for(model_type).spec(hf.config)
+spec = plugins.bridge_for(model_type).spec(AutoConfig.from_pretrained(folder))
 stage = Stage(0, spec.num_layers, True, True)
 model = spec.build(spec.transformer_config(ParallelConfig(), torch.float32), stage)
-state = dict(spec.to_megatron(HFCheckpoint(folder), stage))
+state = dict(spec.to_megatron(spec.read(folder), stage))
 missing = [k for k in model.state_dict() if k not in state and not k.endswith("_extra_state")]
 model.load_state_dict(state, strict=False)
 ids = torch.randint(3, spec.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlx.train.spec import HFCheckpoint
 from rlx.transport import buckets
 from rlx.transport.sender import agree
 
@@ -18,8 +19,9 @@ SHARD_BYTES = 1 << 30  # at most this many bytes per safetensors file
 
 def export_hf(trainer: Trainer, folder: Path) -> None:
     """An HF checkpoint transformers loads: the original config and tokenizer, the actor's weights in
-    safetensors shards of at most 1 GB written by each stage's sender, and their index. `folder` must
-    be on storage every trainer host sees (with pipeline stages on several hosts)."""
+    safetensors shards of at most 1 GB written by each stage's sender, what the trainer does not hold copied
+    unchanged from the original checkpoint (`ModelSpec.carried`: a wrapper's vision tower, untrained MTP layers), and
+    their index. `folder` must be on storage every trainer host sees (with pipeline stages on several hosts)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -54,8 +56,15 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, folder / f.name)
         merged = {k: v for p in parts for k, v in p["map"].items()}
+        total = sum(p["bytes"] for p in parts)
+        source = HFCheckpoint(trainer.model_path)
+        carried = [n for n in trainer.spec.carried(source.names()) if n not in merged]
+        for i, bucket in enumerate(buckets(((n, source.get(n)) for n in carried), SHARD_BYTES)):
+            fname = f"model-carried-{i:05d}.safetensors"
+            save_file(dict(bucket), str(folder / fname), metadata={"format": "pt"})
+            merged.update(dict.fromkeys((n for n, _ in bucket), fname))
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
         (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": sum(p["bytes"] for p in parts)},
-             "weight_map": dict(sorted(merged.items()))}, indent=1))
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}, indent=1))
 
     agree(par, index)

@@ -282,11 +282,12 @@ class ModelRole:
 
     # -- weights in ------------------------------------------------------------------------------
 
-    def load_hf(self, ckpt: HFCheckpoint) -> None:
-        """Copy this rank's tensors from the HF checkpoint into the model, one tensor at a time. A critic
+    def load_hf(self, folder: str | Path) -> None:
+        """Copy this rank's tensors from the HF checkpoint at `folder` into the model, one tensor at a time. A critic
         takes everything but the output layer; its value head starts from the checkpoint's ``score.weight``
         (``[1, hidden]``, as a transformers sequence-classification model with one label stores it) when
         there is one, else from zero (every value 0 at the start)."""
+        ckpt = self.spec.read(folder)
         if self.value_head:  # a reward model's checkpoint has no LM head: the bridge must not need to read one
             optional = _LMHeadOptional(ckpt)  # it has what bridges call: in, get, shard, folder
             named = self._with_value_head(self.spec.to_megatron(cast(HFCheckpoint, optional), self.stage), optional)
@@ -488,7 +489,7 @@ class ModelRole:
                 each = [over(t, par.ep, ps.get_expert_model_parallel_group()) for t in mine]  # [etp][ep]
                 return [[each[r][e] for r in range(par.etp)] for e in range(par.ep)]
 
-        yield from self.spec.to_hf(self.stage, _Gather())
+        yield from self.spec.hf_tensors(self.stage, _Gather())
 
     # -- checkpoint ------------------------------------------------------------------------------
 

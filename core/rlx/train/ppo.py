@@ -230,7 +230,7 @@ class CriticTrainer:
         from rlx.train.kernel_choice import matmul_choice, use_matmul
         from rlx.train.offload import Residency
         from rlx.train.model import device, init_distributed, torch_dtype
-        from rlx.train.spec import HFCheckpoint, model_spec
+        from rlx.train.spec import model_spec
         from rlx.train.step import RLStep
 
         tc = cfg.train
@@ -245,7 +245,7 @@ class CriticTrainer:
                    self.spec.hidden_size)
         check_critic_model(self.spec, model_spec(resolve_model_path(cfg.model.path), plugins), path)
         self.critic = ModelRole("critic", self.spec, self.par, parallel, torch_dtype(cfg.model.dtype), value_head=True)
-        self.critic.load_hf(HFCheckpoint(path))
+        self.critic.load_hf(path)
         self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
         step = RLStep(tc, None, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
         self.step_fn = CriticStep(tc, None, step, self.critic, "token")

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from rlx.errors import RLXError
 from rlx.train.balance import FlopsModel
@@ -90,6 +90,35 @@ class Stage:
         return range(self.layer_offset, self.layer_offset + self.num_layers)
 
 
+@dataclass(frozen=True)
+class Wrapper:
+    """A checkpoint whose trained part is its language model: a vision-language wrapper (Qwen3.5, Kimi-K2.5) whose
+    ``text_config`` a bridge reads as a text model. `renames` are (the text model's name prefix, the checkpoint's)
+    pairs, first match first (``("model.", "model.language_model.")``); a checkpoint tensor under none of the
+    renamed prefixes (the vision tower, a projector) is not the language model's: the trainer neither holds nor
+    pushes it, and export writes it back unchanged (`ModelSpec.carried`)."""
+
+    renames: tuple[tuple[str, str], ...]
+
+    def outer(self, name: str) -> str:
+        """The checkpoint's name of the text model's tensor `name`."""
+        for inner, outer in self.renames:
+            if name.startswith(inner):
+                return outer + name[len(inner):]
+        return name
+
+    def inner(self, stored: str) -> str:
+        """The text model's name of the checkpoint's tensor `stored` (`outer`'s inverse)."""
+        for inner, outer in self.renames:
+            if stored.startswith(outer):
+                return inner + stored[len(outer):]
+        return stored
+
+    def holds(self, stored: str) -> bool:
+        """Whether the checkpoint's tensor `stored` is the language model's."""
+        return any(stored.startswith(outer) for _, outer in self.renames)
+
+
 class HFCheckpoint:
     """An HF checkpoint folder read lazily: names, shapes, one tensor, or one rank's slice of it.
 
@@ -97,10 +126,12 @@ class HFCheckpoint:
     (safetensors' ``get_slice``), so a rank holding 1/tp of a layer reads about 1/tp of its bytes.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, wrapper: Wrapper | None = None):
+        """`wrapper`: the checkpoint wraps the language model the bridge reads (`Wrapper`); names asked for are the
+        language model's, `names` lists the checkpoint's."""
         from safetensors import safe_open
 
-        self.folder = Path(folder)
+        self.folder, self.wrapper = Path(folder), wrapper
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise RLXError(f"model.path: no *.safetensors in {self.folder}")
@@ -114,20 +145,26 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self._where)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
+    def _stored(self, name: str) -> str:
+        return self.wrapper.outer(name) if self.wrapper is not None else name
 
-    def _handle(self, name: str) -> Any:
+    def __contains__(self, name: str) -> bool:
+        return self._stored(name) in self._where
+
+    def _handle(self, name: str) -> tuple[Any, str]:
+        stored = self._stored(name)
         try:
-            return self._where[name]
+            return self._where[stored], stored
         except KeyError:
-            raise RLXError(f"model.path: the checkpoint in {self.folder} has no tensor {name!r}") from None
+            raise RLXError(f"model.path: the checkpoint in {self.folder} has no tensor {stored!r}") from None
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())
+        h, stored = self._handle(name)
+        return list(h.get_slice(stored).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        t = self._handle(name).get_tensor(name)
+        h, stored = self._handle(name)
+        t = h.get_tensor(stored)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -135,7 +172,8 @@ class HFCheckpoint:
         """Chunk `rank` of `parts` equal chunks along `dim`, reading only that chunk."""
         if parts == 1:
             return self.get(name)
-        sl = self._handle(name).get_slice(name)
+        h, stored = self._handle(name)
+        sl = h.get_slice(stored)
         size = sl.get_shape()[dim]
         if size % parts:
             raise RLXError(f"{name}: dimension {dim} ({size}) does not split into {parts} parallel parts")
@@ -180,6 +218,7 @@ class ModelSpec(ABC):
     rope_theta: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's dimensions that rotary embedding rotates (rotate-half)
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    wrapper: Wrapper | None = None  # the checkpoint wraps the language model this spec trains
     # the run's kernel choices (``model.kernels``: op -> kernel name or "auto") and its plugins, which
     # `kernel` selects from; set by `model_spec`
     kernel_choices: dict[str, str] = field(default_factory=dict, repr=False)
@@ -216,6 +255,37 @@ class ModelSpec(ABC):
     def to_hf(self, stage: Stage, gather: Gather) -> Iterator[tuple[str, torch.Tensor]]:
         """The stage's full HF tensors, one at a time. Every tensor-parallel rank of the stage runs it
         (`gather` is collective); only what tensor-parallel rank 0 yields is used."""
+
+    # -- the checkpoint's names ---------------------------------------------------------------------
+
+    def read(self, folder: str | Path) -> HFCheckpoint:
+        """The HF checkpoint at `folder` as `to_megatron` reads it (the language model's names, when wrapped)."""
+        return HFCheckpoint(folder, self.wrapper)
+
+    def hf_tensors(self, stage: Stage, gather: Gather) -> Iterator[tuple[str, torch.Tensor]]:
+        """`to_hf` under the checkpoint's names: what export writes and weight pushes send."""
+        if self.wrapper is None:
+            yield from self.to_hf(stage, gather)
+            return
+        for name, t in self.to_hf(stage, gather):
+            yield self.wrapper.outer(name), t
+
+    def carried(self, names: list[str]) -> list[str]:
+        """The checkpoint's tensors (of `names`) the trainer does not hold, which export writes back unchanged: a
+        wrapper's vision tower and projector, and the multi-token-prediction layers stored after the last layer
+        (``model.layers.{num_layers + k}``) while they are not trained."""
+        import re
+
+        mtp = re.compile(r"model\.layers\.(\d+)\.")
+        out = []
+        for name in names:
+            if self.wrapper is not None and not self.wrapper.holds(name):
+                out.append(name)
+                continue
+            m = mtp.match(self.wrapper.inner(name) if self.wrapper is not None else name)
+            if m and int(m.group(1)) >= self.num_layers:
+                out.append(name)
+        return out
 
     def engine_args(self) -> dict[str, Any]:
         """SGLang server arguments this model family needs (``{}`` for most)."""
@@ -269,6 +339,18 @@ def rope_theta(hf_config: HFConfig, default: float = 10000.0) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     return float(theta or getattr(hf_config, "rope_theta", None) or default)
+
+
+S = TypeVar("S", bound=ModelSpec)
+
+
+def wrapped(spec: S, hf_config: HFConfig, renames: tuple[tuple[str, str], ...]) -> S:
+    """`spec` (of the wrapper's ``text_config``) as the spec of the wrapper checkpoint `hf_config`, whose names
+    `renames` gives (`Wrapper`); its tied embeddings as the wrapper says, as transformers ties them."""
+    spec.hf_config, spec.model_type = hf_config, hf_config.model_type
+    spec.tied = bool(getattr(hf_config, "tie_word_embeddings", spec.tied))
+    spec.wrapper = Wrapper(renames)
+    return spec
 
 
 def model_spec(model_path: str | Path, plugins: Plugins, kernels: dict[str, str] | None = None) -> ModelSpec:

@@ -23,7 +23,7 @@ from rlx.train.kernel_choice import matmul_choice, use_matmul
 from rlx.train.model import ModelRole, ParallelState, device, init_distributed, torch_dtype
 from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model
-from rlx.train.spec import HFCheckpoint, model_spec
+from rlx.train.spec import model_spec
 from rlx.train.step import RLStep, loss_norm, prepare
 from rlx.types import RolloutBatch
 
@@ -45,7 +45,7 @@ class Trainer:
         use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
-        self.actor.load_hf(HFCheckpoint(self.model_path))
+        self.actor.load_hf(self.model_path)
         self.reference = None
         if tc.objective.kl_coef > 0:
             self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
@@ -67,7 +67,7 @@ class Trainer:
             critic_path = resolve_model_path(tc.critic.model_path) if tc.critic.model_path else self.model_path
             if critic_path != self.model_path:
                 check_critic_model(model_spec(critic_path, plugins), self.spec, critic_path)
-            self.critic.load_hf(HFCheckpoint(critic_path))
+            self.critic.load_hf(critic_path)
             self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
             self.critic_step = CriticStep(tc, critic_estimator, self.step_fn, self.critic, self.loss_norm)
         self.step = 0

@@ -30,7 +30,7 @@ from typing import Any
 from rlx.errors import RLXError
 from rlx.train.decoder import DecoderSpec, decoder_flops
 from rlx.train.moe import MoEShape
-from rlx.train.spec import Gather, HFCheckpoint, Stage, rope_theta, tp_chunk
+from rlx.train.spec import Gather, HFCheckpoint, Stage, rope_theta, tp_chunk, wrapped
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,10 @@ class QwenNextSpec(DecoderSpec):
         return {**super().config_kwargs(parallel, dtype), "attention_output_gate": True,
                 "linear_conv_kernel_dim": g.conv, "linear_key_head_dim": g.key_dim,
                 "linear_value_head_dim": g.value_dim, "linear_num_key_heads": g.key_heads,
-                "linear_num_value_heads": g.value_heads}
+                "linear_num_value_heads": g.value_heads,
+                # layers of two kinds: checkpoints key each layer on its own (megatron stacks homogeneous layers
+                # along one axis, which a dense Qwen3.5's attention and GDN layers each leave half empty)
+                "hetereogenous_dist_checkpoint": True}
 
     def layer_spec(self, config: Any, stage: Stage) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -250,15 +253,23 @@ class Qwen3NextBridge:
                          flat=False)
 
 
+PUBLISHED = (("model.", "model.language_model."), ("lm_head.", "lm_head."))  # the wrapper's names of the text model's
+
+
 class Qwen35Bridge:
-    """Qwen3.5's text models: dense (``qwen3_5_text``) and with experts in every layer (``qwen3_5_moe_text``,
-    top-k renormalised). Text-only positions: its multimodal rotary embedding is then the plain partial one."""
+    """Qwen3.5: dense (``qwen3_5_text``) and with experts in every layer (``qwen3_5_moe_text``, top-k renormalised);
+    the checkpoints Qwen publishes (``qwen3_5``, ``qwen3_5_moe``) wrap that language model
+    (``model.language_model.*``, its ``text_config``) beside a vision tower (``model.visual.*``), which is not
+    trained and is written back unchanged by export. Text-only positions: the multimodal rotary embedding is then
+    the plain partial one."""
 
     name = "qwen3.5"
-    model_types = ("qwen3_5_text", "qwen3_5_moe_text")
+    model_types = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
 
     def spec(self, hf_config: Any) -> QwenNextSpec:
         c = hf_config
+        if c.model_type in ("qwen3_5", "qwen3_5_moe"):
+            return wrapped(self.spec(c.text_config), c, PUBLISHED)
         if c.model_type == "qwen3_5_moe_text":
             return next_spec(c, next_experts(c, frozenset(range(c.num_hidden_layers)), False), flat=True)
         return next_spec(c, None, flat=True)

@@ -53,3 +53,28 @@ def build_tiny_qwen3_next(out: Path, seed: int = 0, **shape: Any) -> Path:
                              eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
                              bos_token_id=None, **{**NEXT_SHAPE, **shape})
     return save_tiny(Path(out), Qwen3NextForCausalLM(config), tok)
+
+
+VISION_SHAPE = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+
+
+def build_tiny_qwen3_5(out: Path, seed: int = 0, **shape: Any) -> Path:
+    """``builtin://tiny-qwen3.5``: a random Qwen3.5 in the layout Qwen publishes (``qwen3_5``: the vision-language
+    wrapper, a language model of GDN and gated attention layers with dense MLPs, and a vision tower of depth 2) with
+    the built-in tokenizer; about 0.4 M parameters."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from rlx.models.tiny import build_tokenizer, save_tiny
+
+    tok = build_tokenizer()
+    text = {k: v for k, v in NEXT_SHAPE.items() if k not in ("num_experts", "num_experts_per_tok",
+                                                              "moe_intermediate_size", "shared_expert_intermediate_size",
+                                                              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
+                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id,
+                         bos_token_id=None, **{**text, **shape}),
+        vision_config=VISION_SHAPE, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return save_tiny(Path(out), Qwen3_5ForConditionalGeneration(config), tok)

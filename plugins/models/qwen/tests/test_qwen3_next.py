@@ -31,6 +31,59 @@ def write(folder, model_type, **shape):
     m.save_pretrained(folder)
 
 
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
+
+
+def write_published(folder, model_type):
+    """A Qwen3.5 checkpoint as Qwen publishes it: the vision-language wrapper, language model and vision tower."""
+    import transformers
+
+    config_cls, model_cls, extra = {
+        "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(intermediate_size=48)),
+        "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", EXPERTS),
+    }[model_type]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(text_config={**COMMON, **extra}, vision_config=VISION,
+                                               tie_word_embeddings=False)
+    m = getattr(transformers, model_cls)(config)
+    spread_weights(m)
+    m.save_pretrained(folder)
+
+
+class TestQwen35Published(ModelBridgeContract):
+    """Qwen3.5 as published: ``model.language_model.*`` trained, ``model.visual.*`` carried."""
+
+    bridge_name = "qwen3.5"
+    model_type = "qwen3_5"
+    layouts = [(1, 1), (2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_published(folder, "qwen3_5")
+
+
+class TestQwen35MoePublished(ModelBridgeContract):
+    bridge_name = "qwen3.5"
+    model_type = "qwen3_5_moe"
+    layouts = [(1, 1), (2, 1, 2)]
+
+    def make_checkpoint(self, folder):
+        write_published(folder, "qwen3_5_moe")
+
+
+def test_a_published_checkpoint_names_its_parts(tmp_path):
+    from rlx.train.spec import HFCheckpoint, model_spec
+    from rlx.plugins import build_plugins
+
+    write_published(tmp_path, "qwen3_5")
+    spec = model_spec(tmp_path, build_plugins())
+    names = HFCheckpoint(tmp_path).names()
+    carried = spec.carried(names)
+    assert carried and all(n.startswith("model.visual.") for n in carried)
+    assert len(carried) == sum(n.startswith("model.visual.") for n in names)
+    assert spec.read(tmp_path).shape("model.layers.0.linear_attn.in_proj_z.weight") == [32, 32]
+    assert spec.wrapper.outer("lm_head.weight") == "lm_head.weight" and spec.num_layers == 4
+
+
 class TestQwen3NextBridge(ModelBridgeContract):
     """Layers: GDN + experts, attention + experts, GDN + dense MLP, attention + experts."""
 

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from rlx.rollout.engines.embedded.weights import name_as_checkpoint
+
+    name_as_checkpoint(model, path)  # (pushes come by the checkpoint's names)
     from rlx.rollout.engines.embedded.gdn_kernel import use_gdn_kernel
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))

@@ -15,7 +15,8 @@ import torch
 from rlx.transport.payloads import WireError, deserialize_named_tensors
 
 __all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
-           "deserialize_named_tensors", "load_from_disk", "load_named", "served_state", "weights_by_name"]
+           "deserialize_named_tensors", "load_from_disk", "load_named", "name_as_checkpoint", "served_state",
+           "weights_by_name"]
 
 # SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -32,7 +33,8 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     before up, ``experts.down_proj`` [E, H, I]) but reads and writes checkpoints per expert
     (``experts.{e}.{gate,up,down}_proj.weight``), which is also how trainers push them. Those per-expert names
     are views into the fused tensors, so an update by name writes straight into them; the fused names are not
-    listed. Tied weights appear under every name they have.
+    listed. Tied weights appear under every name they have. Names transformers changed on load are the checkpoint's
+    again (`name_as_checkpoint`).
     """
     state = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
@@ -53,7 +55,43 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                     out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
         else:
             out[name] = t
-    return out
+    renamed: dict[str, str] = getattr(model, "rlx_checkpoint_names", {})  # (`name_as_checkpoint`)
+    return {renamed.get(n, n): t for n, t in out.items()} if renamed else out
+
+
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # per-expert leaves, Mixtral's checkpoint names
+
+
+def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transformers model)
+    """Serve `model`'s tensors (`served_state`) under the names of the checkpoint in `folder` it was loaded from, where
+    transformers renamed them on load: a vision-language wrapper's ``model.language_model.*`` loaded as its text
+    model, Mixtral-style experts (``block_sparse_moe.experts.{e}.w1``). Trainers push by the checkpoint's names, as
+    SGLang loads them. The renames are transformers' own (its conversion mapping for the model, as loading applied
+    it)."""
+    import re
+
+    from safetensors import safe_open
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    state = served_state(model)
+    meta = model.state_dict()
+    aliases: dict[str, str] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            keys = list(h.keys())
+        for key in keys:
+            if key in state:
+                continue
+            name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta)
+            name = re.sub(r"(\.experts\.\d+\.)(w[123])(\.weight)$", lambda m: m[1] + _MIXTRAL[m[2]] + m[3], name)
+            if name in state and name not in aliases.values():
+                aliases[key] = name
+    model.rlx_checkpoint_names = {v: k for k, v in aliases.items()}  # the model's name -> the checkpoint's
 
 
 def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
