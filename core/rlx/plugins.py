@@ -245,6 +245,12 @@ class Plugins:
         failed = self._failed_note()
         if comp is None and model_type in FAMILY_PLUGINS:
             dist, folder = FAMILY_PLUGINS[model_type]
+            loaded = next((i for i in self.infos if i.distribution == dist and i.error is None), None)
+            if loaded is not None:  # an older release of the family's plugin
+                claims = sorted(mt for mt, c in self._bridges.items() if c.plugin == loaded.name)
+                raise RLXError(f"model.path: the installed {dist} {loaded.version} does not claim model_type "
+                               f"{model_type!r} (it claims {', '.join(claims) or 'none'}): upgrade it (from the rlx "
+                               f"repository: pip install ./{folder})")
             raise RLXError(f"model.path: a {model_type!r} checkpoint needs the {dist} model plugin, which is not "
                            f"installed (or is disabled): pip install {dist} (from the rlx repository: pip install "
                            f"./{folder})" + failed)
@@ -361,10 +367,11 @@ BUILTIN_PLUGINS = (
 FAMILY_PLUGINS = {
     "qwen3_moe": ("rlx-model-qwen", "plugins/models/qwen"),
     "qwen3_next": ("rlx-model-qwen", "plugins/models/qwen"),
-    "qwen3_5_moe": ("rlx-model-qwen", "plugins/models/qwen"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+                    ("rlx-model-qwen", "plugins/models/qwen")),
     "glm4_moe": ("rlx-model-glm", "plugins/models/glm"),
     "glm4_moe_lite": ("rlx-model-glm", "plugins/models/glm"),
-    "deepseek_v3": ("rlx-model-deepseek", "plugins/models/deepseek"),
+    **dict.fromkeys(("deepseek_v3", "kimi_k2", "kimi_k25"), ("rlx-model-deepseek", "plugins/models/deepseek")),
 }
 
 

@@ -279,6 +279,18 @@ def test_model_bridges_are_selected_by_model_type_and_may_not_overlap():
     with pytest.raises(RLXError, match="'glm4_moe' checkpoint needs the rlx-model-glm model plugin"):
         p.bridge_for("glm4_moe")  # a family rlx ships as a plugin is named
 
+    class OldQwen:  # a release of the family's plugin from before it claimed the published Qwen3.5
+        name = "old-qwen"
+        model_types = ("qwen3_moe",)
+
+        def spec(self, hf_config): ...
+
+    old = build_plugins(entry_points=False, extra=[("qwen", _plugin("rlx-model-qwen", register_models=lambda register:
+                                                                      register(OldQwen)))])
+    with pytest.raises(RLXError, match=r"the installed rlx-model-qwen - does not claim model_type 'qwen3_5' \(it "
+                                       r"claims qwen3_moe\): upgrade it"):
+        old.bridge_for("qwen3_5")
+
     class Rival:
         name = "rival"
         model_types = ("mistral",)

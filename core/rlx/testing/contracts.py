@@ -457,11 +457,10 @@ class ModelBridgeContract(_Contract):
         self._plugins().bridge_for(self.model_type)
 
     def _spec(self, folder: Path) -> Any:
-        from transformers import AutoConfig
-
+        from rlx.models.load import load_config
         from rlx.train.spec import ModelSpec
 
-        spec = self._plugins().bridge_for(self.model_type).spec(AutoConfig.from_pretrained(folder))
+        spec = self._plugins().bridge_for(self.model_type).spec(load_config(folder))
         assert isinstance(spec, ModelSpec)
         return spec
 
@@ -535,14 +534,14 @@ from megatron.core import parallel_state as ps
 ps.initialize_model_parallel(1, 1)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 model_parallel_cuda_manual_seed(1)
-from transformers import AutoConfig, AutoModelForCausalLM
+from rlx.models.load import load_config, load_lm
 from rlx.config import ParallelConfig
 from rlx.plugins import build_plugins
 from rlx.train.spec import Stage
 extra = [(module, importlib.import_module(module))] if module else []
 plugins = build_plugins(entry_points=not extra, extra=extra)
-hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-spec = plugins.bridge_for(model_type).spec(AutoConfig.from_pretrained(folder))
+hf = load_lm(folder, torch.float32).eval()
+spec = plugins.bridge_for(model_type).spec(load_config(folder))
 stage = Stage(0, spec.num_layers, True, True)
 model = spec.build(spec.transformer_config(ParallelConfig(), torch.float32), stage)
 state = dict(spec.to_megatron(spec.read(folder), stage))

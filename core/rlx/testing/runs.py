@@ -54,3 +54,28 @@ def read_events(folder: Path) -> list[Any]:
             events.append(Event.FromString(data[pos + 12:pos + 12 + n]))
             pos += 12 + n + 4
     return events
+
+
+def train_and_export(folder: Path, model: str, steps: int = 3) -> dict[str, Any]:
+    """`rl train` on `model` for `steps` steps (no Ray, every pushed tensor checked on the engine) with ``--save-hf``:
+    its metrics rows, and the source's and the export's tensors by name (``rows``, ``before``, ``after``), for the
+    checks every model family's run makes. Fails with the run's stderr if it fails."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from rlx.models.tiny import resolve_model_path
+    from rlx.orchestrate.metrics import read
+
+    cfg = small_run_config(folder, "run", model={"path": model}, ray={"enabled": False}, train={"num_steps": steps},
+                           weight_sync={"verify": "full", "verify_full_interval": 1})
+    run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(folder / "hf")],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    def tensors(where: str | Path) -> dict[str, Any]:
+        return {k: v for f in sorted(Path(where).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    return {"rows": read(folder / "run"), "before": tensors(resolve_model_path(model)),
+            "after": tensors(folder / "hf")}

@@ -356,10 +356,10 @@ def wrapped(spec: S, hf_config: HFConfig, renames: tuple[tuple[str, str], ...]) 
 def model_spec(model_path: str | Path, plugins: Plugins, kernels: dict[str, str] | None = None) -> ModelSpec:
     """The spec of the HF checkpoint at `model_path`, from the bridge that claims its ``model_type``, choosing
     kernels as `kernels` (``model.kernels``) says."""
-    from transformers import AutoConfig
+    from rlx.models.load import load_config
 
     bridge = plugins.bridge_for(read_model_type(model_path))
-    spec = bridge.spec(AutoConfig.from_pretrained(str(model_path)))
+    spec = bridge.spec(load_config(model_path))
     if not isinstance(spec, ModelSpec):
         raise RLXError(f"model bridge {bridge.name!r} returned {type(spec).__name__} from spec(); "
                        f"the contract is an rlx.train.spec.ModelSpec")

@@ -1,5 +1,5 @@
 """rlx model plugin for DeepSeek-V3 (``deepseek_v3``: DeepSeek-V3, V3.1, R1 and their distillations of the same
-architecture).
+architecture) and the models built on it: Kimi-K2 (``kimi_k2``) and Kimi-K2.5 (``kimi_k25``, vision-language).
 
 DeepSeek-V3 is rlx's standard decoder with multi-head latent attention (`rlx.train.mla`) and DeepSeek's router
 (`rlx.train.moe.deepseek_router`):
@@ -25,7 +25,7 @@ from typing import Any
 from rlx import hookimpl
 from rlx.hookspecs import Register
 from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
-from rlx.train.spec import ModelBridge
+from rlx.train.spec import ModelBridge, wrapped
 
 
 class DeepseekV3Bridge:
@@ -37,6 +37,27 @@ class DeepseekV3Bridge:
         return deepseek_v3_spec(c, range(c.first_k_dense_replace, c.num_hidden_layers))
 
 
+#: Kimi-K2.5's names of its language model's tensors
+KIMI_K25 = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+
+
+class KimiBridge:
+    """Moonshot's Kimi-K2 (``kimi_k2``: DeepSeek-V3's architecture under a model type of its own, which transformers
+    reads as the ``DeepseekV3ForCausalLM`` its config names) and Kimi-K2.5 (``kimi_k25``: a vision-language wrapper
+    whose ``text_config`` is DeepSeek-V3; its language model trains, its vision tower and projector are carried
+    unchanged)."""
+
+    name = "kimi-k2"
+    model_types = ("kimi_k2", "kimi_k25")
+
+    def spec(self, hf_config: Any) -> MLADecoderSpec:
+        c = hf_config
+        if c.model_type == "kimi_k25":
+            return wrapped(DeepseekV3Bridge().spec(c.text_config), c, KIMI_K25)
+        return DeepseekV3Bridge().spec(c)
+
+
 @hookimpl
 def register_models(register: Register[type[ModelBridge]]) -> None:
     register(DeepseekV3Bridge)
+    register(KimiBridge)

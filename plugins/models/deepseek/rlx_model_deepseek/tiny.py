@@ -39,3 +39,50 @@ def build_tiny_deepseek_v3(out: Path, seed: int = 0, **shape: Any) -> Path:
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
     return save_tiny(Path(out), model, tok)
+
+
+KIMI_VISION = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                   pos_emb_height=4, pos_emb_width=4)
+
+
+def kimi_k25_model(text: Any, seed: int = 0) -> Any:
+    """A random Kimi-K2.5 (transformers' model) around the DeepSeek-V3 text config `text`, with a vision tower of one
+    block of width 32 (the default tower alone is 438 M parameters)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Kimi_K25Config
+
+    config = Kimi_K25Config(text_config=text.to_dict(), vision_config=KIMI_VISION,
+                            projection_hidden_size=KIMI_VISION["hidden_size"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config)
+
+
+def save_published_kimi(model: Any, out: Path) -> Path:
+    """`model` saved in the layout Moonshot publishes Kimi-K2.5 in (``language_model.model.layers.*``,
+    ``language_model.lm_head``, ``vision_tower.*``, ``mm_projector.*``). transformers 5.24 writes the language
+    model's layers as ``language_model.model.blocks.*`` (its vision tower's rename, reversed everywhere); they are
+    renamed back."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(out)
+    for f in Path(out).glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+                   for k, v in tensors.items()}, str(f), metadata={"format": "pt"})
+    index = Path(out) / "model.safetensors.index.json"
+    if index.exists():
+        index.write_text(index.read_text().replace("language_model.model.blocks.", "language_model.model.layers."))
+    return Path(out)
+
+
+def build_tiny_kimi_k25(out: Path, seed: int = 0, **shape: Any) -> Path:
+    """``builtin://tiny-kimi-k2.5``: a random Kimi-K2.5 in its published layout, its language model the tiny
+    DeepSeek-V3's shape, with the built-in tokenizer."""
+    from rlx.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    model = kimi_k25_model(deepseek_v3_config(tok, **shape), seed)
+    save_published_kimi(model, Path(out))
+    tok.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    return Path(out)

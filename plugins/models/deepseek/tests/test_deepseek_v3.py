@@ -38,6 +38,63 @@ def write_deepseek_v3(folder, rope=None, **shape):
     m.save_pretrained(folder)
 
 
+def write_kimi_k25(folder):
+    """Kimi-K2.5 as Moonshot publishes it: the wrapper around DeepSeek-V3, with a vision tower and projector."""
+    from rlx_model_deepseek.tiny import deepseek_v3_config, kimi_k25_model, save_published_kimi
+
+    text = deepseek_v3_config(Tok(), None, **dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                                  q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                                                  qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4))
+    m = kimi_k25_model(text)
+    spread_weights(m)
+    save_published_kimi(m, folder)
+
+
+def write_kimi_k2(folder):
+    """Kimi-K2's text-only checkpoints: DeepSeek-V3's tensors, ``model_type: kimi_k2``."""
+    import json
+
+    write_deepseek_v3(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+
+
+class TestKimiK25Bridge(ModelBridgeContract):
+    bridge_name = "kimi-k2"
+    model_type = "kimi_k25"
+    layouts = [(1, 1), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_kimi_k25(folder)
+
+
+class TestKimiK2Bridge(ModelBridgeContract):
+    bridge_name = "kimi-k2"
+    model_type = "kimi_k2"
+    layouts = [(1, 1), (2, 1, 2)]
+
+    def make_checkpoint(self, folder):
+        write_kimi_k2(folder)
+
+
+def test_kimi_k25_as_published_loads_in_transformers_as_built(tmp_path):
+    """The published layout written for the tiny checkpoints is the one transformers reads: every tensor loads
+    (none left at its initial value) and the logits are the built model's."""
+    from rlx.models.load import load_lm
+    from rlx_model_deepseek.tiny import deepseek_v3_config, kimi_k25_model, save_published_kimi
+
+    built = kimi_k25_model(deepseek_v3_config(Tok(), None, num_hidden_layers=2, first_k_dense_replace=1)).eval()
+    spread_weights(built)
+    save_published_kimi(built, tmp_path)
+    loaded = load_lm(tmp_path, torch.float32).eval()
+    assert set(built.state_dict()) == set(loaded.state_dict())
+    assert all(torch.equal(t, loaded.state_dict()[n]) for n, t in built.state_dict().items())
+    ids = torch.tensor([[3, 9, 27, 4]])
+    with torch.no_grad():
+        assert torch.equal(built(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
 class TestDeepseekV3Bridge(ModelBridgeContract):
     bridge_name = "deepseek-v3"
     model_type = "deepseek_v3"

@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
     from aiohttp import web
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from rlx.models.load import load_lm
     from rlx.models.tiny import resolve_model_path
     from rlx.rollout.engines.embedded.scheduler import Scheduler
     from rlx.rollout.engines.embedded.server import EngineServer
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = load_lm(path, getattr(torch, dtype)).to(device).eval()
     from rlx.rollout.engines.embedded.weights import name_as_checkpoint
 
     name_as_checkpoint(model, path)  # (pushes come by the checkpoint's names)

@@ -20,8 +20,9 @@ class RoutedExperts:
     def __init__(self, model: HFModel):
         import re
 
-        self.layers = model.config.num_hidden_layers
-        self.topk = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        text = model.config.get_text_config()  # (a vision-language wrapper's language model)
+        self.layers = text.num_hidden_layers
+        self.topk = int(getattr(text, "num_experts_per_tok", 0) or 0)
         self.found = 0
         self._current: dict[int, torch.Tensor] = {}
         for name, module in model.named_modules():

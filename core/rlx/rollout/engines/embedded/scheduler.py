@@ -177,7 +177,7 @@ class Scheduler:
         self.kv_epoch = 0  # advances when the weights change: KV from before is not this model's
         # linear-attention layers (Qwen3-Next's GDN) keep a convolution window and a recurrent state per row instead
         # of per-token keys and values: rows are selected and joined the same way, but never padded or trimmed
-        types = getattr(model.config, "layer_types", None) or []
+        types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self.recurrent = [t == "linear_attention" for t in types]
         if any(self.recurrent) and self.prefix is not None:
             log.info("prefix cache off: %s has linear-attention layers (a prefix's state is not per token)",

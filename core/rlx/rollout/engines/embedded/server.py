@@ -167,7 +167,7 @@ class EngineServer(WeightRoutes):
             batch = [self.s.tokenizer.encode(t, add_special_tokens=False) for t in ([text] if single else text)]
         else:
             raise BadRequest("Either text, input_ids or input_embeds should be provided.")
-        vocab = self.s.model.config.vocab_size
+        vocab = self.s.model.config.get_text_config().vocab_size
         for ids in batch:
             if not ids:
                 raise BadRequest("input_ids cannot be empty.")
