@@ -372,6 +372,7 @@ FAMILY_PLUGINS = {
     "glm4_moe": ("rlx-model-glm", "plugins/models/glm"),
     "glm4_moe_lite": ("rlx-model-glm", "plugins/models/glm"),
     **dict.fromkeys(("deepseek_v3", "kimi_k2", "kimi_k25"), ("rlx-model-deepseek", "plugins/models/deepseek")),
+    "minimax_m2": ("rlx-model-minimax", "plugins/models/minimax"),
 }
 
 

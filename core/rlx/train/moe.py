@@ -127,11 +127,14 @@ def router_to_megatron(ckpt: HFCheckpoint, hf: str, mg: str, shape: MoEShape) ->
         yield mg + "expert_bias", ckpt.get(hf + "e_score_correction_bias")
 
 
-def experts_to_megatron(ckpt: HFCheckpoint, stage: Stage, hf: str, mg: str,
-                        experts: int) -> Iterator[tuple[str, Any]]:
-    """This rank's routed experts, each read only in its expert-tensor-parallel slice."""
+def experts_to_megatron(ckpt: HFCheckpoint, stage: Stage, hf: str, mg: str, experts: int,
+                        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                        ) -> Iterator[tuple[str, Any]]:
+    """This rank's routed experts, each read only in its expert-tensor-parallel slice (`names`: an expert's gate, up
+    and down projections; Mixtral-style checkpoints call them w1, w3, w2)."""
     for j, e in enumerate(local_experts(stage, experts)):
-        yield from gated_mlp_to_megatron(ckpt, f"{hf}{e}.", f"{mg}local_experts.{j}.", stage.etp_rank, stage.etp)
+        yield from gated_mlp_to_megatron(ckpt, f"{hf}{e}.", f"{mg}local_experts.{j}.", stage.etp_rank, stage.etp,
+                                         names)
 
 
 # -- megatron -> HF -------------------------------------------------------------------------------
@@ -158,7 +161,8 @@ def router_to_hf(gather: Gather, hf: str, mg: str, shape: MoEShape) -> Iterator[
         yield hf + "e_score_correction_bias", gather(mg + "expert_bias")[0]
 
 
-def experts_to_hf(stage: Stage, gather: Gather, hf: str, mg: str, experts: int) -> Iterator[tuple[str, Any]]:
+def experts_to_hf(stage: Stage, gather: Gather, hf: str, mg: str, experts: int,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> Iterator[tuple[str, Any]]:
     """Every routed expert of the layer, gathered over expert (tensor) parallelism one local index at a time."""
     n = experts // stage.ep
     for j in range(n):
@@ -167,9 +171,9 @@ def experts_to_hf(stage: Stage, gather: Gather, hf: str, mg: str, experts: int) 
         for r, (a, b) in enumerate(zip(fc1, fc2, strict=True)):
             gate, up, down = _unfuse(a, b)
             e = r * n + j
-            yield f"{hf}{e}.gate_proj.weight", gate
-            yield f"{hf}{e}.up_proj.weight", up
-            yield f"{hf}{e}.down_proj.weight", down
+            yield f"{hf}{e}.{names[0]}.weight", gate
+            yield f"{hf}{e}.{names[1]}.weight", up
+            yield f"{hf}{e}.{names[2]}.weight", down
 
 
 class chunk_of_engine_routing:
