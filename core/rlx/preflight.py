@@ -131,6 +131,13 @@ def check(cfg: Config) -> list[Problem]:
             _model_dir(g.model_path, ("rollout", "engines", i, "model_path"), problems)
     if model_dir is not None:
         problems += _shape(model_dir, ("train", "parallel"), cfg.train.parallel)
+    if model_dir is not None and cfg.model.export_weights == "fp8":
+        from rlx.models.fp8 import block_size
+
+        if block_size(model_dir) is None:
+            problems.append((("model", "export_weights"), f"fp8 writes the weights an FP8 checkpoint stores quantised, "
+                             f"in its block size: {model_dir} is not one (no quantization_config with quant_method "
+                             f"fp8 in its config.json)"))
     if cfg.train.critic.parallel is not None:  # the critic's own layout, against the critic's checkpoint
         critic_dir = (_model_dir(cfg.train.critic.model_path, ("train", "critic", "model_path"), problems)
                       if cfg.train.critic.model_path else model_dir)

@@ -140,3 +140,12 @@ def test_a_hub_id_is_its_snapshot_in_the_hugging_face_cache_or_says_how_to_get_i
     (tmp_path / "acme").mkdir()  # a folder of that name beside the config: a local path, which must exist
     assert dict(problems(tmp_path, p.read_text())[0]) == {
         f"{p}:1: model.path": f"{tmp_path / 'acme' / 'partial'} does not exist"}
+
+
+def test_fp8_export_needs_an_fp8_checkpoint(tmp_path):
+    m = model(tmp_path)
+    got, p = problems(tmp_path, f"model:\n  path: {m}\n  export_weights: fp8\n")
+    assert got[f"{p}:3: model.export_weights"].startswith("fp8 writes the weights an FP8 checkpoint stores quantised")
+    (m / "config.json").write_text(json.dumps({"num_attention_heads": 8, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    assert load_config(p, checks=config_checks(files=True)).model.export_weights == "fp8"

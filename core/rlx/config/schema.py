@@ -59,6 +59,10 @@ class ModelConfig(Section):
     # auto: the most preferred one that can run); unnamed ops are auto, except matmul: torch's own CPU aten::mm
     # unless named (auto measures whether oneDNN pays on this CPU; onednn takes it)
     kernels: dict[str, str] = Field(default_factory=dict)
+    # what --save-hf writes: auto, the trainer's weights (bf16 on GPU, fp32 on CPU; an FP8 checkpoint's weights
+    # dequantised); fp8, the weights an FP8 model.path stores quantised, quantised again from the trained ones (its
+    # block size, scales recomputed)
+    export_weights: Literal["auto", "fp8"] = "auto"
 
 
 class DataSource(Section):

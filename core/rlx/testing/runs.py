@@ -56,8 +56,9 @@ def read_events(folder: Path) -> list[Any]:
     return events
 
 
-def train_and_export(folder: Path, model: str, steps: int = 3) -> dict[str, Any]:
-    """`rl train` on `model` for `steps` steps (no Ray, every pushed tensor checked on the engine) with ``--save-hf``:
+def train_and_export(folder: Path, model: str, steps: int = 3, *sets: str) -> dict[str, Any]:
+    """`rl train` on `model` for `steps` steps (no Ray, every pushed tensor checked on the engine; `sets`: more
+    ``--set`` overrides) with ``--save-hf``:
     its metrics rows, and the source's and the export's tensors by name (``rows``, ``before``, ``after``), for the
     checks every model family's run makes. Fails with the run's stderr if it fails."""
     import subprocess
@@ -70,12 +71,13 @@ def train_and_export(folder: Path, model: str, steps: int = 3) -> dict[str, Any]
 
     cfg = small_run_config(folder, "run", model={"path": model}, ray={"enabled": False}, train={"num_steps": steps},
                            weight_sync={"verify": "full", "verify_full_interval": 1})
-    run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(folder / "hf")],
+    run = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(folder / "hf"),
+                          *(a for s in sets for a in ("--set", s))],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
 
     def tensors(where: str | Path) -> dict[str, Any]:
         return {k: v for f in sorted(Path(where).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
-    return {"rows": read(folder / "run"), "before": tensors(resolve_model_path(model)),
+    return {"rows": read(folder / "run"), "before": tensors(resolve_model_path(str(model))),
             "after": tensors(folder / "hf")}

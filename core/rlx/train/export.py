@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlx.models.fp8 import SCALE
 from rlx.train.spec import HFCheckpoint
 from rlx.transport import buckets
 from rlx.transport.sender import agree
@@ -26,7 +28,8 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
     from safetensors.torch import save_file
 
     par = trainer.par
-
+    source = HFCheckpoint(trainer.model_path)
+    fp8 = trainer.cfg.model.export_weights == "fp8"  # (preflight: the source is an FP8 checkpoint)
     written: dict[str, Any] = {"map": {}, "bytes": 0}
 
     def write() -> None:
@@ -34,7 +37,7 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
         named = trainer.hf_tensors()
         try:
             if par.sender:
-                for i, bucket in enumerate(buckets(named, SHARD_BYTES)):
+                for i, bucket in enumerate(buckets(as_fp8(named, source) if fp8 else named, SHARD_BYTES)):
                     fname = f"model-s{par.pp_rank:02d}-{i:05d}.safetensors"
                     tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
                     save_file(tensors, str(folder / fname), metadata={"format": "pt"})
@@ -55,11 +58,17 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
         for f in Path(trainer.model_path).iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, folder / f.name)
+        if source.fp8_block is not None and not fp8:  # the weights written are the trainer's dtype: not quantised
+            config = json.loads((folder / "config.json").read_text())
+            config.pop("quantization_config", None)
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
         merged = {k: v for p in parts for k, v in p["map"].items()}
         total = sum(p["bytes"] for p in parts)
-        source = HFCheckpoint(trainer.model_path)
         carried = [n for n in trainer.spec.carried(source.names()) if n not in merged]
-        for i, bucket in enumerate(buckets(((n, source.get(n)) for n in carried), SHARD_BYTES)):
+        if not fp8:  # carried FP8 weights are written dequantised (`get`), without their scales
+            carried = [n for n in carried if not n.endswith(SCALE)]
+        read = source.stored if fp8 else source.get
+        for i, bucket in enumerate(buckets(((n, read(n)) for n in carried), SHARD_BYTES)):
             fname = f"model-carried-{i:05d}.safetensors"
             save_file(dict(bucket), str(folder / fname), metadata={"format": "pt"})
             merged.update(dict.fromkeys((n for n, _ in bucket), fname))
@@ -68,3 +77,17 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}, indent=1))
 
     agree(par, index)
+
+
+def as_fp8(named: Iterator[tuple[str, Any]], source: HFCheckpoint) -> Iterator[tuple[str, Any]]:
+    """The tensors the FP8 `source` checkpoint stores quantised, quantised again from the trained weights (scales
+    recomputed, `source`'s block size); the others as they are."""
+    from rlx.models.fp8 import quantize
+
+    for name, t in named:
+        if name + SCALE in source and source.fp8_block is not None:
+            q, scale = quantize(t.detach().cpu(), source.fp8_block)
+            yield name, q
+            yield name + SCALE, scale
+        else:
+            yield name, t

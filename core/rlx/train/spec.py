@@ -131,7 +131,10 @@ class HFCheckpoint:
         language model's, `names` lists the checkpoint's."""
         from safetensors import safe_open
 
+        from rlx.models.fp8 import block_size
+
         self.folder, self.wrapper = Path(folder), wrapper
+        self.fp8_block = block_size(self.folder)  # FP8 weights are read dequantised (`rlx.models.fp8`)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise RLXError(f"model.path: no *.safetensors in {self.folder}")
@@ -166,7 +169,20 @@ class HFCheckpoint:
         h, stored = self._handle(name)
         t = h.get_tensor(stored)
         self.bytes_read += t.numel() * t.element_size()
-        return t
+        return self._dequantized(stored, t)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """The tensor as the checkpoint stores it (FP8 weights quantised)."""
+        h, stored = self._handle(name)
+        return h.get_tensor(stored)
+
+    def _dequantized(self, stored: str, t: torch.Tensor, rows: range | None = None,
+                     cols: range | None = None) -> torch.Tensor:
+        from rlx.models.fp8 import SCALE, dequantize, is_fp8
+
+        if not is_fp8(t) or self.fp8_block is None or stored + SCALE not in self._where:
+            return t
+        return dequantize(t, self._where[stored + SCALE].get_tensor(stored + SCALE), self.fp8_block, rows, cols)
 
     def shard(self, name: str, dim: int, rank: int, parts: int) -> torch.Tensor:
         """Chunk `rank` of `parts` equal chunks along `dim`, reading only that chunk."""
@@ -182,7 +198,8 @@ class HFCheckpoint:
         index[dim] = slice(rank * n, (rank + 1) * n)
         t = sl[tuple(index)]
         self.bytes_read += t.numel() * t.element_size()
-        return t
+        span = range(rank * n, (rank + 1) * n)
+        return self._dequantized(stored, t, *((span, None) if dim == 0 else (None, span)))
 
 
 @runtime_checkable

@@ -1,0 +1,45 @@
+"""`rl train` from an FP8 DeepSeek-V3 checkpoint (block-quantised e4m3 with ``weight_scale_inv``): the trainer reads
+it dequantised, the engine (transformers, dequantising on a CPU) serves what the trainer holds, and the export
+writes either the trainer's weights without the quantisation config, or FP8 again with scales recomputed from the
+trained weights (``model.export_weights: fp8``), which transformers loads."""
+
+import json
+
+import pytest
+
+from rlx.testing.models import fp8_checkpoint
+from rlx.testing.runs import train_and_export
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    from rlx.models.tiny import resolve_model_path
+
+    return fp8_checkpoint(resolve_model_path("builtin://tiny-deepseek-v3"), tmp_path_factory.mktemp("fp8"), (16, 16))
+
+
+@pytest.mark.parametrize("export", ["auto", "fp8"])
+def test_an_fp8_checkpoint_trains_and_exports(fp8_model, tmp_path, export):
+    import torch
+
+    from rlx.models.fp8 import dequantize
+    from rlx.models.load import load_lm
+
+    run = train_and_export(tmp_path, str(fp8_model), 3, f"model.export_weights={export}")
+    rows, before, after = run["rows"], run["before"], run["after"]
+    assert len(rows) == 3 and max(r["train_rollout_logprob_diff"] for r in rows) < 1e-4
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if export == "auto":
+        assert set(after) == {n for n in before if not n.endswith("_scale_inv")}
+        assert after[name].dtype == torch.float32 and "quantization_config" not in config
+    else:
+        assert set(after) == set(before) and after[name].dtype == torch.float8_e4m3fn
+        assert config["quantization_config"]["weight_block_size"] == [16, 16]
+        trained = dequantize(after[name], after[name + "_scale_inv"], (16, 16))
+        assert not torch.equal(trained, dequantize(before[name], before[name + "_scale_inv"], (16, 16)))
+        assert after["model.embed_tokens.weight"].dtype == torch.float32  # (not quantised in the source either)
+    model = load_lm(tmp_path / "hf", torch.float32)
+    assert model(torch.tensor([[3, 4, 5]])).logits.isfinite().all()
