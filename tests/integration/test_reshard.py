@@ -131,3 +131,13 @@ def test_gated_delta_net_layers_change_tensor_and_pipeline_parallelism(tmp_path)
     same_steps(run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt", "load-tp2"), uninterrupted)
     uninterrupted = run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt-tp2", "save")
     same_steps(run(tmp_path, model, 1, 1, 1, 1, tmp_path / "ckpt-tp2", "load-tp1"), uninterrupted)
+
+
+def test_full_width_qk_norms_change_tensor_parallelism(tmp_path):
+    """MiniMax-M2's q/k norms span every head, their weight split by heads over TP ranks: saved at TP=2 they resume at
+    TP=1 (each rank's part where it belongs, not rank 0's everywhere)."""
+    pytest.importorskip("rlx_model_minimax", reason="the tiny MiniMax-M2 is rlx-model-minimax's (pip install -e "
+                                                    "plugins/models/minimax)")
+    model = "builtin://tiny-minimax-m2"
+    uninterrupted = run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt", "save")
+    same_steps(run(tmp_path, model, 1, 1, 1, 1, tmp_path / "ckpt", "load-tp1"), uninterrupted)
