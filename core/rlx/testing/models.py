@@ -60,3 +60,40 @@ def fp8_checkpoint(source: str | Path, out: str | Path, block: tuple[int, int] =
                                      "weight_block_size": list(block)}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def with_mtp_layer(folder: str | Path) -> Path:
+    """Give the HF checkpoint in `folder` the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 publish after their
+    last layer (``model.layers.{num_hidden_layers}``: a decoder layer, ``enorm``, ``hnorm``, ``eh_proj``, its own
+    ``embed_tokens`` and ``shared_head``), and ``num_nextn_predict_layers: 1`` in config.json. Its tensors are the last
+    layer's and the model's own, perturbed: a trainer that took them for a layer of its own would show it."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    files = sorted(folder.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    mtp = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v + 0.01
+           for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    g = torch.Generator().manual_seed(7)
+    mtp.update({f"model.layers.{n}.enorm.weight": torch.ones(hidden),
+                f"model.layers.{n}.hnorm.weight": torch.ones(hidden),
+                f"model.layers.{n}.eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.02,
+                f"model.layers.{n}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                f"model.layers.{n}.shared_head.norm.weight": torch.ones(hidden),
+                f"model.layers.{n}.shared_head.head.weight": tensors.get("lm_head.weight",
+                                                                         tensors["model.embed_tokens.weight"]).clone()})
+    save_file(mtp, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists() or len(files) == 1:
+        doc = json.loads(index.read_text()) if index.exists() else {
+            "metadata": {}, "weight_map": dict.fromkeys(tensors, files[0].name)}
+        doc["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+        index.write_text(json.dumps(doc))
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=1))
+    return folder

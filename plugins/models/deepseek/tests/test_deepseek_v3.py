@@ -111,6 +111,20 @@ class TestDeepseekV3FP8(ModelBridgeContract):
         fp8_checkpoint(folder, folder, (4, 4))
 
 
+class TestDeepseekV3MTP(ModelBridgeContract):
+    """With the multi-token-prediction layer DeepSeek publishes after the last layer: not the trainer's (carried)."""
+
+    bridge_name = "deepseek-v3"
+    model_type = "deepseek_v3"
+    layouts = [(1, 1), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        from rlx.testing.models import with_mtp_layer
+
+        write_deepseek_v3(folder)
+        with_mtp_layer(folder)
+
+
 class TestDeepseekV3Bridge(ModelBridgeContract):
     bridge_name = "deepseek-v3"
     model_type = "deepseek_v3"

@@ -1,7 +1,8 @@
-"""`rl train` from an FP8 DeepSeek-V3 checkpoint (block-quantised e4m3 with ``weight_scale_inv``): the trainer reads
-it dequantised, the engine (transformers, dequantising on a CPU) serves what the trainer holds, and the export
-writes either the trainer's weights without the quantisation config, or FP8 again with scales recomputed from the
-trained weights (``model.export_weights: fp8``), which transformers loads."""
+"""`rl train` from DeepSeek-V3 checkpoints as published. FP8 (block-quantised e4m3 with ``weight_scale_inv``): the
+trainer reads it dequantised, the engine (transformers, dequantising on a CPU) serves what the trainer holds, and
+the export writes either the trainer's weights without the quantisation config, or FP8 again with scales recomputed
+from the trained weights (``model.export_weights: fp8``), which transformers loads. With a multi-token-prediction
+layer: not trained, written back unchanged."""
 
 import json
 
@@ -43,3 +44,24 @@ def test_an_fp8_checkpoint_trains_and_exports(fp8_model, tmp_path, export):
         assert after["model.embed_tokens.weight"].dtype == torch.float32  # (not quantised in the source either)
     model = load_lm(tmp_path / "hf", torch.float32)
     assert model(torch.tensor([[3, 4, 5]])).logits.isfinite().all()
+
+
+def test_the_mtp_layer_is_written_back_unchanged(tmp_path):
+    import shutil
+
+    import torch
+
+    from rlx.models.tiny import resolve_model_path
+    from rlx.testing.models import with_mtp_layer
+
+    folder = tmp_path / "mtp"
+    shutil.copytree(resolve_model_path("builtin://tiny-deepseek-v3"), folder)
+    with_mtp_layer(folder)
+    run = train_and_export(tmp_path, str(folder), 3)
+    before, after = run["before"], run["after"]
+    assert set(after) == set(before) and max(r["train_rollout_logprob_diff"] for r in run["rows"]) < 1e-4
+    mtp = [n for n in before if n.startswith("model.layers.4.")]
+    assert len(mtp) > 6 and all(torch.equal(after[n], before[n]) for n in mtp)
+    name = "model.layers.3.self_attn.o_proj.weight"
+    assert not torch.equal(after[name], before[name])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
