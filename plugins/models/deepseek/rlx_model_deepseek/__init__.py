@@ -20,12 +20,15 @@ checkpoints (DeepSeek's own ``weight_scale_inv`` tensors) must be converted to b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx import hookimpl
 from rlx.hookspecs import Register
 from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
 from rlx.train.spec import ModelBridge, wrapped
+
+if TYPE_CHECKING:
+    from rlx.train.dsa import DSADecoderSpec
 
 
 class DeepseekV3Bridge:
@@ -35,6 +38,24 @@ class DeepseekV3Bridge:
     def spec(self, hf_config: Any) -> MLADecoderSpec:
         c = hf_config
         return deepseek_v3_spec(c, range(c.first_k_dense_replace, c.num_hidden_layers))
+
+
+class DeepseekV32Bridge:
+    """DeepSeek-V3.2 (``deepseek_v32``): DeepSeek-V3 with DeepSeek sparse attention in every layer (`rlx.train.dsa`;
+    the indexer rotates halves, not interleaved pairs)."""
+
+    name = "deepseek-v3.2"
+    model_types = ("deepseek_v32",)
+
+    def spec(self, hf_config: Any) -> DSADecoderSpec:
+        from rlx.train.dsa import dsa_spec  # (megatron's modules: imported when a spec is made)
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding
+
+        c = hf_config
+        layers = getattr(c, "mlp_layer_types", None)
+        sparse = ([i for i, kind in enumerate(layers) if kind == "sparse"] if layers
+                  else range(c.first_k_dense_replace, c.num_hidden_layers))
+        return dsa_spec(c, sparse, interleaved=False, rotary=DeepseekV32RotaryEmbedding(c))
 
 
 #: Kimi-K2.5's names of its language model's tensors
@@ -60,4 +81,5 @@ class KimiBridge:
 @hookimpl
 def register_models(register: Register[type[ModelBridge]]) -> None:
     register(DeepseekV3Bridge)
+    register(DeepseekV32Bridge)
     register(KimiBridge)

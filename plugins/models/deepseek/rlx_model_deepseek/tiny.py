@@ -86,3 +86,33 @@ def build_tiny_kimi_k25(out: Path, seed: int = 0, **shape: Any) -> Path:
     tok.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     return Path(out)
+
+
+def deepseek_v32_config(vocab: int, eos: int | None = None, pad: int | None = None, **shape: Any) -> Any:
+    """DeepSeek-V3.2: the tiny DeepSeek-V3's shape with sparse attention (each query keeps its 8 best-scored keys)."""
+    from transformers import DeepseekV32Config
+
+    merged = {**SHAPE, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2, **shape}
+    dense = merged.pop("first_k_dense_replace")
+    merged.setdefault("mlp_layer_types", ["dense"] * dense + ["sparse"] * (merged["num_hidden_layers"] - dense))
+    return DeepseekV32Config(vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False,
+                             eos_token_id=eos, pad_token_id=pad, bos_token_id=None, rope_parameters=dict(YARN),
+                             **merged)
+
+
+def build_tiny_deepseek_v32(out: Path, seed: int = 0, **shape: Any) -> Path:
+    """``builtin://tiny-deepseek-v3.2``: `deepseek_v32_config` with the built-in tokenizer."""
+    import torch
+    from transformers import DeepseekV32ForCausalLM
+
+    from rlx.models.tiny import build_tokenizer, save_tiny
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(deepseek_v32_config(len(tok), tok.convert_tokens_to_ids("<|im_end|>"),
+                                                       tok.pad_token_id, **shape))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
+    return save_tiny(Path(out), model, tok)

@@ -125,6 +125,32 @@ class TestDeepseekV3MTP(ModelBridgeContract):
         with_mtp_layer(folder)
 
 
+def write_deepseek_v32(folder):
+    from transformers import DeepseekV32ForCausalLM
+
+    from rlx_model_deepseek.tiny import deepseek_v32_config
+
+    torch.manual_seed(0)
+    m = DeepseekV32ForCausalLM(deepseek_v32_config(96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                                   q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                                                   qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, index_topk=4,
+                                                   index_head_dim=8, routed_scaling_factor=2.5))
+    spread_weights(m)
+    m.save_pretrained(folder)
+
+
+class TestDeepseekV32Bridge(ModelBridgeContract):
+    """DeepSeek-V3.2: sparse attention in every layer, its indexer rotating halves (each query keeps 4 of up to 12
+    keys in the logits check)."""
+
+    bridge_name = "deepseek-v3.2"
+    model_type = "deepseek_v32"
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_deepseek_v32(folder)
+
+
 class TestDeepseekV3Bridge(ModelBridgeContract):
     bridge_name = "deepseek-v3"
     model_type = "deepseek_v3"

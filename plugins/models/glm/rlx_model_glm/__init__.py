@@ -22,7 +22,7 @@ Not covered: the multi-token-prediction layer real checkpoints carry after the l
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlx import hookimpl
 from rlx.hookspecs import Register
@@ -30,6 +30,9 @@ from rlx.train.decoder import DecoderSpec, decoder_flops
 from rlx.train.mla import MLADecoderSpec, deepseek_v3_spec
 from rlx.train.moe import deepseek_router
 from rlx.train.spec import ModelBridge, rope_theta
+
+if TYPE_CHECKING:
+    from rlx.train.dsa import DSADecoderSpec
 
 
 def partial_rotary(c: Any) -> float:
@@ -69,7 +72,25 @@ class Glm4MoeLiteBridge:
         return deepseek_v3_spec(c, [i for i, kind in enumerate(c.mlp_layer_types) if kind == "sparse"])
 
 
+class GlmMoeDsaBridge:
+    """GLM-5 (``glm_moe_dsa``): GLM-4.7-Flash's architecture (DeepSeek-V3's) with DeepSeek sparse attention
+    (`rlx.train.dsa`): an indexer with interleaved rotary pairs, and ``shared`` layers reusing the previous full
+    layer's selection (``indexer_types``)."""
+
+    name = "glm-moe-dsa"
+    model_types = ("glm_moe_dsa",)
+
+    def spec(self, hf_config: Any) -> DSADecoderSpec:
+        from rlx.train.dsa import dsa_spec  # (megatron's modules: imported when a spec is made)
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding
+
+        c = hf_config
+        return dsa_spec(c, [i for i, kind in enumerate(c.mlp_layer_types) if kind == "sparse"], interleaved=True,
+                        rotary=GlmMoeDsaRotaryEmbedding(c))
+
+
 @hookimpl
 def register_models(register: Register[type[ModelBridge]]) -> None:
     register(Glm4MoeBridge)
     register(Glm4MoeLiteBridge)
+    register(GlmMoeDsaBridge)

@@ -119,3 +119,41 @@ def test_lite_spec_reads_the_layer_types(tmp_path):
     spec = Glm4MoeLiteBridge().spec(AutoConfig.from_pretrained(tmp_path))
     assert spec.moe.layers == {1, 3} and spec.moe.groups is None and spec.moe.scaling == 1.8
     assert (spec.mla.q_lora, spec.mla.kv_lora, spec.mla.rope_type, spec.mla.interleaved) == (16, 12, "rope", True)
+
+
+def write_glm5(folder, **shape):
+    from transformers import GlmMoeDsaForCausalLM
+
+    from rlx_model_glm.tiny import glm5_config
+
+    torch.manual_seed(0)
+    c = glm5_config(96, **{**dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, q_lora_rank=16,
+                                  kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                  n_routed_experts=4, index_topk=4, index_head_dim=8, routed_scaling_factor=2.5),
+                           **shape})
+    m = GlmMoeDsaForCausalLM(c)
+    spread_weights(m)
+    m.save_pretrained(folder)
+
+
+class TestGlm5Bridge(ModelBridgeContract):
+    """GLM-5: latent attention with DeepSeek sparse attention (each query keeps 4 of up to 12 keys in the logits
+    check), shared-selection layers, dense and sparse MLP layers."""
+
+    bridge_name = "glm-moe-dsa"
+    model_type = "glm_moe_dsa"
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2, 2)]
+
+    def make_checkpoint(self, folder):
+        write_glm5(folder)
+
+
+def test_a_pipeline_stage_must_start_at_a_full_indexer_layer(tmp_path):
+    from rlx.errors import RLXError
+    from rlx.plugins import build_plugins
+    from rlx.train.spec import Stage, model_spec
+
+    write_glm5(tmp_path, indexer_types=["full", "full", "shared", "full"])
+    spec = model_spec(tmp_path, build_plugins())
+    with pytest.raises(RLXError, match="stage starting at layer 2 starts with a layer that reuses"):
+        spec.layer_spec(None, Stage(2, 2, False, True))
