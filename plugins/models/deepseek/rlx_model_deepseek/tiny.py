@@ -89,10 +89,11 @@ def build_tiny_kimi_k25(out: Path, seed: int = 0, **shape: Any) -> Path:
 
 
 def deepseek_v32_config(vocab: int, eos: int | None = None, pad: int | None = None, **shape: Any) -> Any:
-    """DeepSeek-V3.2: the tiny DeepSeek-V3's shape with sparse attention (each query keeps its 8 best-scored keys)."""
+    """DeepSeek-V3.2: the tiny DeepSeek-V3's shape with sparse attention (each query keeps its 8 best-scored keys;
+    32 indexer heads, so that keys rarely tie: see `rlx_model_glm.tiny.build_tiny_glm5`)."""
     from transformers import DeepseekV32Config
 
-    merged = {**SHAPE, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 2, **shape}
+    merged = {**SHAPE, "index_topk": 8, "index_head_dim": 16, "index_n_heads": 32, **shape}
     dense = merged.pop("first_k_dense_replace")
     merged.setdefault("mlp_layer_types", ["dense"] * dense + ["sparse"] * (merged["num_hidden_layers"] - dense))
     return DeepseekV32Config(vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False,

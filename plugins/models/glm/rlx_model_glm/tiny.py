@@ -45,7 +45,7 @@ GLM5_SHAPE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=3
                   qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], index_topk=8, index_head_dim=16,
-                  index_n_heads=2, indexer_types=["full", "shared", "full", "shared"])
+                  index_n_heads=32, indexer_types=["full", "shared", "full", "shared"])
 
 
 def glm5_config(vocab: int, eos: int | None = None, pad: int | None = None, **shape: Any) -> Any:
@@ -58,7 +58,10 @@ def glm5_config(vocab: int, eos: int | None = None, pad: int | None = None, **sh
 def build_tiny_glm5(out: Path, seed: int = 0, **shape: Any) -> Path:
     """``builtin://tiny-glm5``: a random GLM-5-shaped model (``glm_moe_dsa``) with the built-in tokenizer: latent
     attention with DeepSeek sparse attention (each query keeps its 8 best-scored keys; layers 1 and 3 reuse the
-    selection of the layer before), one dense layer then three with 8 routed experts and a shared one."""
+    selection of the layer before), one dense layer then three with 8 routed experts and a shared one. 32 indexer
+    heads: with a few, a random model's keys often score exactly 0 (every head's relu), and which of the tied keys a
+    query keeps then depends on how the rows are laid out (transformers' own forward picks others for another
+    length)."""
     import torch
     from transformers import GlmMoeDsaForCausalLM
 

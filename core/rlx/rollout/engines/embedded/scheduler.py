@@ -179,9 +179,15 @@ class Scheduler:
         # of per-token keys and values: rows are selected and joined the same way, but never padded or trimmed
         types = getattr(model.config.get_text_config(), "layer_types", None) or []
         self.recurrent = [t == "linear_attention" for t in types]
-        if any(self.recurrent) and self.prefix is not None:
-            log.info("prefix cache off: %s has linear-attention layers (a prefix's state is not per token)",
-                     model.config.model_type)
+        # sparse-attention layers (DeepSeek-V3.2's, GLM-5's) keep their indexer's keys beside the keys and values:
+        # one more tensor per token column, selected, padded and joined with them
+        from transformers import DynamicCache
+
+        self.indexed = any(type(layer).__name__ == "DynamicIndexedLayer"
+                           for layer in DynamicCache(config=model.config).layers)
+        if (any(self.recurrent) or self.indexed) and self.prefix is not None:
+            log.info("prefix cache off: %s has linear-attention or sparse-attention layers (a prefix's state is not "
+                     "its keys and values alone)", model.config.model_type)
             self.prefix, self._prefix_bytes = None, 0
 
     # -- called from other threads -------------------------------------------------------------
@@ -289,28 +295,40 @@ class Scheduler:
         self.rows, self._cache, self._sampling = [], None, None
         self._mask, self._pos, self._last = self._mask.new_zeros((0, 0)), self._pos.new_zeros(0), self._last.new_zeros(0)
 
-    def _layers(self, cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer: (keys, values) ``[B, heads, L, d]``, or for a linear-attention layer (convolution window
-        ``[B, channels, width]``, recurrent state ``[B, heads, dk, dv]``)."""
-        return [(layer.conv_states[0], layer.recurrent_states[0]) if rec else (layer.keys, layer.values)
-                for layer, rec in zip(cache.layers, self.recurrent or [False] * len(cache.layers))]
+    def _layers(self, cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer: (keys, values) ``[B, heads, L, d]``, with a sparse-attention layer's indexer keys as a third
+        ``[B, 1, L, d]``; or for a linear-attention layer (convolution window ``[B, channels, width]``, recurrent
+        state ``[B, heads, dk, dv]``)."""
+        out: list[tuple[torch.Tensor, ...]] = []
+        for layer, rec in zip(cache.layers, self.recurrent or [False] * len(cache.layers)):
+            if rec:
+                out.append((layer.conv_states[0], layer.recurrent_states[0]))
+            elif getattr(layer, "is_indexer_initialized", False):
+                out.append((layer.keys, layer.values, layer.indexer_keys[:, None]))
+            else:
+                out.append((layer.keys, layer.values))
+        return out
 
-    def _make_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _make_cache(self, kv: list[tuple[torch.Tensor, ...]]) -> Any:
         from transformers import DynamicCache
 
-        if not any(self.recurrent):
+        if not any(self.recurrent) and not self.indexed:
             return DynamicCache(ddp_cache_data=kv)
         cache = DynamicCache(config=self.model.config)
         layers: list[Any] = cache.layers  # a union of layer kinds in transformers' types; `rec` says which this is
-        for layer, rec, (a, b) in zip(layers, self.recurrent, kv):
+        for layer, rec, state in zip(layers, self.recurrent or [False] * len(layers), kv):
             if rec:  # owned tensors: decoding updates them in place
+                a, b = state
                 layer.lazy_initialization(conv_states=a, recurrent_states=b)
                 layer.conv_states[0].copy_(a)
                 layer.recurrent_states[0].copy_(b)
                 layer.has_previous_state[0] = True
-            else:
-                layer.lazy_initialization(a, b)
-                layer.keys, layer.values = a, b
+                continue
+            layer.lazy_initialization(state[0], state[1])
+            layer.keys, layer.values = state[0], state[1]
+            if len(state) == 3:
+                layer.lazy_initialization_indexer(state[2][:, 0])
+                layer.indexer_keys = state[2][:, 0]
         return cache
 
     def _columns(self, layer: int) -> bool:
@@ -328,9 +346,9 @@ class Scheduler:
         # Trim columns that no remaining row attends to (left padding of finished long rows).
         used = mask.any(0).nonzero()
         start = int(used[0]) if len(used) else mask.shape[1]
-        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:]) if self._columns(i)
-              else (k.index_select(0, idx), v.index_select(0, idx))
-              for i, (k, v) in enumerate(self._layers(self._cache))]
+        kv = [tuple(t.index_select(0, idx)[:, :, start:] if self._columns(i) else t.index_select(0, idx)
+                    for t in state)
+              for i, state in enumerate(self._layers(self._cache))]
         self._cache = self._make_cache(kv)
         self._mask = mask[:, start:]
         self._pos = self._pos.index_select(0, idx)
@@ -385,8 +403,7 @@ class Scheduler:
         which = [i for i, p in enumerate(prompts) for _ in p.requests]
         if len(which) > n:  # fork each prompt's row to its requests
             idx = torch.tensor(which, device=self.device)
-            cache = self._make_cache([(k.index_select(0, idx), v.index_select(0, idx))
-                                      for k, v in self._layers(cache)])
+            cache = self._make_cache([tuple(t.index_select(0, idx) for t in state) for state in self._layers(cache)])
             logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
             taken = taken.index_select(0, idx) if taken is not None else None
         every = [r for p in prompts for r in p.requests]
@@ -453,10 +470,9 @@ class Scheduler:
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
         kv = [
-            (torch.cat([left_pad(k0, 2, total), left_pad(k1, 2, total)]),
-             torch.cat([left_pad(v0, 2, total), left_pad(v1, 2, total)])) if self._columns(i)
-            else (torch.cat([k0, k1]), torch.cat([v0, v1]))
-            for i, ((k0, v0), (k1, v1)) in enumerate(zip(self._layers(self._cache), self._layers(cache), strict=True))
+            tuple(torch.cat([left_pad(a, 2, total), left_pad(b, 2, total)]) if self._columns(i) else torch.cat([a, b])
+                  for a, b in zip(old, new_, strict=True))
+            for i, (old, new_) in enumerate(zip(self._layers(self._cache), self._layers(cache), strict=True))
         ]
         self._cache = self._make_cache(kv)
         self._mask = torch.cat([left_pad(self._mask, 1, total), left_pad(mask, 1, total)])

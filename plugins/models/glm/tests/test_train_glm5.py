@@ -1,0 +1,39 @@
+"""`rl train` on the tiny GLM-5 (``glm_moe_dsa``: latent attention with DeepSeek sparse attention): the embedded engine
+(transformers' GLM-5, its indexer selecting with the same frozen weights) serves what the trainer holds, every pushed
+tensor is verified, the indexer's weights come back unchanged and the rest trained; TP=2 and EP=2 train as one
+process does."""
+
+import pytest
+
+from rlx.testing.parallel import assert_same, run
+from rlx.testing.runs import train_and_export
+
+pytestmark = pytest.mark.integration
+
+MODEL = "builtin://tiny-glm5"
+KEYS = ("loss", "pg_loss", "entropy", "kl", "samples", "tokens", "moe/aux_loss", "moe/load_max_mean")
+
+
+def test_rl_train_keeps_the_indexer_and_trains_the_rest(tmp_path):
+    import torch
+
+    out = train_and_export(tmp_path, MODEL)
+    rows, before, after = out["rows"], out["before"], out["after"]
+    assert len(rows) == 3 and max(r["train_rollout_logprob_diff"] for r in rows) < 1e-4
+    assert set(after) == set(before)
+    indexer = [n for n in before if ".indexer." in n]
+    assert indexer and all(torch.equal(after[n], before[n]) for n in indexer)
+    name = "model.layers.2.self_attn.kv_b_proj.weight"
+    assert not torch.equal(after[name], before[name])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single"), MODEL, 1)
+
+
+@pytest.mark.parametrize("nproc,tp,pp,ep", [(2, 2, 1, 1), (2, 1, 2, 1), (4, 2, 1, 2)], ids=["tp2", "pp2", "tp2-ep2"])
+def test_parallel_matches_one_process(single, tmp_path, nproc, tp, pp, ep):
+    """(PP=2: the second stage starts at layer 2, a full indexer layer. TP=2 x EP=2 is also data parallel: its samples
+    pack into other rows; the selection must not depend on that.)"""
+    assert_same(run(tmp_path, MODEL, nproc, tp, pp, ep), single, KEYS)
