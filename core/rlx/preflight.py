@@ -131,6 +131,11 @@ def check(cfg: Config) -> list[Problem]:
             _model_dir(g.model_path, ("rollout", "engines", i, "model_path"), problems)
     if model_dir is not None:
         problems += _shape(model_dir, ("train", "parallel"), cfg.train.parallel)
+    if model_dir is not None and cfg.train.objective.indexer_kl_coef > 0:
+        hf = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+        if "index_topk" not in hf.get("text_config", hf):
+            problems.append((("train", "objective", "indexer_kl_coef"), f"the model in {model_dir} has no "
+                             f"sparse-attention indexer to train (no index_topk in its config.json); leave it at 0"))
     if model_dir is not None and cfg.model.export_weights == "fp8":
         from rlx.models.fp8 import block_size
 

@@ -149,3 +149,10 @@ def test_fp8_export_needs_an_fp8_checkpoint(tmp_path):
     (m / "config.json").write_text(json.dumps({"num_attention_heads": 8, "quantization_config": {
         "quant_method": "fp8", "weight_block_size": [128, 128]}}))
     assert load_config(p, checks=config_checks(files=True)).model.export_weights == "fp8"
+
+
+def test_an_indexer_loss_needs_a_sparse_attention_model(tmp_path):
+    m = model(tmp_path)
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\ntrain:\n  objective: {{indexer_kl_coef: 0.5}}\n")
+    assert got[f"{p}:3: train.objective.indexer_kl_coef"].endswith("has no sparse-attention indexer to train (no "
+                                                                     "index_topk in its config.json); leave it at 0")

@@ -346,6 +346,10 @@ class ObjectiveConfig(Section):
     #                                                product of its token ratios, or their geometric mean)
     routing_replay: bool = False  # MoE, rollout routing replay (R3): the trainer's routers take the experts the
     #                               engine routed each token to, in the policy and the reference
+    # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): 0 keeps the indexer as loaded (RL gives it no gradient);
+    # above 0, each layer's indexer is trained toward the attention's distribution over the keys it kept (KL,
+    # DeepSeek-V3.2's sparse-stage loss) with this coefficient, and pushed with the rest
+    indexer_kl_coef: float = Field(0.0, ge=0)
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod

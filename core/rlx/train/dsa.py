@@ -16,10 +16,13 @@ states and the normed query latent when ``experimental_attention_variant`` is ``
 selection from the same inputs; its weights are small). A pipeline stage must start with a full layer: a shared
 layer's selection does not cross stages.
 
-The indexer is not trained: RL's gradient does not reach it (the top-k is not differentiable, and transformers runs
-it without gradient too), its weights stay as loaded, are pushed and exported unchanged, and the engines select with
-the same weights the trainer does. DeepSeek-V3.2 trained its indexer before RL with a KL to the dense attention's
-distribution; rlx does not (a separate issue).
+The indexer is not trained by default (``train.objective.indexer_kl_coef: 0``): RL's objective gives it no gradient
+(the top-k is not differentiable; transformers and SGLang run it without one), so its weights stay as loaded, are
+pushed and exported unchanged, and the engines select with the weights the trainer does. With a coefficient above 0
+each full layer's indexer is trained as DeepSeek-V3.2's sparse stage trains it (`indexer_kl`: KL from the
+attention's distribution over the kept keys, summed over heads, to the indexer's softmax over them; the indexer's
+inputs detached, so the loss moves the indexer alone), added to the backward pass through megatron's
+``DSAIndexerLossAutoScaler``; its new weights are pushed with the rest.
 """
 
 from __future__ import annotations
@@ -80,9 +83,9 @@ class Selection:
 
 class Indexer(torch.nn.Module):
     """The lightning indexer of one layer; names as the checkpoint's (``wq_b``, ``wk``, ``k_norm``,
-    ``weights_proj``). Frozen: its parameters take no gradient."""
+    ``weights_proj``). Frozen unless `trained` (``train.objective.indexer_kl_coef``)."""
 
-    def __init__(self, shape: DSAShape, config: TransformerConfig):
+    def __init__(self, shape: DSAShape, config: TransformerConfig, trained: bool = False):
         super().__init__()
         h, d, dtype = shape.heads, shape.head_dim, config.params_dtype
         self.shape = shape
@@ -91,7 +94,7 @@ class Indexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(d, eps=1e-6, dtype=dtype)
         self.weights_proj = torch.nn.Linear(config.hidden_size, h, bias=False, dtype=dtype)
         for p in self.parameters():
-            p.requires_grad_(False)
+            p.requires_grad_(trained)
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding on the first `rope` dims of `t` [b, s, heads, d] (cos/sin [b, s, rope]), as transformers
@@ -108,10 +111,9 @@ class Indexer(torch.nn.Module):
             rot = rot * cos + torch.cat([-b, a], dim=-1) * sin
         return torch.cat([rot, rest], dim=-1)
 
-    @torch.no_grad()
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-        """`x` [s, b, hidden], `q_latent` [s, b, q_lora] (normed), `blocked` [b, s, s] (True: not allowed) -> the
-        kept keys [b, s, s]: each query's `topk` best allowed keys (all of them where fewer are allowed)."""
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """`x` [s, b, hidden], `q_latent` [s, b, q_lora] (normed), `blocked` [b, s, s] (True: not allowed) -> each
+        (query, key) pair's score [b, s, s], -inf where not allowed."""
         h, d = self.shape.heads, self.shape.head_dim
         x, q_latent = x.transpose(0, 1), q_latent.transpose(0, 1)  # [b, s, ...]
         b, s = x.shape[:2]
@@ -122,9 +124,25 @@ class Indexer(torch.nn.Module):
         q, k = self._rotate(q, cos.to(q.dtype), sin.to(q.dtype)), self._rotate(k, cos.to(k.dtype), sin.to(k.dtype))
         scores = torch.relu(torch.einsum("bshd,btd->bsht", q.float(), k[:, :, 0].float()) * d ** -0.5)
         weights = self.weights_proj(x).float() * h ** -0.5  # [b, s, h]
-        index = torch.einsum("bsh,bsht->bst", weights, scores).masked_fill(blocked, float("-inf"))
-        top = index.topk(min(self.shape.topk, s), dim=-1).indices
-        return torch.zeros(b, s, s, dtype=torch.bool, device=x.device).scatter(-1, top, True) & ~blocked
+        return torch.einsum("bsh,bsht->bst", weights, scores).masked_fill(blocked, float("-inf"))
+
+    def select(self, index: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        """The kept keys [b, s, s]: each query's `topk` best-scored allowed keys (all where fewer are allowed)."""
+        top = index.detach().topk(min(self.shape.topk, index.shape[-1]), dim=-1).indices
+        return torch.zeros_like(blocked).scatter(-1, top, True) & ~blocked
+
+
+def indexer_kl(index: torch.Tensor, attention: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2's sparse-stage indexer loss: per query, KL(p || q) over its kept keys, where p is the attention's
+    probabilities summed over heads and normalised over those keys, and q the softmax of the indexer's scores over
+    them; the mean over queries. `index` [b, s, s] (scores), `attention` [b, s, s] (summed probabilities, no
+    gradient), `keep` [b, s, s] bool (every query keeps at least itself)."""
+    target = attention.masked_fill(~keep, 0.0)
+    target = target / target.sum(-1, keepdim=True)
+    log_q = torch.log_softmax(index.float().masked_fill(~keep, float("-inf")), dim=-1)
+    terms = torch.where(keep & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q),
+                        torch.zeros_like(target))
+    return terms.sum(-1).mean()
 
 
 class DSACoreAttention(SDPACoreAttention):
@@ -134,7 +152,8 @@ class DSACoreAttention(SDPACoreAttention):
                  full: bool, selection: Selection, **kwargs: Any):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.selection = selection
-        self.indexer = Indexer(dsa, config) if full else None
+        self.kl_coef = float(getattr(config, "dsa_indexer_loss_coeff", None) or 0.0)
+        self.indexer = Indexer(dsa, config, trained=self.kl_coef > 0) if full else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: BlockCausal | torch.Tensor | None, attn_mask_type: Any = None,
@@ -142,16 +161,42 @@ class DSACoreAttention(SDPACoreAttention):
                 x: torch.Tensor | None = None, qr: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         s, b = query.shape[:2]
         blocked = self.selection.blocked(attention_mask, b, s, query.device)
+        index = None
         if self.indexer is not None:
             if x is None or qr is None:
                 raise ValueError("DSACoreAttention needs megatron's MLA with experimental_attention_variant 'dsa' "
                                  "(the hidden states and the query latent)")
-            self.selection.keep = self.indexer.select(x, qr, blocked)
+            learn = self.kl_coef > 0 and torch.is_grad_enabled() and self.training
+            with torch.set_grad_enabled(learn):  # (the indexer's own inputs never pass its gradient back)
+                index = self.indexer.scores(x.detach(), qr.detach(), blocked)
+            self.selection.keep = self.indexer.select(index, blocked)
+            index = index if learn else None
         keep = self.selection.keep
         if keep is None or keep.shape != (b, s, s):
             raise ValueError("a shared DSA layer ran before the full layer whose selection it reuses")
-        return super().forward(query, key, value, (blocked | ~keep)[:, None], attn_mask_type, attention_bias,
-                               packed_seq_params)
+        out = super().forward(query, key, value, (blocked | ~keep)[:, None], attn_mask_type, attention_bias,
+                              packed_seq_params)
+        if index is None:
+            return out
+        from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+        loss = indexer_kl(index, self._attention(query, key, keep), keep) * self.kl_coef
+        return DSAIndexerLossAutoScaler.apply(out, loss)  # (its gradient joins the backward pass, the output as is)
+
+    @torch.no_grad()
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The attention's probabilities over the kept keys [b, s, s], summed over every head (this rank's, then
+        all-reduced over tensor parallelism)."""
+        q, k = query.permute(1, 2, 0, 3).float(), key.permute(1, 2, 0, 3).float()  # [b, heads, s, d]
+        if k.size(1) != q.size(1):
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        logits = (q @ k.transpose(-1, -2) * self.softmax_scale).masked_fill(~keep[:, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).sum(1)
+        if self.config.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(probs, group=parallel_state.get_tensor_model_parallel_group())
+        return probs
 
 
 @dataclass

@@ -203,7 +203,7 @@ class ModelRole:
     then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
 
     def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: ParallelConfig, dtype: torch.dtype,
-                 value_head: bool = False, routing_replay: bool = False):
+                 value_head: bool = False, routing_replay: bool = False, indexer_kl_coef: float = 0.0):
         """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
         embeddings are never tied to it, and the HF checkpoint's output layer is not loaded. `routing_replay`
         (models with experts): every forward routes tokens to the experts the engine routed them to (R3)."""
@@ -225,7 +225,12 @@ class ModelRole:
         # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
         if routing_replay and not spec.num_experts:
             raise RLXError(f"train.objective.routing_replay: the {spec.model_type!r} model has no experts to route")
-        replay = {"moe_enable_routing_replay": True} if routing_replay else {}
+        replay: dict[str, Any] = {"moe_enable_routing_replay": True} if routing_replay else {}
+        if indexer_kl_coef and getattr(spec, "dsa", None) is None:
+            raise RLXError(f"train.objective.indexer_kl_coef: the {spec.model_type!r} model has no sparse-attention "
+                           f"indexer to train; leave it at 0")
+        if indexer_kl_coef:  # (`rlx.train.dsa`)
+            replay["dsa_indexer_loss_coeff"] = indexer_kl_coef
         self.config = spec.transformer_config(parallel, dtype, calculate_per_token_loss=True,
                                               variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
                                               deterministic_mode=torch.are_deterministic_algorithms_enabled(),

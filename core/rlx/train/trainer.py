@@ -44,7 +44,8 @@ class Trainer:
         dtype = torch_dtype(cfg.model.dtype)
         use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
-        self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
+        self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay,
+                               indexer_kl_coef=tc.objective.indexer_kl_coef)
         self.actor.load_hf(self.model_path)
         self.reference = None
         if tc.objective.kl_coef > 0:

@@ -27,6 +27,19 @@ def test_rl_train_keeps_the_indexer_and_trains_the_rest(tmp_path):
     assert not torch.equal(after[name], before[name])
 
 
+def test_with_indexer_kl_coef_the_indexer_trains_and_the_engines_follow(tmp_path):
+    """``train.objective.indexer_kl_coef``: the indexers move toward the attention's distribution, their new weights
+    reach the engine (its log-probs still the trainer's) and the export."""
+    import torch
+
+    out = train_and_export(tmp_path, MODEL, 3, "train.objective.indexer_kl_coef=1.0")
+    rows, before, after = out["rows"], out["before"], out["after"]
+    assert len(rows) == 3 and max(r["train_rollout_logprob_diff"] for r in rows) < 1e-4
+    for layer in (0, 2):  # the full layers (1 and 3 reuse their selection and have no indexer)
+        name = f"model.layers.{layer}.self_attn.indexer.wq_b.weight"
+        assert not torch.equal(after[name], before[name]), name
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     return run(tmp_path_factory.mktemp("single"), MODEL, 1)

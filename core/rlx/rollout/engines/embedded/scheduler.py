@@ -415,9 +415,9 @@ class Scheduler:
         offset = len(self.rows) - len(every)
         self._emit(logits, list(range(offset, len(self.rows))))
 
-    def _left_padded(self, prompts: list[_Prompt], past: list[int], width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _left_padded(self, prompts: list[_Prompt], past: list[int], width: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer, the rows' first `past[i]` cached keys and values, left-padded to `width` columns."""
-        layers = []
+        layers: list[tuple[torch.Tensor, ...]] = []
         for layer in range(len(next(p.kv for p in prompts if p.kv))):
             k0, v0 = next(p.kv[layer] for p in prompts if p.kv)
             k = k0.new_zeros((len(prompts), k0.shape[1], width, k0.shape[3]))
