@@ -12,8 +12,8 @@ What is checked (the pass rule of each is in its function's docstring):
 
 * environment: every package the checks import imports, at versions that satisfy the bundle's requirements;
 * trainer: megatron in bf16 on the GPU against the fp32 CPU trainer, two GRPO steps: dense Qwen3, Qwen3-MoE,
-  GLM-4.5 and MiniMax-M2 with rollout routing replay, DeepSeek-V3 (latent attention), Qwen3-Next (GDN), Qwen3.5 and
-  Kimi-K2.5 as published (vision-language wrappers);
+  GLM-4.5 and MiniMax-M2 with rollout routing replay, DeepSeek-V3 (latent attention), GLM-5 and DeepSeek-V3.2
+  (sparse attention), Qwen3-Next (GDN), Qwen3.5 and Kimi-K2.5 as published (vision-language wrappers);
 * engine: the embedded engine on the GPU: its sampled tokens' log-probs against the trainer's forward;
 * transport: a trained step pushed by the ``tensor`` transport (CUDA IPC handles) into that engine, every tensor
   verified bit for bit, then its log-probs against the trainer's again;
@@ -65,8 +65,8 @@ class Check:
 PLAN = [  # in order of what matters most, should the budget run out
     Check("environment", 45, check_environment, "imports, and the bundle's requirements against installed versions",
           on_cpu=True),
-    Check("trainer", 240, check_trainer, "megatron bf16 on the GPU vs fp32 on the CPU: dense, MoE+R3, MLA, GDN, "
-                                         "published wrappers"),
+    Check("trainer", 300, check_trainer, "megatron bf16 on the GPU vs fp32 on the CPU: dense, MoE+R3, MLA, DSA, "
+                                         "GDN, published wrappers"),
     Check("engine", 50, check_engine, "embedded engine on the GPU: log-probs vs the trainer's forward", on_cpu=True),
     Check("transport", 60, check_transport, "tensor transport (CUDA IPC) into the engine, bit-exact", on_cpu=True),
     Check("rl-train", 120, check_rl_train, "rl train 10 steps on the GPU, without and with offload", on_cpu=True,

@@ -102,13 +102,15 @@ TRAINER_MODELS = [("dense", DENSE, "none"), ("qwen3_moe_r3", MOE, "on"), ("glm4_
                   ("qwen3_next_gdn", "builtin://tiny-qwen3-next", "none"),
                   ("qwen3_5_published", "builtin://tiny-qwen3.5", "none"),
                   ("kimi_k25_published", "builtin://tiny-kimi-k2.5", "none"),
-                  ("minimax_m2_r3", "builtin://tiny-minimax-m2", "on")]
+                  ("minimax_m2_r3", "builtin://tiny-minimax-m2", "on"),
+                  ("glm5_dsa", "builtin://tiny-glm5", "none"),
+                  ("deepseek_v32_dsa", "builtin://tiny-deepseek-v3.2", "none")]
 
 
 def check_trainer(ctx: Ctx) -> None:
     """Pass, for each model (dense Qwen3; Qwen3-MoE, GLM-4.5 and MiniMax-M2 with rollout routing replay; DeepSeek-V3
-    with latent attention; Qwen3-Next, whose GDN layers take the GPU kernel ``auto`` picks; Qwen3.5 and Kimi-K2.5 as
-    published, vision-language wrappers): each of two GRPO steps' loss, KL and entropy within 5% (relative) of the fp32 CPU
+    with latent attention; GLM-5 and DeepSeek-V3.2 with sparse attention; Qwen3-Next, whose GDN layers take the GPU
+    kernel ``auto`` picks; Qwen3.5 and Kimi-K2.5 as published, vision-language wrappers): each of two GRPO steps' loss, KL and entropy within 5% (relative) of the fp32 CPU
     trainer's, and with replay every token routed as the engine routed it (agreement 1). A model that fails
     does not stop the others."""
     from rlx.testing.parallel import run

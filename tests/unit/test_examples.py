@@ -20,6 +20,12 @@ PUBLISHED = {
         "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48,
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
         "num_experts_per_tok": 8, "vocab_size": 151936},
+    "glm5-disaggregated.yaml": {
+        "model_type": "glm_moe_dsa", "hidden_size": 6144, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 78, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "index_topk": 2048,
+        "index_head_dim": 128, "index_n_heads": 32, "vocab_size": 154880},
     "qwen3-next-80b-a3b-disaggregated.yaml": {
         "model_type": "qwen3_next", "hidden_size": 2048, "moe_intermediate_size": 512, "num_hidden_layers": 48,
         "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512,
