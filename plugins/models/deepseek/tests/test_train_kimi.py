@@ -25,3 +25,24 @@ def test_a_published_kimi_k25_trains_and_exports_with_its_vision_tower(tmp_path)
     assert not torch.equal(after[name], before[name])
     model = load_lm(tmp_path / "hf", torch.float32)
     assert torch.equal(model.model.language_model.layers[1].self_attn.kv_a_proj_with_mqa.weight, after[name])
+
+
+def test_a_kimi_k2_text_checkpoint_trains(tmp_path):
+    """Kimi-K2's text-only checkpoints: DeepSeek-V3's tensors under ``model_type: kimi_k2``, which transformers does
+    not know (read as the ``DeepseekV3ForCausalLM`` the config names, by the trainer and the engine)."""
+    import json
+    import shutil
+
+    import torch
+
+    from rlx.models.tiny import resolve_model_path
+
+    folder = tmp_path / "kimi-k2"
+    shutil.copytree(resolve_model_path("builtin://tiny-deepseek-v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    run = train_and_export(tmp_path, str(folder))
+    assert len(run["rows"]) == 3 and max(r["train_rollout_logprob_diff"] for r in run["rows"]) < 1e-4
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert not torch.equal(run["after"][name], run["before"][name])
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "kimi_k2"
