@@ -81,3 +81,12 @@ def train_and_export(folder: Path, model: str, steps: int = 3, *sets: str) -> di
 
     return {"rows": read(folder / "run"), "before": tensors(resolve_model_path(str(model))),
             "after": tensors(folder / "hf")}
+
+
+def sparse_engine_follows(rows: list[dict[str, Any]]) -> bool:
+    """For a sparse-attention model's run (its metrics rows): the engine's log-probs are the trainer's (fp32) within
+    1e-4 on most steps. A query whose k-th and (k+1)-th keys score within rounding of each other may keep another key
+    in the engine (its rows and positions laid out otherwise than the trainer's packed rows), which moves a step's
+    mean difference by up to ~1e-3."""
+    diffs = sorted(r["train_rollout_logprob_diff"] for r in rows)
+    return diffs[len(diffs) // 2] < 1e-4 and diffs[-1] < 1e-2
