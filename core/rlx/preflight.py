@@ -136,6 +136,16 @@ def check(cfg: Config) -> list[Problem]:
         if "index_topk" not in hf.get("text_config", hf):
             problems.append((("train", "objective", "indexer_kl_coef"), f"the model in {model_dir} has no "
                              f"sparse-attention indexer to train (no index_topk in its config.json); leave it at 0"))
+    if model_dir is not None and cfg.train.objective.mtp_loss_coef > 0:
+        hf = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+        if not hf.get("text_config", hf).get("num_nextn_predict_layers"):
+            problems.append((("train", "objective", "mtp_loss_coef"), f"the model in {model_dir} has no multi-token-"
+                             f"prediction layers to train (no num_nextn_predict_layers in its config.json); leave it "
+                             f"at 0"))
+        elif cfg.train.parallel.pp > 1:
+            problems.append((("train", "objective", "mtp_loss_coef"), f"multi-token-prediction layers train with one "
+                             f"pipeline stage (train.parallel.pp is {cfg.train.parallel.pp}): they need the first "
+                             f"stage's word embeddings"))
     if model_dir is not None and cfg.model.export_weights == "fp8":
         from rlx.models.fp8 import block_size
 

@@ -156,3 +156,18 @@ def test_an_indexer_loss_needs_a_sparse_attention_model(tmp_path):
     got, p = problems(tmp_path, f"model: {{path: {m}}}\ntrain:\n  objective: {{indexer_kl_coef: 0.5}}\n")
     assert got[f"{p}:3: train.objective.indexer_kl_coef"].endswith("has no sparse-attention indexer to train (no "
                                                                      "index_topk in its config.json); leave it at 0")
+
+
+def test_an_mtp_loss_needs_mtp_layers_and_one_pipeline_stage(tmp_path):
+    m = model(tmp_path)
+    text = f"model: {{path: {m}}}\ntrain:\n  objective: {{mtp_loss_coef: 0.2}}\n"
+    got, p = problems(tmp_path, text)
+    assert got[f"{p}:3: train.objective.mtp_loss_coef"].endswith("has no multi-token-prediction layers to train (no "
+                                                                   "num_nextn_predict_layers in its config.json); "
+                                                                   "leave it at 0")
+    (m / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 4,
+                                               "num_hidden_layers": 6, "num_nextn_predict_layers": 1}))
+    assert load_config(tmp_path / "c.yaml", checks=config_checks(files=True)).train.objective.mtp_loss_coef == 0.2
+    got, p = problems(tmp_path, text + "  parallel: {pp: 2, world_size: 2}\n")
+    assert got[f"{p}:3: train.objective.mtp_loss_coef"].startswith("multi-token-prediction layers train with one "
+                                                                     "pipeline stage (train.parallel.pp is 2)")

@@ -350,6 +350,10 @@ class ObjectiveConfig(Section):
     # above 0, each layer's indexer is trained toward the attention's distribution over the keys it kept (KL,
     # DeepSeek-V3.2's sparse-stage loss) with this coefficient, and pushed with the rest
     indexer_kl_coef: float = Field(0.0, ge=0)
+    # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5...), which engines draft with: 0
+    # keeps them as loaded (not pushed; export writes them back unchanged); above 0 they train on the response tokens
+    # (cross entropy, this coefficient; the policy's gradient unchanged) and are pushed with the rest
+    mtp_loss_coef: float = Field(0.0, ge=0)
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod

@@ -468,7 +468,8 @@ class ModelBridgeContract(_Contract):
         assert self.model_type in self._plugins().component("models", self.bridge_name).obj.model_types
 
     def test_round_trip_is_exact_for_every_layout(self, tmp_path: Path) -> None:
-        """(An FP8 checkpoint's weights are compared dequantised: the trainer holds them so.)"""
+        """(An FP8 checkpoint's weights are compared dequantised: the trainer holds them so. Multi-token-prediction
+        layers: carried, and held by the last stage as when they train, on one stage.)"""
         import torch
 
         from rlx.models.fp8 import SCALE
@@ -478,20 +479,23 @@ class ModelBridgeContract(_Contract):
         spec = self._spec(tmp_path)
         ckpt = HFCheckpoint(tmp_path)
         reference = {n: ckpt.get(n) for n in ckpt.names()}
-        carried = set(spec.carried(ckpt.names()))
-        for layout in self.layouts:
-            tp, pp, ep = (*layout, 1)[:3]
+        layouts = [(*(*layout, 1)[:3], 0) for layout in self.layouts]
+        mtp = spec.mtp_layers if f"model.layers.{spec.num_layers}.eh_proj.weight" in ckpt else 0  # (stored?)
+        layouts += [(tp, 1, ep, mtp) for tp, pp, ep, _ in layouts if mtp and pp == 1]
+        for layout in layouts:
+            tp, pp, ep, mtp = layout
             n = spec.num_layers // pp
             back: dict[str, torch.Tensor] = {}
             for stage_rank in range(pp):
                 stages = {(r, e): Stage(stage_rank * n, n, stage_rank == 0, stage_rank == pp - 1, tp_rank=r, tp=tp,
-                                        ep_rank=e, ep=ep, etp_rank=r, etp=tp)
+                                        ep_rank=e, ep=ep, etp_rank=r, etp=tp, mtp=mtp if stage_rank == pp - 1 else 0)
                           for r in range(tp) for e in range(ep)}
                 shards = {k: dict(spec.to_megatron(spec.read(tmp_path), st)) for k, st in stages.items()}
                 assert all(set(s) == set(shards[(0, 0)]) for s in shards.values())
                 back.update(spec.hf_tensors(stages[(0, 0)], ShardGather(shards, tp, ep)))
             lm_head = {spec.wrapper.outer("lm_head.weight") if spec.wrapper else "lm_head.weight"}
             scales = {n for n in reference if n.endswith(SCALE)}  # an FP8 checkpoint's: read dequantised, in `get`
+            carried = set(spec.carried(ckpt.names())) - set(back)  # (trained MTP layers are not carried)
             expected = set(reference) - carried - scales - (lm_head if spec.tied else set())
             assert set(back) == expected, f"{layout}: {sorted(set(back) ^ expected)[:5]}"
             for name, t in back.items():

@@ -80,6 +80,10 @@ def with_mtp_layer(folder: str | Path) -> Path:
     hidden = tensors["model.embed_tokens.weight"].shape[1]
     mtp = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v + 0.01
            for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    if "shared" in config.get("indexer_types", []):  # sparse attention: the MTP layer has an indexer of its own
+        full = max(i for i, kind in enumerate(config["indexer_types"]) if kind == "full")
+        mtp.update({k.replace(f"model.layers.{full}.", f"model.layers.{n}."): v - 0.01 for k, v in tensors.items()
+                    if k.startswith(f"model.layers.{full}.self_attn.indexer.")})
     g = torch.Generator().manual_seed(7)
     mtp.update({f"model.layers.{n}.enorm.weight": torch.ones(hidden),
                 f"model.layers.{n}.hnorm.weight": torch.ones(hidden),
@@ -97,3 +101,115 @@ def with_mtp_layer(folder: str | Path) -> Path:
         index.write_text(json.dumps(doc))
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=1))
     return folder
+
+
+def mtp_copy(model_path: str, folder: str | Path) -> Path:
+    """A copy of the (builtin or local) checkpoint at `model_path` in `folder`, with an MTP layer (`with_mtp_layer`)."""
+    import shutil
+
+    from rlx.models.tiny import resolve_model_path
+
+    shutil.copytree(resolve_model_path(model_path), folder)
+    return with_mtp_layer(folder)
+
+
+def mtp_reference_error(folder: str | Path, model_type: str) -> float:
+    """How far (largest absolute difference) the log-probs the trainer's multi-token-prediction layer gives two packed
+    samples' response tokens (`rlx.train.mtp`, one process, fp32) are from a reference built by hand from the
+    checkpoint in `folder` as DeepSeek-V3's report and SGLang's draft model define it: transformers' main model for
+    the final hidden states, ``eh_proj`` over ``[enorm(embed(t + 1)); hnorm(h_t)]``, transformers' own decoder layer
+    (the checkpoint's layer ``num_hidden_layers``, loaded into a model one layer deeper) and ``shared_head``. Runs in
+    a subprocess: megatron on CPU changes torch globally."""
+    import json
+    import subprocess
+    import sys
+
+    from rlx.rollout.engines.launch import free_port
+
+    r = subprocess.run([sys.executable, "-c", _MTP_SCRIPT, str(folder), model_type, str(free_port())],
+                       capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, r.stderr[-3000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    assert got["missing"] == [], f"the bridge left megatron weights unset: {got['missing']}"
+    return float(got["error"])
+
+
+_MTP_SCRIPT = """
+import glob, json, os, sys, tempfile, warnings
+warnings.filterwarnings("ignore")
+import torch
+from rlx.train.megatron_patches.cpu import enable
+enable()
+folder, model_type, port = sys.argv[1:4]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+import torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+model_parallel_cuda_manual_seed(1)
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+from rlx.config import ParallelConfig
+from rlx.models.load import load_config, load_lm
+from rlx.plugins import build_plugins
+from rlx.train.mtp import MTPTraining
+from rlx.train.packing import pack
+from rlx.train.spec import Stage
+from rlx.types import Sample
+
+spec = build_plugins().bridge_for(model_type).spec(load_config(folder))
+stage = Stage(0, spec.num_layers, True, True, mtp=spec.mtp_layers)
+config = spec.transformer_config(ParallelConfig(), torch.float32, calculate_per_token_loss=True,
+                                 variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+model = spec.build(config, stage)
+state = dict(spec.to_megatron(spec.read(folder), stage))
+missing = [k for k in model.state_dict() if k not in state and not k.endswith("_extra_state")]
+model.load_state_dict(state, strict=False)
+mtp = MTPTraining(model)
+g = torch.Generator().manual_seed(0)
+samples = [Sample(torch.randint(3, spec.vocab_size, (5,), generator=g).tolist(),
+                  torch.randint(3, spec.vocab_size, (n,), generator=g).tolist(), [1] * n, [0.0] * n) for n in (4, 7)]
+mb = pack(samples)
+mtp.batch = (mb, mb.input_ids, mb.position_ids)
+model.train()
+model(mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
+got = mb.mtp_logprobs[0].detach()
+
+n = spec.num_layers
+every = {k: v for f in glob.glob(folder + "/*.safetensors") for k, v in load_file(f).items()}
+deeper = tempfile.mkdtemp()  # the MTP layer's decoder layer as layer n of a model one layer deeper
+save_file(every, os.path.join(deeper, "model.safetensors"), metadata={"format": "pt"})
+c = json.load(open(os.path.join(folder, "config.json")))
+for k, v in list(c.items()):
+    if isinstance(v, list) and len(v) == n:  # per-layer kinds: the MTP layer is a sparse (MoE), full-indexer one
+        c[k] = v + ["full" if k == "indexer_types" else v[-1]]
+c.update(num_hidden_layers=n + 1, num_nextn_predict_layers=0)
+json.dump(c, open(os.path.join(deeper, "config.json"), "w"))
+layer = AutoModelForCausalLM.from_pretrained(deeper, dtype=torch.float32).eval().model.layers[n]
+hf = load_lm(folder, torch.float32).eval()
+w = {k[len(f"model.layers.{n}."):]: v for k, v in every.items() if k.startswith(f"model.layers.{n}.")}
+size = w["enorm.weight"].shape[0]
+
+def norm(x, name):
+    return torch.nn.functional.rms_norm(x, (size,), w[name], hf.config.rms_norm_eps)
+
+want = []
+with torch.no_grad():
+    for s in samples:
+        full = torch.tensor([s.prompt_ids + s.response_ids])
+        length = full.shape[1] - 1
+        h = hf.model(full).last_hidden_state
+        e = torch.nn.functional.embedding(full[:, 1:], w["embed_tokens.weight"])
+        x = torch.cat([norm(e, "enorm.weight"), norm(h[:, :-1], "hnorm.weight")], -1) @ w["eh_proj.weight"].T
+        pos = torch.arange(length)[None]
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        x = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        lp = torch.log_softmax(norm(x, "shared_head.norm.weight") @ w["shared_head.head.weight"].T, -1)[0]
+        p = len(s.prompt_ids)
+        # response token j sits at p + j: depth 1 predicts it from position p + j - 2
+        want += [lp[p + j - 2, t].item() if p + j >= 2 else 0.0 for j, t in enumerate(s.response_ids)]
+print("RESULT", json.dumps({"missing": missing, "error": (got - torch.tensor(want)).abs().max().item()}))
+"""

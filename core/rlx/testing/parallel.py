@@ -32,8 +32,9 @@ WORKER = textwrap.dedent("""
         "model": {"path": args["model"]},
         "train": {"parallel": {"tp": tp, "pp": pp, "ep": ep, "world_size": world}, "updates_per_step": 2,
                   "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group",
-                                "routing_replay": replay == "on"},
-                  "max_tokens_per_micro_batch": 40, "optim": {"lr": 1e-2, "adam_eps": 1e-4}}}))
+                                "routing_replay": replay == "on", **args["objective"]},
+                  "optim": {"lr": 1e-2, "adam_eps": 1e-4, **args["optim"]},
+                  "max_tokens_per_micro_batch": 40}}))
     g = torch.Generator().manual_seed(0)
 
     def sample(gid, sid, n):
@@ -95,15 +96,18 @@ WORKER = textwrap.dedent("""
 
 
 def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
-        noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU)."""
+        noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None,
+        objective: dict[str, Any] | None = None, optim: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU); `objective`,
+    `optim`: more ``train.objective`` and ``train.optim`` settings."""
     from rlx.testing.warm import world
 
     folder = Path(folder)
     script = folder / "parallel_worker.py"
     script.write_text(WORKER)
-    out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}.json"
-    args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise)
+    more = {"objective": objective or {}, "optim": optim or {}}
+    out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}-{abs(hash(json.dumps(more, sort_keys=True)))}.json"
+    args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise, **more)
     r = world(script, [json.dumps(args)], nproc, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout_s)
     if r.returncode != 0:
         raise AssertionError(f"{nproc} processes, tp={tp} pp={pp} ep={ep} replay={replay}:\n{r.stderr[-4000:]}")

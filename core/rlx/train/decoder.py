@@ -56,7 +56,8 @@ class DecoderSpec(ModelSpec):
             self.num_experts = self.moe.experts
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe is not None and layer in self.moe.layers
+        """(A multi-token-prediction layer, after the last, is one in a model with experts, as published.)"""
+        return self.moe is not None and (layer in self.moe.layers or layer >= self.num_layers)
 
     # -- megatron side ---------------------------------------------------------------------------
 
@@ -97,6 +98,11 @@ class DecoderSpec(ModelSpec):
             layer.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         return spec
 
+    def mtp_layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
+        """The last layer's spec (one with experts when the model has them: DeepSeek's and GLM's MTP layers are)."""
+        spec = self.layer_spec(config, stage)
+        return spec.layer_specs[-1] if self.moe is not None else spec
+
     # -- HF -> megatron --------------------------------------------------------------------------
 
     def to_megatron(self, ckpt: HFCheckpoint, stage: Stage) -> Iterator[tuple[str, Any]]:
@@ -104,17 +110,27 @@ class DecoderSpec(ModelSpec):
         if stage.first:
             yield "embedding.word_embeddings.weight", ckpt.shard("model.embed_tokens.weight", 0, r, tp)
         for local, layer in enumerate(stage.layers()):
-            h, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
-            yield m + "input_layernorm.weight", ckpt.get(h + "input_layernorm.weight")
-            yield from self.attention_to_megatron(ckpt, stage, h, m)
-            yield m + "pre_mlp_layernorm.weight", ckpt.get(h + "post_attention_layernorm.weight")
-            yield from self.mlp_to_megatron(ckpt, stage, layer, h, m)
+            yield from self.layer_to_megatron(ckpt, stage, layer, f"model.layers.{layer}.", f"decoder.layers.{local}.")
         if stage.last:
             yield "decoder.final_layernorm.weight", ckpt.get("model.norm.weight")
             if not self.tied:
                 yield "output_layer.weight", ckpt.shard("lm_head.weight", 0, r, tp)
             elif not stage.first:  # the last stage keeps its own copy of the tied embedding
                 yield "output_layer.weight", ckpt.shard("model.embed_tokens.weight", 0, r, tp)
+        for k in range(stage.mtp):  # (`rlx.train.mtp`); its embedding and output layer are the model's
+            h, m = f"model.layers.{self.num_layers + k}.", f"mtp.layers.{k}."
+            for norm in ("enorm", "hnorm"):
+                yield m + f"{norm}.weight", ckpt.get(h + f"{norm}.weight")
+            yield m + "eh_proj.weight", ckpt.shard(h + "eh_proj.weight", 0, r, tp)
+            yield m + "final_layernorm.weight", ckpt.get(h + "shared_head.norm.weight")
+            yield from self.layer_to_megatron(ckpt, stage, self.num_layers + k, h, m + "transformer_layer.")
+
+    def layer_to_megatron(self, ckpt: HFCheckpoint, stage: Stage, layer: int, h: str,
+                          m: str) -> Iterator[tuple[str, Any]]:
+        yield m + "input_layernorm.weight", ckpt.get(h + "input_layernorm.weight")
+        yield from self.attention_to_megatron(ckpt, stage, h, m)
+        yield m + "pre_mlp_layernorm.weight", ckpt.get(h + "post_attention_layernorm.weight")
+        yield from self.mlp_to_megatron(ckpt, stage, layer, h, m)
 
     def attention_to_megatron(self, ckpt: HFCheckpoint, stage: Stage, h: str, m: str) -> Iterator[tuple[str, Any]]:
         r, tp = stage.tp_rank, stage.tp
@@ -148,17 +164,30 @@ class DecoderSpec(ModelSpec):
         if stage.first:
             yield "model.embed_tokens.weight", torch.cat(gather("embedding.word_embeddings.weight"), 0)
         for local, layer in enumerate(stage.layers()):
-            h, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
-            yield h + "input_layernorm.weight", gather(m + "input_layernorm.weight")[0]
-            yield from self.attention_to_hf(gather, h, m)
-            yield h + "post_attention_layernorm.weight", gather(m + "pre_mlp_layernorm.weight")[0]
-            yield from self.mlp_to_hf(stage, gather, layer, h, m)
+            yield from self.layer_to_hf(stage, gather, layer, f"model.layers.{layer}.", f"decoder.layers.{local}.")
         if stage.last:
             yield "model.norm.weight", gather("decoder.final_layernorm.weight")[0]
             if not self.tied:
                 yield "lm_head.weight", torch.cat(gather("output_layer.weight"), 0)
             elif not stage.first:
                 yield "model.embed_tokens.weight", torch.cat(gather("output_layer.weight"), 0)
+        for k in range(stage.mtp):
+            h, m = f"model.layers.{self.num_layers + k}.", f"mtp.layers.{k}."
+            for norm in ("enorm", "hnorm"):
+                yield h + f"{norm}.weight", gather(m + f"{norm}.weight")[0]
+            yield h + "eh_proj.weight", torch.cat(gather(m + "eh_proj.weight"), 0)
+            yield h + "shared_head.norm.weight", gather(m + "final_layernorm.weight")[0]
+            yield from self.layer_to_hf(stage, gather, self.num_layers + k, h, m + "transformer_layer.")
+            # the checkpoint's own copies of the embedding and output layer the MTP layers share with the model
+            embedding = torch.cat(gather("embedding.word_embeddings.weight"), 0)
+            yield h + "embed_tokens.weight", embedding
+            yield h + "shared_head.head.weight", embedding if self.tied else torch.cat(gather("output_layer.weight"), 0)
+
+    def layer_to_hf(self, stage: Stage, gather: Gather, layer: int, h: str, m: str) -> Iterator[tuple[str, Any]]:
+        yield h + "input_layernorm.weight", gather(m + "input_layernorm.weight")[0]
+        yield from self.attention_to_hf(gather, h, m)
+        yield h + "post_attention_layernorm.weight", gather(m + "pre_mlp_layernorm.weight")[0]
+        yield from self.mlp_to_hf(stage, gather, layer, h, m)
 
     def attention_to_hf(self, gather: Gather, h: str, m: str) -> Iterator[tuple[str, Any]]:
         import torch

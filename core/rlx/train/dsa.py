@@ -230,6 +230,13 @@ class DSADecoderSpec(MLADecoderSpec):
         spec.layer_specs = layers
         return spec
 
+    def mtp_layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
+        """A full layer (its own indexer and selection) over the multi-token-prediction layer's sequence."""
+        spec = copy.deepcopy(super().mtp_layer_spec(config, stage))
+        core = spec.submodules.self_attention.submodules.core_attention
+        core.params = {**core.params, "full": True, "selection": Selection()}
+        return spec
+
     def attention_to_megatron(self, ckpt: HFCheckpoint, stage: Stage, h: str, m: str) -> Iterator[tuple[str, Any]]:
         yield from super().attention_to_megatron(ckpt, stage, h, m)
         if self._full(h):
@@ -244,7 +251,8 @@ class DSADecoderSpec(MLADecoderSpec):
 
     def _full(self, h: str) -> bool:
         assert self.dsa is not None, "a DSA spec has its shape"
-        return self.dsa.full[int(h.rstrip(".").rsplit(".", 1)[1])]
+        layer = int(h.rstrip(".").rsplit(".", 1)[1])
+        return layer >= self.num_layers or self.dsa.full[layer]  # (multi-token-prediction layers are full)
 
 
 INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")

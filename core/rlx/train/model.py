@@ -135,14 +135,15 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_addr: str = "12
         p.ep, ps.get_expert_model_parallel_rank(), p.expert_tp, ps.get_expert_tensor_parallel_rank())
 
 
-def stage_of(spec: ModelSpec, par: ParallelState) -> Stage:
+def stage_of(spec: ModelSpec, par: ParallelState, mtp: int = 0) -> Stage:
+    """This rank's stage; with `mtp` multi-token-prediction layers trained, on the last stage."""
     if spec.num_layers % par.pp:
         raise RLXError(f"train.parallel.pp: {par.pp} pipeline stages cannot split the model's "
                        f"{spec.num_layers} layers evenly")
     n = spec.num_layers // par.pp
     return Stage(layer_offset=par.pp_rank * n, num_layers=n, first=par.first_stage, last=par.last_stage,
                  tp_rank=par.tp_rank, tp=par.tp, ep_rank=par.ep_rank, ep=par.ep, etp_rank=par.etp_rank,
-                 etp=par.etp)
+                 etp=par.etp, mtp=mtp if par.last_stage else 0)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -203,10 +204,13 @@ class ModelRole:
     then either `start_training` (DDP, optimizer, scheduler) or `freeze` it."""
 
     def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: ParallelConfig, dtype: torch.dtype,
-                 value_head: bool = False, routing_replay: bool = False, indexer_kl_coef: float = 0.0):
+                 value_head: bool = False, routing_replay: bool = False, indexer_kl_coef: float = 0.0,
+                 mtp_loss_coef: float = 0.0):
         """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
         embeddings are never tied to it, and the HF checkpoint's output layer is not loaded. `routing_replay`
-        (models with experts): every forward routes tokens to the experts the engine routed them to (R3)."""
+        (models with experts): every forward routes tokens to the experts the engine routed them to (R3).
+        `mtp_loss_coef` above 0: the checkpoint's multi-token-prediction layers are built and trained
+        (`rlx.train.mtp`)."""
         self.name, self.spec, self.par, self.dtype = name, spec, par, dtype
         self.value_head = value_head
         if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
@@ -221,7 +225,10 @@ class ModelRole:
             expert_bias_with_padding()  # rlx passes padding masks to the routers
             if par.tp > 1:
                 split_sequence_around_experts()
-        self.stage = stage_of(spec, par)
+        if mtp_loss_coef and not spec.mtp_layers:
+            raise RLXError(f"train.objective.mtp_loss_coef: the {spec.model_type!r} checkpoint has no multi-token-"
+                           f"prediction layers (num_nextn_predict_layers); leave it at 0")
+        self.stage = stage_of(spec, par, spec.mtp_layers if mtp_loss_coef else 0)
         # megatron refuses variable lengths with the (MoE-only) allgather dispatcher, even for a dense model
         if routing_replay and not spec.num_experts:
             raise RLXError(f"train.objective.routing_replay: the {spec.model_type!r} model has no experts to route")
@@ -236,6 +243,11 @@ class ModelRole:
                                               deterministic_mode=torch.are_deterministic_algorithms_enabled(),
                                               **replay)
         self.model = spec.build(self.config, self.stage)
+        self.mtp = None
+        if self.stage.mtp:
+            from rlx.train.mtp import MTPTraining
+
+            self.mtp = MTPTraining(self.model)
         if value_head:
             setattr(self.model, "share_embeddings_and_output_weights", False)  # every stage: no embedding-grad sync
             if self.stage.last:
@@ -319,8 +331,11 @@ class ModelRole:
             yield "output_layer.weight", head
 
     def load_from(self, other: ModelRole) -> None:
-        """Start from another role's current weights (same spec and layout), without reading the checkpoint."""
-        self._copy_in(self._local_state(other.model).items(), f"role {other.name!r}")
+        """Start from another role's current weights (same spec and layout), without reading the checkpoint (the
+        reference does not take the actor's trained multi-token-prediction layers)."""
+        named = [(k, v) for k, v in self._local_state(other.model).items()
+                 if self.mtp is not None or not k.startswith("mtp.")]
+        self._copy_in(named, f"role {other.name!r}")
 
     def _copy_in(self, named: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         if self.trainable:
@@ -423,12 +438,17 @@ class ModelRole:
                 self._keep = (pos % width, pos // width)
             positions = mb.position_ids.to(dev)
             self._positions = positions
+            ids = mb.input_ids.to(dev)
+            if self.mtp is not None and not forward_only:
+                self.mtp.batch = (mb, ids, positions)
             try:
                 mask = mb.attention_mask if self._block_masks else mb.attention_mask.dense()
-                out = m(mb.input_ids.to(dev), positions, attention_mask=mask.to(dev), **extra)
+                out = m(ids, positions, attention_mask=mask.to(dev), **extra)
             finally:
                 self._keep = None
                 self._positions = None
+                if self.mtp is not None:
+                    self.mtp.batch = None
             mb.outputs_at_response = self._selects
 
             def reduce(logits, non_loss_data=False):

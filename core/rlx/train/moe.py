@@ -234,6 +234,14 @@ def sum_router_grads(model: torch.nn.Module, group: ProcessGroup | None) -> None
             g.copy_(synced)
 
 
+def routers(model: torch.nn.Module) -> list[TopKRouter]:
+    """The routers of the model's decoder layers (not those of trained multi-token-prediction layers, ``mtp.*``, which
+    engines do not route with: no engine routing to replay, no per-layer statistics)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for name, m in model.named_modules() if isinstance(m, TopKRouter) and not name.startswith("mtp.")]
+
+
 class RouterStats:
     """Per-layer routing statistics of a model's training forwards (forward-only passes, for log-probs or a
     reference, are not counted), reduced over every rank by `metrics`:
@@ -252,10 +260,8 @@ class RouterStats:
     """
 
     def __init__(self, model: torch.nn.Module, spec_layers: int, experts: int, topk: int):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         self.experts, self.topk, self.layers = experts, topk, spec_layers
-        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.routers = routers(model)
         self._reset()
         for router in self.routers:
             router.register_forward_hook(self._hook)
@@ -414,9 +420,7 @@ class RoutingReplay:
     set directly, never through megatron's global list, which a second model (the reference) joins too."""
 
     def __init__(self, model: torch.nn.Module, layers: int, topk: int, replay: bool, experts: int):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.routers = routers(model)
         self.layers, self.topk, self.replay, self.experts = layers, topk, replay, experts
 
     def set(self, batch: PackedBatch) -> torch.Tensor | None:

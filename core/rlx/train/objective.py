@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 MAX_KEYS = ("train_rollout_logprob_diff_max",)
 
 
-def metric_keys(kl: bool, entropy: bool) -> list[str]:
-    """The metrics `objective` returns, given whether reference log-probs and entropy are passed in."""
+def metric_keys(kl: bool, entropy: bool, mtp: bool = False) -> list[str]:
+    """The metrics `micro_loss` returns, given whether reference log-probs and entropy are passed in and whether
+    multi-token-prediction layers train."""
     return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff",
              "train_rollout_logprob_diff_over", "train_rollout_logprob_diff_max", "rollout_tokens", "weight", "loss"]
-            + (["kl"] if kl else []) + (["entropy"] if entropy else []))
+            + (["kl"] if kl else []) + (["entropy"] if entropy else []) + (["mtp_loss"] if mtp else []))
 
 
 def objective(inp: LossInputs, policy_loss: PolicyLoss, cfg: ObjectiveConfig,
@@ -101,7 +102,12 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
         ref_logprobs=tb.tokens(s, "ref_logprobs").to(dev) if tb.ref_logprobs is not None else None,
         entropy=ent if cfg.entropy_coef else ent.detach(),
     )
-    return objective(inp, policy_loss, cfg, diff_threshold)
+    loss, metrics = objective(inp, policy_loss, cfg, diff_threshold)
+    if mb.mtp_logprobs is not None:  # (`rlx.train.mtp`): the tokens weighted as the policy's, averaged over depths
+        mtp = -(mb.mtp_logprobs * inp.weights).sum() / mb.mtp_logprobs.shape[0]
+        metrics["mtp_loss"] = float(mtp.detach())
+        loss = loss + cfg.mtp_loss_coef * mtp
+    return loss, metrics
 
 
 def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entropy_grad: bool = False):

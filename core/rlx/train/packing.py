@@ -38,6 +38,8 @@ class PackedBatch:
     pad_mask: torch.Tensor | None = None  # [R, L] True where no sample sits (megatron's MoE padding mask)
     # set by the trainer: the model's outputs are [1, T, ...] at `response_positions` only, not [R, L, ...]
     outputs_at_response: bool = False
+    # set by the trainer in a training forward with multi-token-prediction layers (`rlx.train.mtp`): [depths, T]
+    mtp_logprobs: torch.Tensor | None = None
 
     def at_response(self, out: torch.Tensor) -> torch.Tensor:
         """The model's per-position outputs (logits or values) at the response positions: ``[T, last dim]``."""

@@ -84,6 +84,7 @@ class Stage:
     ep: int = 1
     etp_rank: int = 0  # expert tensor parallel
     etp: int = 1
+    mtp: int = 0  # multi-token-prediction layers built and trained here (`rlx.train.mtp`; the last stage)
 
     def layers(self) -> range:
         """Global indices of the stage's layers (megatron names them 0..num_layers-1 locally)."""
@@ -253,14 +254,33 @@ class ModelSpec(ABC):
         """megatron's ModuleSpec of a transformer layer (local, non Transformer Engine, on CPU)."""
 
     def build(self, config: TransformerConfig, stage: Stage) -> torch.nn.Module:
-        """The megatron model of one pipeline stage, with uninitialised-but-allocated weights."""
+        """The megatron model of one pipeline stage, with uninitialised-but-allocated weights (and the trained
+        multi-token-prediction layers, `Stage.mtp`, as ``model.mtp``)."""
         from megatron.core.models.gpt import GPTModel
 
-        return GPTModel(config, self.layer_spec(config, stage), vocab_size=self.vocab_size,
-                        max_sequence_length=self.max_positions, position_embedding_type="rope",
-                        rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
-                        share_embeddings_and_output_weights=self.tied,
-                        pre_process=stage.first, post_process=stage.last)
+        from rlx.train.mtp import attach
+
+        model = GPTModel(config, self.layer_spec(config, stage), vocab_size=self.vocab_size,
+                         max_sequence_length=self.max_positions, position_embedding_type="rope",
+                         rotary_base=self.rope_theta, rotary_percent=self.rotary_percent,
+                         share_embeddings_and_output_weights=self.tied,
+                         pre_process=stage.first, post_process=stage.last)
+        if stage.mtp:
+            attach(model, config, self.mtp_layer_spec(config, stage), stage.mtp)
+        return model
+
+    @property
+    def mtp_layers(self) -> int:
+        """The multi-token-prediction layers the checkpoint stores after its last layer (``num_nextn_predict_layers``:
+        DeepSeek-V3/V3.2, Kimi-K2, GLM-4.5 and later)."""
+        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        return int(getattr(text, "num_nextn_predict_layers", 0) or 0)
+
+    def mtp_layer_spec(self, config: TransformerConfig, stage: Stage) -> ModuleSpec:
+        """megatron's ModuleSpec of the decoder layer inside a multi-token-prediction layer, for families that train
+        them (`DecoderSpec`); the HF conversions of `Stage.mtp` layers come with it."""
+        raise RLXError(f"train.objective.mtp_loss_coef: rlx does not train the multi-token-prediction layers of "
+                       f"{self.model_type!r} models; leave it at 0 (they are written back unchanged)")
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -289,14 +309,15 @@ class ModelSpec(ABC):
 
     def carried(self, names: list[str]) -> list[str]:
         """The checkpoint's tensors (of `names`) the trainer does not hold, which export writes back unchanged: a
-        wrapper's vision tower and projector, and the multi-token-prediction layers stored after the last layer
-        (``model.layers.{num_layers + k}``) while they are not trained."""
+        wrapper's vision tower and projector, and the multi-token-prediction layers: stored after the last layer
+        (``model.layers.{num_layers + k}``, DeepSeek's and GLM's) while they are not trained, and Qwen3-Next's and
+        Qwen3.5's (``mtp.*``)."""
         import re
 
         mtp = re.compile(r"model\.layers\.(\d+)\.")
         out = []
         for name in names:
-            if self.wrapper is not None and not self.wrapper.holds(name):
+            if (self.wrapper is not None and not self.wrapper.holds(name)) or name.startswith("mtp."):
                 out.append(name)
                 continue
             m = mtp.match(self.wrapper.inner(name) if self.wrapper is not None else name)

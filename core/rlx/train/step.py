@@ -203,14 +203,16 @@ class RLStep:
             tb.ref_logprobs = self.logprobs(reference, mine)
         if updates > 1:
             tb.old_logprobs = self.logprobs(actor, mine)
-        keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True), "grad_norm") if k not in MAX_KEYS]
+        keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True, mtp=self.obj.mtp_loss_coef > 0),
+                            "grad_norm") if k not in MAX_KEYS]
         vals = self.update(actor, minis, scales,
                            lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=policy_loss, cfg=self.obj,
                                                            diff_threshold=self.tc.logprob_diff_threshold, scale=scale),
                            keys, MAX_KEYS)
         w = vals.pop("weight") or 1.0
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
-        metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl") if k in vals}
+        metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl", "mtp_loss")
+                                             if k in vals}
         for k in ("clip_frac", "tis_weight", "tis_masked", "entropy"):
             if k in vals:
                 metrics[k] = vals[k] / w

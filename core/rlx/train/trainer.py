@@ -45,7 +45,7 @@ class Trainer:
         use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay,
-                               indexer_kl_coef=tc.objective.indexer_kl_coef)
+                               indexer_kl_coef=tc.objective.indexer_kl_coef, mtp_loss_coef=tc.objective.mtp_loss_coef)
         self.actor.load_hf(self.model_path)
         self.reference = None
         if tc.objective.kl_coef > 0:

@@ -13,9 +13,9 @@ DeepSeek-V3 is rlx's standard decoder with multi-head latent attention (`rlx.tra
   groups, top-k within them, weights renormalised and scaled by ``routed_scaling_factor``; aux-loss-free
   balancing updates the bias after each optimizer step (megatron's rate, 1e-3) and weight pushes carry it.
 
-Not covered: the multi-token-prediction layer real checkpoints carry after the last layer
-(``num_nextn_predict_layers``) is neither trained nor exported (transformers ignores it as well); FP8
-checkpoints (DeepSeek's own ``weight_scale_inv`` tensors) must be converted to bf16 first.
+The multi-token-prediction layer checkpoints carry after the last layer (``num_nextn_predict_layers``, which
+transformers ignores) is written back unchanged, or trained with ``train.objective.mtp_loss_coef`` (core's
+`rlx.train.mtp`). FP8 checkpoints (``weight_scale_inv`` blocks) are read dequantised (`rlx.models.fp8`).
 """
 
 from __future__ import annotations

@@ -112,11 +112,12 @@ class TestDeepseekV3FP8(ModelBridgeContract):
 
 
 class TestDeepseekV3MTP(ModelBridgeContract):
-    """With the multi-token-prediction layer DeepSeek publishes after the last layer: not the trainer's (carried)."""
+    """With the multi-token-prediction layer DeepSeek publishes after the last layer: carried unchanged while frozen,
+    converted exactly when it trains (one stage; TP=2 x EP=2 too)."""
 
     bridge_name = "deepseek-v3"
     model_type = "deepseek_v3"
-    layouts = [(1, 1), (2, 2, 2)]
+    layouts = [(1, 1), (2, 2, 2), (2, 1, 2)]
 
     def make_checkpoint(self, folder):
         from rlx.testing.models import with_mtp_layer

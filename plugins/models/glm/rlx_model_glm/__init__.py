@@ -16,8 +16,8 @@ GLM-4.5 is rlx's standard decoder (`rlx.train.decoder.DecoderSpec`) with:
 GLM-4.7-Flash is DeepSeek-V3's architecture (`rlx.train.mla.deepseek_v3_spec`: multi-head latent attention and
 the same router), with its dense and sparse layers listed in ``mlp_layer_types``.
 
-Not covered: the multi-token-prediction layer real checkpoints carry after the last layer
-(``num_nextn_predict_layers``) is neither trained nor exported.
+The multi-token-prediction layer checkpoints carry after the last layer (``num_nextn_predict_layers``) is written back
+unchanged, or trained with ``train.objective.mtp_loss_coef`` (core's `rlx.train.mtp`).
 """
 
 from __future__ import annotations

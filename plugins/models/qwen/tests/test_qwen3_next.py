@@ -199,3 +199,15 @@ def test_a_packed_row_equals_each_sample_alone(tmp_path):
     # fp32: the packed row sums each gradient over both samples' tokens in another order than the two runs do
     assert got["logits"] < 1e-6 and got["grads"] < 5e-5, got
     assert got["without_varlen"] > 1e-2, got
+
+
+def test_qwen_mtp_tensors_are_carried():
+    """Qwen3-Next and Qwen3.5 publish their multi-token-prediction module as ``mtp.*`` (transformers ignores it): the
+    trainer does not hold it, so export writes it back unchanged."""
+    from rlx.models.tiny import resolve_model_path
+    from rlx.plugins import build_plugins
+    from rlx.train.spec import model_spec
+
+    spec = model_spec(resolve_model_path("builtin://tiny-qwen3-next"), build_plugins())
+    names = ["mtp.fc.weight", "mtp.layers.0.mlp.gate.weight", "model.layers.0.input_layernorm.weight"]
+    assert spec.carried(names) == names[:2]

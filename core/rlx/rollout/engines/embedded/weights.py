@@ -56,7 +56,8 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[name] = t
     renamed: dict[str, str] = getattr(model, "rlx_checkpoint_names", {})  # (`name_as_checkpoint`)
-    return {renamed.get(n, n): t for n, t in out.items()} if renamed else out
+    out = {renamed.get(n, n): t for n, t in out.items()} if renamed else out
+    return {**out, **getattr(model, "rlx_held", {})}
 
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # per-expert leaves, Mixtral's checkpoint names
@@ -67,10 +68,22 @@ def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transforme
     transformers renamed them on load: a vision-language wrapper's ``model.language_model.*`` loaded as its text
     model, Mixtral-style experts (``block_sparse_moe.experts.{e}.w1``). Trainers push by the checkpoint's names, as
     SGLang loads them. The renames are transformers' own (its conversion mapping for the model, as loading applied
-    it)."""
+    it).
+
+    The checkpoint's multi-token-prediction layers (``layers.{i}`` past the last, which transformers does not load)
+    are held as they are stored (FP8 ones dequantised), served and updated by name with the rest: a trainer that
+    trains them pushes them (`rlx.train.mtp`), for drafts to use."""
     import re
 
     from safetensors import safe_open
+
+    from rlx.models.fp8 import SCALE, block_size, dequantize, is_fp8
+
+    text = model.config.get_text_config()
+    extra = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    fp8 = block_size(folder)
+    like = next(model.parameters())
+    held: dict[str, torch.Tensor] = {}
 
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -84,14 +97,23 @@ def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transforme
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             keys = list(h.keys())
+            for key in keys:
+                layer = extra.search(key)
+                if (getattr(text, "num_nextn_predict_layers", 0) and layer and not key.endswith(SCALE)
+                        and int(layer[1]) >= text.num_hidden_layers):
+                    t = h.get_tensor(key)
+                    if is_fp8(t) and fp8 is not None:
+                        t = dequantize(t, h.get_tensor(key + SCALE), fp8)
+                    held[key] = t.to(device=like.device, dtype=like.dtype)
         for key in keys:
-            if key in state:
+            if key in state or key in held:
                 continue
             name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta)
             name = re.sub(r"(\.experts\.\d+\.)(w[123])(\.weight)$", lambda m: m[1] + _MIXTRAL[m[2]] + m[3], name)
             if name in state and name not in aliases.values():
                 aliases[key] = name
     model.rlx_checkpoint_names = {v: k for k, v in aliases.items()}  # the model's name -> the checkpoint's
+    model.rlx_held = held
 
 
 def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
