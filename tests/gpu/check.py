@@ -46,7 +46,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the checks beside this file, also when imported
 from checks import (Ctx, Failed, check_engine, check_environment, check_gdn, check_offload,  # noqa: E402
                     check_rl_train, check_throughput, check_trainer, check_transport)
-from sglang_checks import check_sglang_offload, check_sglang_router, check_sglang_transports  # noqa: E402
+from sglang_checks import (check_sglang_fp8, check_sglang_offload, check_sglang_router,  # noqa: E402
+                           check_sglang_transports)
 
 
 @dataclass
@@ -69,8 +70,8 @@ PLAN = [  # in order of what matters most, should the budget run out
                                          "GDN, published wrappers"),
     Check("engine", 50, check_engine, "embedded engine on the GPU: log-probs vs the trainer's forward", on_cpu=True),
     Check("transport", 60, check_transport, "tensor transport (CUDA IPC) into the engine, bit-exact", on_cpu=True),
-    Check("rl-train", 120, check_rl_train, "rl train 10 steps on the GPU, without and with offload", on_cpu=True,
-          compile=True),
+    Check("rl-train", 180, check_rl_train, "rl train 10 steps on the GPU: plain, with offload, with FP8 rollout",
+          on_cpu=True, compile=True),
     Check("offload", 80, check_offload, "colocated offload: memory between steps and peak, ~0.5B model",
           on_cpu=True),
     Check("gdn", 40, check_gdn, "flash-linear-attention GDN vs fp32 torch, forward and backward", needs=("fla",)),
@@ -81,6 +82,8 @@ PLAN = [  # in order of what matters most, should the budget run out
     Check("sglang-transports", 240, check_sglang_transports, "tensor, broadcast (NCCL) and disk pushes into SGLang",
           needs=("sgl_kernel",)),
     Check("sglang-offload", 120, check_sglang_offload, "SGLang's memory saver releases and resumes",
+          needs=("sgl_kernel",)),
+    Check("sglang-fp8", 150, check_sglang_fp8, "FP8 rollout: quantised pushes into SGLang's FP8 path",
           needs=("sgl_kernel",)),
 ]
 

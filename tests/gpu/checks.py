@@ -386,7 +386,7 @@ def check_offload(ctx: Ctx) -> None:
 # -- rl train --------------------------------------------------------------------------------------------------
 
 
-def train_config(ctx: Ctx, name: str, steps: int, **train: Any) -> Path:
+def train_config(ctx: Ctx, name: str, steps: int, rollout: dict[str, Any] | None = None, **train: Any) -> Path:
     data = ROOT / "examples" / "data"
     cfg = {"run": {"name": name, "output_dir": str(ctx.work / name), "loggers": [], "seed": 1},
            "model": {"path": DENSE}, "ray": {"enabled": False},
@@ -395,7 +395,7 @@ def train_config(ctx: Ctx, name: str, steps: int, **train: Any) -> Path:
                        "rewards": [{"name": "digits", "weight": 1.0}, {"name": "exact_match", "weight": 1.0}],
                        "sampling": {"temperature": 1.0, "max_new_tokens": 16},
                        "engines": [{"name": "main", "num_engines": 1, "server_args": {"device": ctx.device}}],
-                       **({"offload_during_train": True} if train.get("offload") else {})},
+                       **({"offload_during_train": True} if train.get("offload") else {}), **(rollout or {})},
            "weight_sync": {"transport": "tensor"},
            "train": {"num_steps": steps, "optim": {"lr": 1.0e-3},
                      "objective": {"advantage": "grpo", "loss": "ppo_clip", "loss_norm": "token"}, **train}}
@@ -406,9 +406,10 @@ def train_config(ctx: Ctx, name: str, steps: int, **train: Any) -> Path:
 
 def check_rl_train(ctx: Ctx) -> None:
     """Pass: ``rl train`` (the quickstart's task, 10 steps (4 with --cpu), the engine on this device) exits 0 and logs every step,
-    without and with colocated offload (train.offload and rollout.offload_during_train)."""
+    without and with colocated offload (train.offload and rollout.offload_during_train), and with FP8 rollout
+    (rollout.quantization: the engine serving FP8 weights; its log-prob difference is a figure)."""
     steps = 4 if SMALL else 10
-    for name, extra in (("plain", {}), ("offload", {"offload": True})):
+    for name, extra in (("plain", {}), ("offload", {"offload": True}), ("fp8", {"rollout": {"quantization": "fp8"}})):
         path = train_config(ctx, name, steps, **extra)
         t = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(path)], capture_output=True,

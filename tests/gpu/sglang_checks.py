@@ -15,6 +15,7 @@ def sglang_fleet(ctx: Ctx, groups: list[dict[str, Any]], **rollout: Any) -> Any:
     from rlx.rollout.engines.fleet import EngineFleet
 
     cfg = parse_config(json.dumps({"model": {"path": DENSE}, "ray": {"enabled": False},
+                                   "run": {"output_dir": str(ctx.work / "run")},
                                    "rollout": {"engines": groups, "startup_timeout_s": 600, **rollout}}))
     return EngineFleet(cfg, ctx.work / "logs")
 
@@ -122,5 +123,62 @@ def check_sglang_offload(ctx: Ctx) -> None:
         resumed = torch.cuda.mem_get_info()[0]
         ctx.fig(freed_gib=(released - before) / 2**30, taken_back_gib=(released - resumed) / 2**30)
         ctx.expect(released - before > 1 << 30, "SGLang freed less than 1 GiB on release")
+    finally:
+        run_async(fleet.stop())
+
+
+def check_sglang_fp8(ctx: Ctx) -> None:
+    """Pass: SGLang launched for FP8 rollout (``rollout.quantization: fp8``: from the FP8 copy rlx writes, with
+    ``--quantization fp8``) takes a quantised tensor push of a changed model, verified, after which its greedy
+    log-probs are within 0.25 of HF's under the dequantised pushed weights (SGLang's FP8 kernels also quantise the
+    activations)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.fp8 import SCALE, dequantize, quantized, served, stored_quantised
+    from rlx.models.tiny import resolve_model_path
+    from rlx.plugins import build_plugins
+    from rlx.rollout.engines.client import GenerateRequest
+    from rlx.transport import TransportContext
+    from rlx.transport.verify import Fingerprints, verify
+
+    path = resolve_model_path(DENSE)
+    fleet = sglang_fleet(ctx, [{"backend": "sglang", "mem_fraction_static": 0.4}], quantization="fp8")
+    run_async(fleet.start())
+    try:
+        block, names = stored_quantised(served(path, ctx.work / "run"))
+        state = {k: (v * 1.25).to(torch.bfloat16) for k, v in load_file(f"{path}/model.safetensors").items()}
+        pushed = dict(quantized(state.items(), block, names.__contains__))
+        transport = build_plugins().build("transports", "tensor")
+        tctx = TransportContext(fleet.engines, ctx.work, host="127.0.0.1")
+        prints = Fingerprints()
+
+        async def push():
+            await transport.setup(tctx)
+            await transport.send(prints.watch(iter(pushed.items())), 1, tctx)
+            await transport.commit(1, tctx)
+            await verify(fleet.engines, prints, 1)
+            await transport.close()
+
+        run_async(push())
+
+        async def sample():
+            async with fleet.client() as c:
+                return (await c.generate(GenerateRequest([5, 6, 7], {"max_new_tokens": 8, "temperature": 0})))[0]
+
+        res = run_async(sample())
+        served_state = {n: (dequantize(pushed[n], pushed[n + SCALE], block) if n in names else t).to(torch.bfloat16)
+                        for n, t in state.items()}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        model.load_state_dict({k: v.cuda() for k, v in served_state.items()}, strict=False)
+        ids = torch.tensor([[5, 6, 7, *res.output_ids]], device="cuda")
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits.float(), -1)[0, 2:-1].gather(-1, ids[0, 3:, None]).squeeze(-1)
+        diff = float((logp.cpu() - torch.tensor(res.output_logprobs)).abs().max())
+        ctx.fig(pushed_mb=sum(t.numel() * t.element_size() for t in pushed.values()) / 2**20,
+                bf16_mb=sum(t.numel() * 2 for t in state.values()) / 2**20, max_logprob_diff=diff)
+        ctx.expect(res.weight_version == "1" and diff < 0.25, f"version {res.weight_version}, log-prob difference "
+                                                             f"{diff:.4f}")
     finally:
         run_async(fleet.stop())

@@ -209,6 +209,18 @@ def test_trainer_offload_follows_the_engines_and_needs_them_to_offload():
     assert where == "<config>:3: train.offload" and "which the engines must then have released" in msg
 
 
+def test_quantisation_aware_training_needs_its_engines_and_int4_needs_the_embedded_engine():
+    [(where, msg)] = problems("model: {path: /m}\ntrain: {qat: int4}\n")
+    assert where == "<config>:2: train.qat" and msg.endswith("set rollout.quantization: int4 too (it is unset)")
+    [(where, msg)] = problems("model: {path: /m}\nrollout: {quantization: fp8}\ntrain: {qat: int4}\n")
+    assert where == "<config>:3: train.qat" and msg.endswith("(it is fp8)")
+    [(where, msg)] = problems("model: {path: /m}\nrollout:\n  quantization: int4\n  engines:\n"
+                              "    - {backend: sglang}\n")
+    assert where == "<config>:5: rollout.engines[0].backend" and msg.startswith("INT4 rollout is served by the embedded")
+    cfg = parse("model: {path: /m}\nrollout: {quantization: int4}\ntrain: {qat: int4}\n")
+    assert (cfg.rollout.quantization, cfg.train.qat) == ("int4", "int4")
+
+
 def test_unknown_key_in_the_async_section_suggests_the_close_one():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async, async: {max_stalenes: 2}}\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlx.models.fp8 import dequantize, quantize
+from rlx.models.fp8 import SCALE, dequantize, quantize, quantized
 from rlx.train.spec import HFCheckpoint
 
 
@@ -47,12 +47,11 @@ def test_slices_cut_through_blocks_and_read_the_whole_s_values(tmp_path, shape, 
 
 def test_requantising_what_was_read_gives_the_stored_bytes(tmp_path):
     """What export (``model.export_weights: fp8``) writes for a weight that did not change is what was stored."""
-    from rlx.train.export import as_fp8
-
     w = torch.randn(130, 260, generator=torch.Generator().manual_seed(1)) * 3
     q, scale = quantize(w, (128, 128))
     ckpt = folder_with(tmp_path, {"w.weight": q, "w.weight_scale_inv": scale, "n.weight": torch.ones(4)}, (128, 128))
-    out = dict(as_fp8(iter([("w.weight", ckpt.get("w.weight")), ("n.weight", ckpt.get("n.weight"))]), ckpt))
+    named = [("w.weight", ckpt.get("w.weight")), ("n.weight", ckpt.get("n.weight"))]
+    out = dict(quantized(named, ckpt.fp8_block, lambda n: n + SCALE in ckpt))
     assert set(out) == {"w.weight", "w.weight_scale_inv", "n.weight"}
     assert torch.equal(out["w.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(out["w.weight_scale_inv"], scale) and torch.equal(out["n.weight"], torch.ones(4))
@@ -62,9 +61,9 @@ def test_transformers_reads_an_fp8_checkpoint_as_rlx_does(tiny_model_path, tmp_p
     """transformers' FP8 loader (dequantising on a CPU) is the oracle: every weight it holds equals rlx's reading."""
     from transformers import AutoModelForCausalLM
 
-    from rlx.testing.models import fp8_checkpoint
+    from rlx.models.fp8 import write_quantized
 
-    folder = fp8_checkpoint(tiny_model_path, tmp_path / "fp8", (16, 16))
+    folder = write_quantized(tiny_model_path, tmp_path / "fp8", (16, 16))
     ckpt = HFCheckpoint(folder)
     quantised = [n for n in ckpt.names() if n.endswith("_scale_inv")]
     assert len(quantised) >= 7 * 2  # every layer's q, k, v, o, gate, up and down projections

@@ -138,3 +138,34 @@ def test_a_full_shared_memory_folder_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(shm.SharedMemoryError, match="--shm-size.*bucket_mb.*shared_memory: false"):
         shm.Segment(tmp_path).pack([("w", torch.ones(4))])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_fp8_engine_holds_what_it_is_pushed_and_computes_with_it_dequantised(tiny_model_path, tmp_path):
+    """The embedded engine under ``--quantization fp8`` (`serve_quantized`): the FP8 checkpoint's quantised weights are held
+    as stored and served by name; a push of a weight and its scales is held as sent and its parameter becomes their
+    dequantised value; an unquantised push to a quantised weight, or the reverse, is refused."""
+    import pytest
+
+    from rlx.models.fp8 import BLOCK, SCALE, dequantize, quantize, write_quantized
+    from rlx.models.load import load_lm
+    from rlx.rollout.engines.embedded.weights import (WeightError, load_named, name_as_checkpoint, serve_quantized,
+                                                      served_state)
+
+    folder = write_quantized(tiny_model_path, tmp_path / "fp8")
+    model = load_lm(folder, torch.float32)
+    name_as_checkpoint(model, folder)
+    serve_quantized(model, "fp8", folder)
+    name = "model.layers.1.mlp.up_proj.weight"
+    state = served_state(model)
+    assert state[name].dtype == torch.float8_e4m3fn and state[name + SCALE].dtype == torch.float32
+    param = dict(model.named_parameters())[name]
+    assert torch.equal(param, dequantize(state[name], state[name + SCALE], BLOCK))
+    w = torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.05
+    q, scale = quantize(w, BLOCK)
+    load_named(model, [(name, q), (name + SCALE, scale)])
+    assert torch.equal(served_state(model)[name].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(param, dequantize(q, scale, BLOCK)) and 0 < (param - w).abs().max() < 0.01
+    with pytest.raises(WeightError, match="served as torch.float8_e4m3fn, pushed as torch.float32"):
+        load_named(model, [(name, w)])
+    with pytest.raises(WeightError, match="served as torch.float32, pushed as torch.float8_e4m3fn"):
+        load_named(model, [("model.embed_tokens.weight", state["model.embed_tokens.weight"].to(torch.float8_e4m3fn))])

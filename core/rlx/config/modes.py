@@ -58,8 +58,25 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     if cfg.train.critic.parallel is not None and not cfg.ray.enabled:
         problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
                          "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
+    problems += _quantization(cfg)
     if cfg.train.mode != "async":
         for key, field in AsyncConfig.model_fields.items():
             if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults
                 problems.append((("train", "async", key), "applies to train.mode: async only"))
+    return problems
+
+
+def _quantization(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
+    """Low-precision rollout and its quantisation-aware training: combinations that cannot work."""
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    if cfg.train.qat is not None and cfg.rollout.quantization != cfg.train.qat:
+        problems.append((("train", "qat"), f"trains the policy an engine serving {cfg.train.qat} weights samples "
+                         f"from: set rollout.quantization: {cfg.train.qat} too (it is "
+                         f"{cfg.rollout.quantization or 'unset'})"))
+    if cfg.rollout.quantization == "int4":
+        for i, g in enumerate(cfg.rollout.engines):
+            if g.backend == "sglang" and g.update_weights:
+                problems.append((("rollout", "engines", i, "backend"), "INT4 rollout is served by the embedded engine: "
+                                 "SGLang's INT4 (W4A16) checkpoint formats and their weight updates are not wired "
+                                 "into rlx yet"))
     return problems

@@ -236,6 +236,11 @@ class RolloutConfig(Section):
     routed_experts: bool = False  # MoE: engines report the experts each token was routed to (SGLang's
     #   --enable-return-routed-experts, set on engines rlx launches), and the trainer logs how often its own
     #   routing agrees (moe/routing_agreement); train.objective.routing_replay implies it
+    # what the engines that get the trainer's weights serve: None, its weights as they are; fp8, block-quantised FP8
+    # (e4m3, 128x128 scales: engines launched from an FP8 copy of the model, or from model.path when it is an FP8
+    # checkpoint, and every push quantised on the trainer's side, about half a bf16 push's bytes); int4, weight-only
+    # INT4 (groups of 128 input columns; the embedded engine; a quarter of a bf16 push)
+    quantization: Literal["fp8", "int4"] | None = None
     offload_during_train: bool | None = None  # engines release memory while the trainer steps (None: on when
     #                                           ray.placement is colocated on GPUs; sync mode only)
     # buffer: train on trajectories POSTed by external agents; replay: on saved batches (rollout.replay), no engines
@@ -409,6 +414,10 @@ class TrainConfig(Section):
     # colocated offload: the trainer moves its GPU memory to the host while engines on its GPU generate, and keeps
     # only the model at work resident (rlx.train.offload; None: as rollout.offload_during_train)
     offload: bool | None = None
+    # quantisation-aware training for low-precision rollout: the policy's forward computes with its weights quantised
+    # as the engines serve them (straight-through gradient), so that the policy trained is the one sampled; int4 (with
+    # rollout.quantization: int4)
+    qat: Literal["int4"] | None = None
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)

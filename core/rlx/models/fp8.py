@@ -1,12 +1,15 @@
 """Block-quantised FP8 weights as DeepSeek, GLM, Kimi and Qwen publish them: ``float8_e4m3fn`` tensors beside a
 ``{name}_scale_inv`` of one float32 scale per block (``quantization_config.weight_block_size``, 128 x 128), the
 weight being ``fp8 * scale_inv`` blockwise (edge blocks ragged). rlx reads them dequantised for training
-(`HFCheckpoint`) and writes them back quantised from the trained weights when asked (``model.export_weights: fp8``),
-with the same scales transformers' and SGLang's FP8 kernels read."""
+(`HFCheckpoint`), writes them back quantised from the trained weights when asked (``model.export_weights: fp8``),
+with the same scales transformers' and SGLang's FP8 kernels read, and quantises its pushes to engines that serve FP8
+(``rollout.quantization: fp8``, `quantized`)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +18,10 @@ if TYPE_CHECKING:
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 SCALE = "_scale_inv"  # the scale tensor's name is the weight's with this appended
+BLOCK = (128, 128)  # DeepSeek's, GLM's and Qwen's FP8 releases' block
+#: the tensors FP8 releases store quantised: the linear projections of the decoder layers (experts' included; not the
+#: embeddings, norms, routers or LM head), under a wrapper's prefix too
+QUANTISED = re.compile(r"(.*\.)?model\.layers\.\d+\..*_proj\.weight$")
 
 
 def block_size(folder: str | Path) -> tuple[int, int] | None:
@@ -69,3 +76,74 @@ def is_fp8(t: Any) -> bool:
     import torch
 
     return getattr(t, "dtype", None) in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantized(named: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
+              stored: Callable[[str], Any] = QUANTISED.match) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` as an FP8 checkpoint stores it: each weight `stored` says is quantised (default: `QUANTISED`) as its
+    FP8 tensor and then its scales, the rest as they come (one tensor at a time, as a push streams them)."""
+    for name, t in named:
+        if stored(name) and t.dim() == 2:
+            q, scale = quantize(t.detach().cpu(), block)
+            yield name, q
+            yield name + SCALE, scale
+        else:
+            yield name, t
+
+
+def write_quantized(source: str | Path, out: str | Path, block: tuple[int, int] = BLOCK) -> Path:
+    """`source` (an HF checkpoint folder) as its publisher's FP8 release would hold it, in `out` (which may be
+    `source`): the `QUANTISED` weights as float8_e4m3fn with a ``weight_scale_inv`` of one scale per `block`, and
+    ``quantization_config`` in config.json (DeepSeek-V3's FP8 layout)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, out = Path(source), Path(out)
+    if source.resolve() != out.resolve():
+        shutil.copytree(source, out, dirs_exist_ok=True)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = dict(quantized(load_file(str(f)).items(), block))
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"].update({n + SCALE: f for n, f in list(doc["weight_map"].items()) if QUANTISED.match(n)})
+        index.write_text(json.dumps(doc))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def served(model_path: str | Path, output_dir: str | Path) -> Path:
+    """The FP8 checkpoint engines serve under ``rollout.quantization: fp8``: `model_path` (an HF checkpoint folder)
+    when it is one, else its copy quantised by `write_quantized` in `output_dir`/model-fp8, written on first use."""
+    import os
+    import shutil
+
+    source = Path(model_path)
+    if block_size(source) is not None:
+        return source
+    out = Path(output_dir) / "model-fp8"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(f"model-fp8.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_quantized(source, tmp)
+        tmp.rename(out)
+    return out
+
+
+def stored_quantised(folder: str | Path) -> tuple[tuple[int, int], set[str]]:
+    """An FP8 checkpoint's block size and the names of the weights it stores quantised (those with scales)."""
+    from safetensors import safe_open
+
+    block = block_size(folder)
+    if block is None:
+        raise ValueError(f"{folder} is not an FP8 checkpoint (no quantization_config with quant_method fp8)")
+    names: set[str] = set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            names.update(k[:-len(SCALE)] for k in h.keys() if k.endswith(SCALE))
+    return block, names

@@ -81,7 +81,8 @@ class TrainerWorker:
         self.trainer = Trainer(self.cfg, plugins, master_addr)
         ws = self.cfg.weight_sync
         self.sender = WeightSender(self.trainer, plugins, ws.transport, ws.verify, ws.verify_full_interval,
-                                   engine_for=functools.partial(weight_target, timeout_s=ws.timeout_s))
+                                   engine_for=functools.partial(weight_target, timeout_s=ws.timeout_s),
+                                   quantization=self.cfg.rollout.quantization)
 
     def node(self) -> str:
         return self.host
@@ -120,8 +121,9 @@ class TrainerWorker:
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self.sender.setup(engine_urls, output_dir, self.host)
 
-    def push_weights(self, version: int) -> None:
-        self.sender.push(version)
+    def push_weights(self, version: int) -> int:
+        """Push; the bytes this rank sent."""
+        return self.sender.push(version)
 
     def save(self, folder: str, background: bool = False) -> None:
         """The trainer's checkpoint into `folder`; `background`: its tensors copied now and written while the rank
@@ -187,8 +189,9 @@ class TrainerGroup(ABC):
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self._all("setup_transport", engine_urls, output_dir)
 
-    def push_weights(self, version: int) -> None:
-        self._all("push_weights", version)
+    def push_weights(self, version: int) -> int:
+        """Push the trainer's weights as `version`; the bytes sent."""
+        return sum(self._all("push_weights", version))
 
     def save(self, folder: Path, background: bool = False) -> None:
         self._all("save", str(folder), background)

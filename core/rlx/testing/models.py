@@ -27,41 +27,6 @@ def spread_weights(model: torch.nn.Module, bias_std: float = 0.2) -> None:
                 bias.normal_(0, bias_std)
 
 
-def fp8_checkpoint(source: str | Path, out: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """`source` (an HF checkpoint folder) as its publisher's FP8 release would hold it, in `out` (which may be
-    `source`): every linear projection in the
-    decoder layers (``model.layers.*_proj.weight``, experts' included) as float8_e4m3fn with a ``weight_scale_inv`` of
-    one scale per `block`, and ``quantization_config`` in config.json; embeddings, norms, routers and the LM head as
-    they were (DeepSeek-V3's FP8 layout)."""
-    import json
-    import re
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from rlx.models.fp8 import SCALE, quantize
-
-    source, out = Path(source), Path(out)
-    if source.resolve() != out.resolve():
-        shutil.copytree(source, out, dirs_exist_ok=True)
-    quantised = re.compile(r"(.*\.)?model\.layers\.\d+\..*_proj\.weight$")
-    for f in sorted(out.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for name in [n for n, t in tensors.items() if quantised.match(n) and t.dim() == 2]:
-            tensors[name], tensors[name + SCALE] = quantize(tensors[name], block)
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    index = out / "model.safetensors.index.json"
-    if index.exists():
-        doc = json.loads(index.read_text())
-        doc["weight_map"].update({n + SCALE: f for n, f in list(doc["weight_map"].items()) if quantised.match(n)})
-        index.write_text(json.dumps(doc))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    return out
-
-
 def with_mtp_layer(folder: str | Path) -> Path:
     """Give the HF checkpoint in `folder` the multi-token-prediction layer DeepSeek-V3 and GLM-4.5 publish after their
     last layer (``model.layers.{num_hidden_layers}``: a decoder layer, ``enorm``, ``hnorm``, ``eh_proj``, its own

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.models.fp8 import SCALE
+from rlx.models.fp8 import SCALE, quantized
 from rlx.train.spec import HFCheckpoint
 from rlx.transport import buckets
 from rlx.transport.sender import agree
@@ -37,7 +36,9 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
         named = trainer.hf_tensors()
         try:
             if par.sender:
-                for i, bucket in enumerate(buckets(as_fp8(named, source) if fp8 else named, SHARD_BYTES)):
+                stream = (quantized(named, source.fp8_block, lambda n: n + SCALE in source)  # as the source has them
+                          if fp8 and source.fp8_block else named)
+                for i, bucket in enumerate(buckets(stream, SHARD_BYTES)):
                     fname = f"model-s{par.pp_rank:02d}-{i:05d}.safetensors"
                     tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
                     save_file(tensors, str(folder / fname), metadata={"format": "pt"})
@@ -77,17 +78,3 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}, indent=1))
 
     agree(par, index)
-
-
-def as_fp8(named: Iterator[tuple[str, Any]], source: HFCheckpoint) -> Iterator[tuple[str, Any]]:
-    """The tensors the FP8 `source` checkpoint stores quantised, quantised again from the trained weights (scales
-    recomputed, `source`'s block size); the others as they are."""
-    from rlx.models.fp8 import quantize
-
-    for name, t in named:
-        if name + SCALE in source and source.fp8_block is not None:
-            q, scale = quantize(t.detach().cpu(), source.fp8_block)
-            yield name, q
-            yield name + SCALE, scale
-        else:
-            yield name, t

@@ -205,12 +205,13 @@ class ModelRole:
 
     def __init__(self, name: str, spec: ModelSpec, par: ParallelState, parallel: ParallelConfig, dtype: torch.dtype,
                  value_head: bool = False, routing_replay: bool = False, indexer_kl_coef: float = 0.0,
-                 mtp_loss_coef: float = 0.0):
+                 mtp_loss_coef: float = 0.0, qat: str | None = None):
         """`value_head`: a critic: the output layer is a scalar `ValueHead` (one value per position), the word
         embeddings are never tied to it, and the HF checkpoint's output layer is not loaded. `routing_replay`
         (models with experts): every forward routes tokens to the experts the engine routed them to (R3).
         `mtp_loss_coef` above 0: the checkpoint's multi-token-prediction layers are built and trained
-        (`rlx.train.mtp`)."""
+        (`rlx.train.mtp`). `qat` (``int4``): the forward computes with the weights as an INT4 engine serves them
+        (`rlx.train.qat`)."""
         self.name, self.spec, self.par, self.dtype = name, spec, par, dtype
         self.value_head = value_head
         if (par.ep > 1 or par.etp != par.tp) and not spec.num_experts:
@@ -243,6 +244,10 @@ class ModelRole:
                                               deterministic_mode=torch.are_deterministic_algorithms_enabled(),
                                               **replay)
         self.model = spec.build(self.config, self.stage)
+        if qat is not None:
+            from rlx.train.qat import fake_quantize_linears
+
+            fake_quantize_linears(self.model, par.tp)
         self.mtp = None
         if self.stage.mtp:
             from rlx.train.mtp import MTPTraining

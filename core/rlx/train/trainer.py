@@ -45,11 +45,13 @@ class Trainer:
         use_matmul(plugins, matmul_choice(cfg.model.kernels), device(), dtype, self.spec.hidden_size)
         replay = tc.objective.routing_replay
         self.actor = ModelRole("actor", self.spec, self.par, tc.parallel, dtype, routing_replay=replay,
-                               indexer_kl_coef=tc.objective.indexer_kl_coef, mtp_loss_coef=tc.objective.mtp_loss_coef)
+                               indexer_kl_coef=tc.objective.indexer_kl_coef, mtp_loss_coef=tc.objective.mtp_loss_coef,
+                               qat=tc.qat)
         self.actor.load_hf(self.model_path)
         self.reference = None
         if tc.objective.kl_coef > 0:
-            self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype, routing_replay=replay)
+            self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype, routing_replay=replay,
+                                       qat=tc.qat)
             self.reference.load_from(self.actor)
             self.reference.freeze()
         self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step)

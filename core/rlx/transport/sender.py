@@ -10,7 +10,7 @@ on one rank fails the push everywhere instead of leaving the others in a collect
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -43,10 +43,12 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 class WeightSender:
     def __init__(self, trainer: Any, plugins: Plugins, transport_spec: ComponentRef, verify_weights: str = "sample",
-                 full_interval: int = 10, *, engine_for: Callable[[str], Any]):
+                 full_interval: int = 10, *, engine_for: Callable[[str], Any], quantization: str | None = None):
         """`trainer`: this rank's `Trainer` or `CriticTrainer` (Any: those are a layer above; it has ``par``).
         `engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
-        ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`)."""
+        ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`).
+        `quantization` (``rollout.quantization``): pushes quantised as the engines serve them: ``fp8``, as the FP8
+        checkpoint `rlx.models.fp8.served` gives (its block and its quantised weights); ``int4``, `rlx.models.int4`."""
         self.trainer = trainer
         self.par = trainer.par
         self.plugins = plugins
@@ -55,6 +57,8 @@ class WeightSender:
         self.full_interval = full_interval
         self.engine_for = engine_for
         self.pushes = 0
+        self.quantization = quantization
+        self.fp8: tuple[tuple[int, int], set[str]] | None = None  # the served FP8 checkpoint's block and names
         self.transport: Transport | None = None
         self.ctx: TransportContext | None = None
         # each engine's dtype per tensor (None: it cannot say), asked at its first push after `setup`: set by how
@@ -73,6 +77,10 @@ class WeightSender:
         """Build the transport on each sender and set it up, one stage after another (see `push`). Called
         again when the engines change (one taken out, or back in), it closes the old transport first."""
         before = self.ctx.engines if self.ctx is not None else []
+        if self.quantization == "fp8" and self.fp8 is None and self.sending:
+            from rlx.models.fp8 import served, stored_quantised
+
+            self.fp8 = stored_quantised(served(self.trainer.model_path, output_dir))
         engines = [self.engine_for(url) for url in engine_urls]
         self.served = {}
         if self.sending:  # each TP rank of an engine is a member of a weight-update group
@@ -118,8 +126,9 @@ class WeightSender:
         assert self.transport is not None and self.ctx is not None, "setup() first"
         return self.transport, self.ctx
 
-    def push(self, version: int) -> None:
-        """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify.
+    def push(self, version: int) -> int:
+        """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify. Returns the
+        bytes this rank sent.
 
         Stages take turns: an engine that serves weight requests one at a time (SGLang) could otherwise
         take two stages' broadcasts in different orders on different engines and wait forever. A failure
@@ -140,27 +149,44 @@ class WeightSender:
 
         self._agree(plan)
         prints = Fingerprints(plans=[d for d in dtypes.values() if d], full=full)
+        sent = [0]
         for stage in range(self.par.pp):
             if self.par.pp_rank == stage:
-                self._agree(self._send_stage, version, prints)
+                self._agree(self._send_stage, version, prints, sent)
             else:
                 self._agree(lambda: None)
         self._agree(self._commit, version)
         if self.verify_weights != "off":
             check = verify(self.ctx.engines, prints, version, dtypes, full) if self.sending else None
             self._agree(lambda: self.run(check) if check is not None else None)
+        return sent[0]
 
     def _commit(self, version: int) -> None:
         if self.par.rank == 0:  # sender 0 commits for every stage
             transport, ctx = self._ready()
             self.run(transport.commit(version, ctx))
 
-    def _send_stage(self, version: int, prints: Fingerprints) -> None:
+    def _send_stage(self, version: int, prints: Fingerprints, sent: list[int]) -> None:
         named = self.trainer.hf_tensors()
         try:
             if self.sending:
                 transport, ctx = self._ready()
-                self.run(transport.send(prints.watch(named), version, ctx))
+                stream: Iterator[tuple[str, Any]] = named
+                if self.fp8 is not None:
+                    from rlx.models.fp8 import quantized
+
+                    stream = quantized(named, self.fp8[0], self.fp8[1].__contains__)
+                elif self.quantization == "int4":
+                    from rlx.models import int4
+
+                    stream = int4.quantized(named)
+
+                def counted() -> Iterator[tuple[str, Any]]:
+                    for name, t in stream:
+                        sent[0] += t.numel() * t.element_size()
+                        yield name, t
+
+                self.run(transport.send(prints.watch(counted()), version, ctx))
         finally:
             if self.par.gathers:
                 for _ in named:  # finish the stage's tensor-parallel gathers, even after a failure

@@ -105,6 +105,11 @@ class EngineFleet:
         """The engine's command line; `threads`: its CPU threads where it was placed (`rlx.cpu`; default: as
         one of this run's engines on this machine)."""
         path = g.model_path or self.cfg.model.path
+        quantized = self.rc.quantization is not None and g.update_weights  # (rollout.quantization) pushed as served
+        if quantized and self.rc.quantization == "fp8":  # served from an FP8 checkpoint
+            from rlx.models.fp8 import served
+
+            path = str(served(resolve_model_path(path), self.cfg.run.output_dir))
         if g.backend == "embedded":
             if g.worker_type != "regular":
                 raise RLXError(f"engine group {g.name!r}: the embedded engine has no {g.worker_type} mode; "
@@ -126,9 +131,13 @@ class EngineFleet:
                 args.setdefault("enable_return_routed_experts", True)
             if self.cfg.model.kernels:  # the trainer's kernel choices (a GDN model's gated delta rule, matmul)
                 args.setdefault("kernels", json.dumps(self.cfg.model.kernels))
+            if quantized:
+                args.setdefault("quantization", self.rc.quantization)
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
         args = {**self.engine_args(path), **g.server_args}
+        if quantized:
+            args.setdefault("quantization", self.rc.quantization)
         if records_routing(self.cfg):
             args.setdefault("enable_return_routed_experts", True)
         if engines_offload(self.cfg):  # without it SGLang's release_memory_occupation frees nothing

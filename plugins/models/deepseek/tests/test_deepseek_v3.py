@@ -105,10 +105,10 @@ class TestDeepseekV3FP8(ModelBridgeContract):
     layouts = [(1, 1), (2, 1), (2, 2, 2)]
 
     def make_checkpoint(self, folder):
-        from rlx.testing.models import fp8_checkpoint
+        from rlx.models.fp8 import write_quantized
 
         write_deepseek_v3(folder)
-        fp8_checkpoint(folder, folder, (4, 4))
+        write_quantized(folder, folder, (4, 4))
 
 
 class TestDeepseekV3MTP(ModelBridgeContract):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rlx.testing.models import fp8_checkpoint
+from rlx.models.fp8 import write_quantized
 from rlx.testing.runs import train_and_export
 
 pytestmark = pytest.mark.integration
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def fp8_model(tmp_path_factory):
     from rlx.models.tiny import resolve_model_path
 
-    return fp8_checkpoint(resolve_model_path("builtin://tiny-deepseek-v3"), tmp_path_factory.mktemp("fp8"), (16, 16))
+    return write_quantized(resolve_model_path("builtin://tiny-deepseek-v3"), tmp_path_factory.mktemp("fp8"), (16, 16))
 
 
 @pytest.mark.parametrize("export", ["auto", "fp8"])

@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "no prefix cache; with a sampling_seed per request, a run samples the same tokens again")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record the experts each token is routed to, for requests with return_routed_experts")
+    p.add_argument("--quantization", choices=["fp8", "int4"],
+                   help="serve quantised weights, held as pushed and computed with dequantised: fp8, the FP8 "
+                        "checkpoint at --model-path as stored (without this flag it is served dequantised); int4, "
+                        "the model's weights quantised at start (W4A16, groups of 128)")
     return p.parse_args(argv)
 
 
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     from rlx.rollout.engines.embedded.weights import name_as_checkpoint
 
     name_as_checkpoint(model, path)  # (pushes come by the checkpoint's names)
+    if args.quantization:
+        from rlx.rollout.engines.embedded.weights import serve_quantized
+
+        serve_quantized(model, args.quantization, path)
     from rlx.rollout.engines.embedded.gdn_kernel import use_gdn_kernel
 
     use_gdn_kernel(model, json.loads(args.kernels).get("gdn", "auto"))

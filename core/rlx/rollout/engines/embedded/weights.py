@@ -15,11 +15,12 @@ import torch
 from rlx.transport.payloads import WireError, deserialize_named_tensors
 
 __all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
-           "deserialize_named_tensors", "load_from_disk", "load_named", "name_as_checkpoint", "served_state",
-           "weights_by_name"]
+           "deserialize_named_tensors", "load_from_disk", "load_named", "name_as_checkpoint", "serve_quantized",
+           "served_state", "weights_by_name"]
 
 # SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class WeightError(WireError):
@@ -116,18 +117,77 @@ def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transforme
     model.rlx_held = held
 
 
+def serve_quantized(model: Any, kind: str, folder: str | Path) -> None:  # (a transformers model, loaded from `folder`)
+    """``--quantization fp8|int4`` (SGLang's flag): serve the quantised weights as an engine of that kind holds them,
+    served and updated by name (``name`` and its scales), each one's parameter holding their dequantised value, the
+    numbers a weight-only kernel computes with; a push of a weight or of its scales dequantises it again
+    (`load_named`). FP8: the FP8 checkpoint in `folder`, as stored (float8 and ``weight_scale_inv``; rlx launches FP8
+    engines from one). INT4: the model's own weights quantised at start (`rlx.models.int4`)."""
+    from rlx.models import int4
+    from rlx.models.fp8 import QUANTISED, stored_quantised
+
+    state = served_state(model)
+    held: dict[str, torch.Tensor] = {}
+    if kind == "fp8":
+        from safetensors import safe_open
+
+        from rlx.models.fp8 import SCALE, dequantize
+
+        block, names = stored_quantised(folder)
+        unknown = sorted(names - state.keys())
+        if unknown:
+            raise WeightError(f"{folder}: quantised weight {unknown[0]!r} is none of the model's")
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    if key in names or key.removesuffix(SCALE) in names:
+                        held[key] = h.get_tensor(key).to(state[key.removesuffix(SCALE)].device)
+
+        def back(name: str) -> torch.Tensor:
+            return dequantize(held[name], held[name + SCALE], block)
+    elif kind == "int4":
+        SCALE = int4.SCALE
+        names = {n for n, t in state.items() if QUANTISED.match(n) and t.dim() == 2}
+        for name in names:
+            held[name], held[name + SCALE] = int4.quantize(state[name].detach())
+
+        def back(name: str) -> torch.Tensor:
+            return int4.dequantize(held[name], held[name + SCALE], state[name].shape[1])
+    else:
+        raise WeightError(f"--quantization {kind!r}: fp8 or int4")
+    model.rlx_quantized = ({name: state[name] for name in names}, SCALE, back)  # the parameters computed with
+    model.rlx_held = {**getattr(model, "rlx_held", {}), **held}
+    _dequantize_into(model, names)
+
+
+def _dequantize_into(model: Any, names: set[str]) -> None:
+    params, _, back = model.rlx_quantized
+    with torch.no_grad():
+        for name in names:
+            params[name].copy_(back(name).to(params[name].dtype))
+
+
 def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
     """Copy tensors into the model's parameters and buffers by name (checkpoint names, `served_state`); all
-    checked before any copy."""
+    checked before any copy. A quantised model's weights updated (or their scales) are dequantised again
+    (`serve_quantized`)."""
     state = served_state(model)
     for name, t in named:
         if name not in state:
             raise WeightError(f"unknown weight {name!r}")
         if tuple(state[name].shape) != tuple(t.shape):
             raise WeightError(f"weight {name!r}: shape {tuple(t.shape)} != model's {tuple(state[name].shape)}")
+        if 1 in (state[name].dtype.itemsize, t.dtype.itemsize) and t.dtype != state[name].dtype:  # (FP8, INT4: a
+            # cast without the scales would not be the weight)
+            raise WeightError(f"weight {name!r}: served as {state[name].dtype}, pushed as {t.dtype}: an engine "
+                              f"serves quantised weights exactly when the run's rollout.quantization says so")
     with torch.no_grad():
         for name, t in named:
             state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
+    quantized = getattr(model, "rlx_quantized", None)
+    if quantized is not None:
+        params, scale, _ = quantized
+        _dequantize_into(model, {n.removesuffix(scale) for n, _ in named} & params.keys())
     return len(named)
 
 
