@@ -418,6 +418,8 @@ class TrainConfig(Section):
     # as the engines serve them (straight-through gradient), so that the policy trained is the one sampled; int4 (with
     # rollout.quantization: int4)
     qat: Literal["int4"] | None = None
+    # FP8 training (megatron's fp8 format, as slime's --fp8-format): refused, see `_fp8`
+    fp8: Literal["e4m3", "hybrid"] | None = None
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -431,6 +433,15 @@ class TrainConfig(Section):
     @classmethod
     def _component(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
+
+    @field_validator("fp8")
+    @classmethod
+    def _fp8(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("FP8 training runs megatron's FP8 recipes through Transformer Engine's layers, and rlx "
+                             "builds megatron's local layers (Transformer Engine is in neither rlx's environments nor "
+                             "its GPU bundle): train in bf16, and serve FP8 with rollout.quantization: fp8")
+        return v
 
 
 class CpuConfig(Section):
