@@ -17,8 +17,8 @@ def test_fp8_rollout_pushes_quantised_weights_and_reports_the_mismatch_they_caus
 
     run = train_and_export(tmp_path, "builtin://tiny-qwen3", 3, "rollout.quantization=fp8")
     rows, after = run["rows"], run["after"]
-    assert json.loads((tmp_path / "run" / "model-fp8" / "config.json").read_text())["quantization_config"][
-        "weight_block_size"] == [128, 128]  # what the engine was launched from
+    [copy] = (tmp_path / "run").glob("model-fp8-*")  # what the engine was launched from
+    assert json.loads((copy / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
     # the engine samples from the quantised policy: its log-probs differ from the trainer's, a little (the
     # full-precision rollout's difference is below 1e-6)
     assert all(1e-4 < r["train_rollout_logprob_diff"] < 0.05 for r in rows)

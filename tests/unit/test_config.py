@@ -219,6 +219,8 @@ def test_quantisation_aware_training_needs_its_engines_and_int4_needs_the_embedd
     assert where == "<config>:5: rollout.engines[0].backend" and msg.startswith("INT4 rollout is served by the embedded")
     cfg = parse("model: {path: /m}\nrollout: {quantization: int4}\ntrain: {qat: int4}\n")
     assert (cfg.rollout.quantization, cfg.train.qat) == ("int4", "int4")
+    [(where, msg)] = problems("model: {path: /m}\nrollout: {quantization: fp8}\nweight_sync: {transport: broadcast}\n")
+    assert where == "<config>:3: weight_sync.transport" and "tensor transport only" in msg
     [(where, msg)] = problems("model: {path: /m}\ntrain: {fp8: e4m3}\n")  # FP8 training: refused with the reason
     assert where == "<config>:2: train.fp8" and "through Transformer Engine's layers" in msg
 

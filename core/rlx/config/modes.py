@@ -73,6 +73,10 @@ def _quantization(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "qat"), f"trains the policy an engine serving {cfg.train.qat} weights samples "
                          f"from: set rollout.quantization: {cfg.train.qat} too (it is "
                          f"{cfg.rollout.quantization or 'unset'})"))
+    if cfg.rollout.quantization is not None and cfg.weight_sync.transport.name != "tensor":
+        problems.append((("weight_sync", "transport"), f"rollout.quantization pushes quantised weights through the "
+                         f"tensor transport only: {cfg.weight_sync.transport.name} is not wired for them (gloo cannot "
+                         f"broadcast float8; disk and delta write the trainer's dtype)"))
     if cfg.rollout.quantization == "int4":
         for i, g in enumerate(cfg.rollout.engines):
             if g.backend == "sglang" and g.update_weights:

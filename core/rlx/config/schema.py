@@ -357,7 +357,8 @@ class ObjectiveConfig(Section):
     indexer_kl_coef: float = Field(0.0, ge=0)
     # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5...), which engines draft with: 0
     # keeps them as loaded (not pushed; export writes them back unchanged); above 0 they train on the response tokens
-    # (cross entropy, this coefficient; the policy's gradient unchanged) and are pushed with the rest
+    # (cross entropy, this coefficient; the policy's gradient unchanged, though clip_grad's norm counts theirs) and are
+    # pushed with the rest
     mtp_loss_coef: float = Field(0.0, ge=0)
 
     @field_validator("advantage", "loss", mode="before")
@@ -418,7 +419,7 @@ class TrainConfig(Section):
     # as the engines serve them (straight-through gradient), so that the policy trained is the one sampled; int4 (with
     # rollout.quantization: int4)
     qat: Literal["int4"] | None = None
-    # FP8 training (megatron's fp8 format, as slime's --fp8-format): refused, see `_fp8`
+    # FP8 training (megatron's fp8 format, as slime's --fp8-format): refused (it needs Transformer Engine's layers)
     fp8: Literal["e4m3", "hybrid"] | None = None
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

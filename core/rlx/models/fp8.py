@@ -19,9 +19,13 @@ if TYPE_CHECKING:
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 SCALE = "_scale_inv"  # the scale tensor's name is the weight's with this appended
 BLOCK = (128, 128)  # DeepSeek's, GLM's and Qwen's FP8 releases' block
-#: the tensors FP8 releases store quantised: the linear projections of the decoder layers (experts' included; not the
-#: embeddings, norms, routers or LM head), under a wrapper's prefix too
-QUANTISED = re.compile(r"(.*\.)?model\.layers\.\d+\..*_proj\.weight$")
+#: the tensors rlx quantises for low-precision engines (an FP8 copy it writes, INT4): the attention and MLP projections
+#: of the decoder layers, experts' included (Mixtral-style ``w1``/``w2``/``w3`` too), under a wrapper's prefix too; not
+#: the embeddings, norms, routers, LM head, latent attention's ``kv_a_proj_with_mqa``, sparse attention's indexer,
+#: gated delta nets' projections or an MTP layer's ``eh_proj``. `rlx.train.qat.QUANTISED` names the same in megatron.
+QUANTISED = re.compile(r"^(.*\.)?layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(.*\.)?"
+                       r"(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_b_proj|gate_proj|up_proj|down_proj|w1|w2|w3)"
+                       r"\.weight$")
 
 
 def block_size(folder: str | Path) -> tuple[int, int] | None:
@@ -82,11 +86,19 @@ def quantized(named: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
               stored: Callable[[str], Any] = QUANTISED.match) -> Iterator[tuple[str, torch.Tensor]]:
     """`named` as an FP8 checkpoint stores it: each weight `stored` says is quantised (default: `QUANTISED`) as its
     FP8 tensor and then its scales, the rest as they come (one tensor at a time, as a push streams them)."""
+    return each_quantized(named, lambda t: quantize(t, block), stored, SCALE)
+
+
+def each_quantized(named: Iterable[tuple[str, torch.Tensor]],
+                   quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], stored: Callable[[str], Any],
+                   suffix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named` with each 2-D weight `stored` names replaced by `quantize`'s pair: the values under its name, then the
+    scales under the name with `suffix` (FP8 here, INT4 in `rlx.models.int4`)."""
     for name, t in named:
         if stored(name) and t.dim() == 2:
-            q, scale = quantize(t.detach().cpu(), block)
+            q, scale = quantize(t.detach())  # (where the weight is: a GPU trainer's pushes stay on it)
             yield name, q
-            yield name + SCALE, scale
+            yield name + suffix, scale
         else:
             yield name, t
 
@@ -108,7 +120,8 @@ def write_quantized(source: str | Path, out: str | Path, block: tuple[int, int] 
     index = out / "model.safetensors.index.json"
     if index.exists():
         doc = json.loads(index.read_text())
-        doc["weight_map"].update({n + SCALE: f for n, f in list(doc["weight_map"].items()) if QUANTISED.match(n)})
+        written = {n for f in out.glob("*.safetensors") for n in _names(f)}
+        doc["weight_map"].update({n + SCALE: f for n, f in list(doc["weight_map"].items()) if n + SCALE in written})
         index.write_text(json.dumps(doc))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -119,31 +132,38 @@ def write_quantized(source: str | Path, out: str | Path, block: tuple[int, int] 
 
 def served(model_path: str | Path, output_dir: str | Path) -> Path:
     """The FP8 checkpoint engines serve under ``rollout.quantization: fp8``: `model_path` (an HF checkpoint folder)
-    when it is one, else its copy quantised by `write_quantized` in `output_dir`/model-fp8, written on first use."""
+    when it is one, else its copy quantised by `write_quantized` in `output_dir`/model-fp8-<source's hash>, written on
+    first use (by whichever process gets there first)."""
+    import hashlib
     import os
     import shutil
 
-    source = Path(model_path)
+    source = Path(model_path).resolve()
     if block_size(source) is not None:
         return source
-    out = Path(output_dir) / "model-fp8"
+    out = Path(output_dir) / f"model-fp8-{hashlib.sha1(str(source).encode()).hexdigest()[:10]}"
     if not (out / "config.json").exists():
-        tmp = out.with_name(f"model-fp8.tmp{os.getpid()}")
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         write_quantized(source, tmp)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _names(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as h:
+        return list(h.keys())
 
 
 def stored_quantised(folder: str | Path) -> tuple[tuple[int, int], set[str]]:
     """An FP8 checkpoint's block size and the names of the weights it stores quantised (those with scales)."""
-    from safetensors import safe_open
-
     block = block_size(folder)
     if block is None:
         raise ValueError(f"{folder} is not an FP8 checkpoint (no quantization_config with quant_method fp8)")
-    names: set[str] = set()
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            names.update(k[:-len(SCALE)] for k in h.keys() if k.endswith(SCALE))
+    names = {k[:-len(SCALE)] for f in sorted(Path(folder).glob("*.safetensors")) for k in _names(f) if k.endswith(SCALE)}
     return block, names

@@ -71,12 +71,6 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int 
 def quantized(named: Iterable[tuple[str, torch.Tensor]], group: int = GROUP) -> Iterator[tuple[str, torch.Tensor]]:
     """`named` as an INT4 engine holds it: each `QUANTISED` weight as its packed values and then its scales, the rest
     as they come (one tensor at a time, as a push streams them)."""
-    from rlx.models.fp8 import QUANTISED
+    from rlx.models.fp8 import QUANTISED, each_quantized
 
-    for name, t in named:
-        if QUANTISED.match(name) and t.dim() == 2:
-            packed, scale = quantize(t.detach().cpu(), group)
-            yield name, packed
-            yield name + SCALE, scale
-        else:
-            yield name, t
+    return each_quantized(named, lambda t: quantize(t, group), QUANTISED.match, SCALE)

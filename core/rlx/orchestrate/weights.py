@@ -24,7 +24,7 @@ class Weights:
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
         self.urls: list[str] | None = None  # where the transport points now
-        self.pushed = 0  # the bytes the last push sent (to every engine: a broadcast counts once)
+        self.pushed = 0  # the bytes pushes sent since the last step's metrics (once, however many engines got them)
         if fleet.health is not None:
             fleet.health.joins = asyncio.Queue()  # engines back: `joins` brings each to these weights
 
@@ -52,7 +52,7 @@ class Weights:
                     await self._point(self.fleet.weight_targets)
                     if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
                         return  # back), or none runs (rollout.source: replay)
-                    self.pushed = await asyncio.to_thread(self.trainer.push_weights, version)
+                    self.pushed += await asyncio.to_thread(self.trainer.push_weights, version)
                     return
                 except Exception as e:
                     health = self.fleet.health
@@ -88,7 +88,8 @@ class Weights:
                     done.set_result(None)
 
     def metrics(self) -> dict[str, float]:
-        """The step's: ``weight_sync/bytes``, what its push sent (0 without one), and the engines' health."""
+        """The step's: ``weight_sync/bytes``, what pushes sent since the last step's (0 without one; catch-ups of
+        engines rejoining not counted), and the engines' health."""
         out = {"weight_sync/bytes": float(self.pushed)}
         self.pushed = 0
         return {**out, **self.fleet.health.metrics()} if self.fleet.health is not None else out

@@ -247,7 +247,7 @@ class ModelRole:
         if qat is not None:
             from rlx.train.qat import fake_quantize_linears
 
-            fake_quantize_linears(self.model, par.tp)
+            fake_quantize_linears(self.model)
         self.mtp = None
         if self.stage.mtp:
             from rlx.train.mtp import MTPTraining

@@ -15,7 +15,9 @@ Choices:
   the rest under the checkpoint's names, so that an engine's draft follows the policy.
 * Detached: the MTP loss trains the MTP layers only. Their inputs (the main model's hidden states and the token
   embeddings) and the output layer's weight are detached, so the policy's gradient is the RL objective's alone
-  (NeMo RL's ``mtp_detach_heads``); a run trains the same policy whether or not its MTP layers train (tested).
+  (NeMo RL's ``mtp_detach_heads``): without gradient clipping a run trains the same policy whether or not its MTP
+  layers train (tested). With it (``train.optim.clip_grad``, 1 by default) the global norm counts the MTP layers'
+  gradients too, as megatron's does, so a large MTP gradient makes the clip shrink the policy's step as well.
 * Only predictions of response tokens count, from positions of the same sample: nothing crosses packed samples.
 * Run from a hook on the decoder's output, in training forwards only (log-prob passes skip them), not through
   megatron's GPTModel MTP path, which in megatron 0.16 needs labels and then returns a loss instead of the logits the

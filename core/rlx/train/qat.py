@@ -8,7 +8,8 @@ The weights quantised are the decoder layers' linear projections that `rlx.model
 side, under megatron's names: attention's fused ``linear_qkv`` (or latent attention's query and key/value-up
 projections) and ``linear_proj``, the MLPs' ``linear_fc1`` and ``linear_fc2`` (experts' and shared experts'
 included). Megatron fuses q/k/v and gate/up by rows, so groups along the input columns are the HF weights' groups.
-Row-parallel weights are split by input columns: each tensor-parallel rank's part must hold whole groups.
+Row-parallel weights are split by input columns: each tensor-parallel rank's part must hold whole groups. Not
+quantised here: trained multi-token-prediction layers (the engine's drafts), whose weights the engine holds in INT4.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class _FakeQuantize(torch.autograd.Function):
         return grad
 
 
-def fake_quantize_linears(model: torch.nn.Module, tp: int) -> int:
+def fake_quantize_linears(model: torch.nn.Module) -> int:
     """Make every `QUANTISED` linear layer of `model` compute with its weight fake-quantised; returns how many."""
     from megatron.core.tensor_parallel import RowParallelLinear
 
@@ -53,13 +54,15 @@ def fake_quantize_linears(model: torch.nn.Module, tp: int) -> int:
     for name, module in model.named_modules():
         if not QUANTISED.match(name):
             continue
-        cols = module.weight.shape[1]
-        if tp > 1 and isinstance(module, RowParallelLinear) and cols % GROUP:
-            raise RLXError(f"train.qat: {name} splits its {cols * tp} input columns over {tp} tensor-parallel ranks, "
-                           f"so INT4 groups of {GROUP} would straddle the ranks; use a tp that leaves each rank whole "
-                           f"groups")
+        local, whole = module.weight.shape[1], getattr(module, "input_size", module.weight.shape[1])
+        if isinstance(module, RowParallelLinear) and local != whole and local % GROUP:
+            raise RLXError(f"train.qat: {name} splits its {whole} input columns over parallel ranks into parts of "
+                           f"{local}, so INT4 groups of {GROUP} would straddle the ranks; choose tp (etp for experts) "
+                           f"that leaves each rank whole groups")
         _wrap(module)
         count += 1
+    if not count:
+        raise RLXError("train.qat: none of the model's layers is one rlx quantises (rlx.train.qat.QUANTISED)")
     return count
 
 

@@ -38,3 +38,13 @@ def test_expert_parallel_run_pushes_every_expert_and_exports_hf(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     assert torch.equal(model.model.layers[1].mlp.experts.down_proj[5],
                        exported["model.layers.1.mlp.experts.5.down_proj.weight"])
+
+
+def test_int4_qat_quantises_the_experts_as_the_engine_does(tmp_path):
+    """``rollout.quantization: int4`` with ``train.qat: int4`` on experts: the trainer fake-quantises each expert's
+    fused gate/up and down projections (megatron's names) exactly where the engine holds the per-expert HF weights in
+    INT4, so their log-probs agree as in full precision."""
+    from rlx.testing.runs import train_and_export
+
+    run = train_and_export(tmp_path, "builtin://tiny-qwen3-moe", 2, "rollout.quantization=int4", "train.qat=int4")
+    assert all(r["train_rollout_logprob_diff"] < 1e-5 for r in run["rows"])

@@ -460,7 +460,10 @@ class EngineServer(WeightRoutes):
             if self.s.device.type == "cuda":
                 import torch
 
+                from rlx.rollout.engines.embedded.weights import move_held
+
                 self.s.model.to("cpu")
+                move_held(self.s.model, "cpu")
                 torch.cuda.empty_cache()
             self.s.released = True
 
@@ -471,7 +474,10 @@ class EngineServer(WeightRoutes):
         def resume():
             if not self.s.released:
                 raise BadRequest("resume_memory_occupation: nothing was released")
+            from rlx.rollout.engines.embedded.weights import move_held
+
             self.s.model.to(self.s.device)
+            move_held(self.s.model, self.s.device)
             self.s.released = False
 
         await self._call(resume)

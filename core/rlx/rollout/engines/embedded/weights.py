@@ -15,8 +15,8 @@ import torch
 from rlx.transport.payloads import WireError, deserialize_named_tensors
 
 __all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
-           "deserialize_named_tensors", "load_from_disk", "load_named", "name_as_checkpoint", "serve_quantized",
-           "served_state", "weights_by_name"]
+           "deserialize_named_tensors", "load_from_disk", "load_named", "move_held", "name_as_checkpoint",
+           "serve_quantized", "served_state", "weights_by_name"]
 
 # SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -27,7 +27,7 @@ class WeightError(WireError):
     """A weight update that cannot be applied (unknown name, wrong shape, unreadable file)."""
 
 
-def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def served_state(model: torch.nn.Module, held: bool = True) -> dict[str, torch.Tensor]:
     """The model's tensors under their checkpoint names, as views of what it serves with.
 
     transformers 5 keeps a layer's routed experts fused in memory (``experts.gate_up_proj`` [E, 2I, H] with gate
@@ -35,7 +35,8 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     (``experts.{e}.{gate,up,down}_proj.weight``), which is also how trainers push them. Those per-expert names
     are views into the fused tensors, so an update by name writes straight into them; the fused names are not
     listed. Tied weights appear under every name they have. Names transformers changed on load are the checkpoint's
-    again (`name_as_checkpoint`).
+    again (`name_as_checkpoint`). With `held`, what the engine holds beside the model under those names (quantised
+    weights as pushed, MTP layers) stands in for them (`serve_quantized`, `load_named`).
     """
     state = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
@@ -58,7 +59,7 @@ def served_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             out[name] = t
     renamed: dict[str, str] = getattr(model, "rlx_checkpoint_names", {})  # (`name_as_checkpoint`)
     out = {renamed.get(n, n): t for n, t in out.items()} if renamed else out
-    return {**out, **getattr(model, "rlx_held", {})}
+    return {**out, **getattr(model, "rlx_held", {})} if held else out
 
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # per-expert leaves, Mixtral's checkpoint names
@@ -84,8 +85,16 @@ def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transforme
     extra = re.compile(r"(?:^|\.)layers\.(\d+)\.")
     fp8 = block_size(folder)
     like = next(model.parameters())
-    held: dict[str, torch.Tensor] = {}
+    files: dict[str, Path] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            files.update(dict.fromkeys(h.keys(), f))
 
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files[key]), framework="pt") as h:
+            return h.get_tensor(key)
+
+    held: dict[str, torch.Tensor] = {}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -95,24 +104,20 @@ def name_as_checkpoint(model: Any, folder: str | Path) -> None:  # (a transforme
     state = served_state(model)
     meta = model.state_dict()
     aliases: dict[str, str] = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            keys = list(h.keys())
-            for key in keys:
-                layer = extra.search(key)
-                if (getattr(text, "num_nextn_predict_layers", 0) and layer and not key.endswith(SCALE)
-                        and int(layer[1]) >= text.num_hidden_layers):
-                    t = h.get_tensor(key)
-                    if is_fp8(t) and fp8 is not None:
-                        t = dequantize(t, h.get_tensor(key + SCALE), fp8)
-                    held[key] = t.to(device=like.device, dtype=like.dtype)
-        for key in keys:
-            if key in state or key in held:
-                continue
-            name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta)
-            name = re.sub(r"(\.experts\.\d+\.)(w[123])(\.weight)$", lambda m: m[1] + _MIXTRAL[m[2]] + m[3], name)
-            if name in state and name not in aliases.values():
-                aliases[key] = name
+    for key in files:
+        layer = extra.search(key)
+        if (getattr(text, "num_nextn_predict_layers", 0) and layer and int(layer[1]) >= text.num_hidden_layers
+                and key not in state and not key.endswith(SCALE)):
+            t = read(key)
+            if is_fp8(t) and fp8 is not None:
+                t = dequantize(t, read(key + SCALE), fp8)
+            held[key] = t.to(device=like.device, dtype=like.dtype)
+        if key in state or key in held:
+            continue
+        name, _ = rename_source_key(key, renamings, [], model.base_model_prefix, meta)
+        name = re.sub(r"(\.experts\.\d+\.)(w[123])(\.weight)$", lambda m: m[1] + _MIXTRAL[m[2]] + m[3], name)
+        if name in state and name not in aliases.values():
+            aliases[key] = name
     model.rlx_checkpoint_names = {v: k for k, v in aliases.items()}  # the model's name -> the checkpoint's
     model.rlx_held = held
 
@@ -151,20 +156,31 @@ def serve_quantized(model: Any, kind: str, folder: str | Path) -> None:  # (a tr
         for name in names:
             held[name], held[name + SCALE] = int4.quantize(state[name].detach())
 
+        cols = {name: state[name].shape[1] for name in names}
+
         def back(name: str) -> torch.Tensor:
-            return int4.dequantize(held[name], held[name + SCALE], state[name].shape[1])
+            return int4.dequantize(held[name], held[name + SCALE], cols[name])
     else:
         raise WeightError(f"--quantization {kind!r}: fp8 or int4")
-    model.rlx_quantized = ({name: state[name] for name in names}, SCALE, back)  # the parameters computed with
+    model.rlx_quantized = (names, SCALE, back)  # the parameters computed with their held values
     model.rlx_held = {**getattr(model, "rlx_held", {}), **held}
     _dequantize_into(model, names)
 
 
 def _dequantize_into(model: Any, names: set[str]) -> None:
-    params, _, back = model.rlx_quantized
+    _, _, back = model.rlx_quantized
+    params = served_state(model, held=False)  # (looked up now: moving the model replaces its tensors)
     with torch.no_grad():
         for name in names:
-            params[name].copy_(back(name).to(params[name].dtype))
+            params[name].copy_(back(name).to(device=params[name].device, dtype=params[name].dtype))
+
+
+def move_held(model: Any, device: Any) -> None:
+    """The tensors the engine holds beside its model's (quantised weights, MTP layers) to `device`, as the model is
+    moved (memory release and resume)."""
+    held = getattr(model, "rlx_held", {})
+    for name, t in held.items():
+        held[name] = t.to(device)
 
 
 def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -186,8 +202,8 @@ def load_named(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) ->
             state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
     quantized = getattr(model, "rlx_quantized", None)
     if quantized is not None:
-        params, scale, _ = quantized
-        _dequantize_into(model, {n.removesuffix(scale) for n, _ in named} & params.keys())
+        names, scale, _ = quantized
+        _dequantize_into(model, {n.removesuffix(scale) for n, _ in named} & names)
     return len(named)
 
 
