@@ -352,14 +352,20 @@ async def one_step(cfg: Config, plugins: Plugins, batches: BatchSource, weights:
     await meter.mark()
     t2_ = time.monotonic()
     version += 1  # the trainer's policy version; the engines get it every weight_sync.interval steps
+    pushed = 0  # the bytes the step's push sent (weight_sync/bytes)
     if step % cfg.weight_sync.interval == 0:
         if settle is not None:
             await settle()
-        await batches.swap(lambda: weights.push(version))
+
+        async def push() -> None:
+            nonlocal pushed
+            pushed = await weights.push(version)
+
+        await batches.swap(push)
     t3 = time.monotonic()
     await meter.mark()
     record: dict[str, Any] = {"step": step, "weight_version": version, **batch.metrics, **train_metrics,
-                              **weights.metrics()}
+                              **weights.metrics(), "weight_sync/bytes": float(pushed)}
     record.setdefault("kl", None)  # null: no reference model (train.objective.kl_coef is 0)
     record.update({"time/rollout_s": t1 - t0, "time/train_s": t2 - t1_, "time/weight_sync_s": t3 - t2_,
                    "time/step_s": time.monotonic() - t0, **meter.cores(["rollout", "train", "weight_sync"])})

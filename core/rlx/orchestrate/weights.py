@@ -24,7 +24,6 @@ class Weights:
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
         self.urls: list[str] | None = None  # where the transport points now
-        self.pushed = 0  # the bytes pushes sent since the last step's metrics (once, however many engines got them)
         if fleet.health is not None:
             fleet.health.joins = asyncio.Queue()  # engines back: `joins` brings each to these weights
 
@@ -45,15 +44,15 @@ class Weights:
             self.version += 1
             return metrics
 
-    async def push(self, version: int) -> None:
+    async def push(self, version: int) -> int:
+        """Push `version` to the serving engines; the bytes sent (once, however many engines got them)."""
         async with self.lock:
             for attempt in range(3):
                 try:
                     await self._point(self.fleet.weight_targets)
                     if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
-                        return  # back), or none runs (rollout.source: replay)
-                    self.pushed += await asyncio.to_thread(self.trainer.push_weights, version)
-                    return
+                        return 0  # back), or none runs (rollout.source: replay)
+                    return await asyncio.to_thread(self.trainer.push_weights, version)
                 except Exception as e:
                     health = self.fleet.health
                     if health is None or attempt == 2:
@@ -64,6 +63,7 @@ class Weights:
                     self.urls = None  # set up again, for the engines that serve
                     print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
                           f"that serve", file=sys.stderr, flush=True)
+        raise AssertionError("unreachable: the third attempt returns or raises")
 
     async def joins(self) -> None:
         """For the run's life: bring each engine the fleet's health has back (restarted or answering again, not
@@ -88,8 +88,4 @@ class Weights:
                     done.set_result(None)
 
     def metrics(self) -> dict[str, float]:
-        """The step's: ``weight_sync/bytes``, what pushes sent since the last step's (0 without one; catch-ups of
-        engines rejoining not counted), and the engines' health."""
-        out = {"weight_sync/bytes": float(self.pushed)}
-        self.pushed = 0
-        return {**out, **self.fleet.health.metrics()} if self.fleet.health is not None else out
+        return self.fleet.health.metrics() if self.fleet.health is not None else {}
