@@ -408,6 +408,7 @@ def test_plugin_group_filter_and_rollout_end_hook(tmp_path):
 
         async def push(self, version):
             events.append(("push", version))
+            return 0  # the bytes sent
 
         def metrics(self):
             return {}
