@@ -129,6 +129,9 @@ def check(cfg: Config) -> list[Problem]:
     for i, g in enumerate(cfg.rollout.engines):
         if g.model_path:
             _model_dir(g.model_path, ("rollout", "engines", i, "model_path"), problems)
+        if g.speculative is not None:
+            problems += _speculative(cfg, g, ("rollout", "engines", i, "speculative"),
+                                     _model_dir(g.model_path, (), []) if g.model_path else model_dir, problems)
     if model_dir is not None:
         problems += _shape(model_dir, ("train", "parallel"), cfg.train.parallel)
     if model_dir is not None and cfg.train.objective.indexer_kl_coef > 0:
@@ -167,6 +170,35 @@ def check(cfg: Config) -> list[Problem]:
     for i, d in enumerate(cfg.eval.datasets):
         problems += _rows(cfg, Path(d.path), ("eval", "datasets", i, "path"))
     return problems
+
+
+def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, problems: list[Problem]
+                 ) -> list[Problem]:
+    """An engine group's drafts can come from what it names (MTP layers in its checkpoint, a draft model with the
+    same tokenizer), and its engines report routing under them."""
+    from rlx.config import records_routing
+
+    spec, out = g.speculative, []
+    hf = json.loads((target / "config.json").read_text()) if target and (target / "config.json").is_file() else {}
+    text = hf.get("text_config", hf)
+    if spec.method == "mtp" and hf and not (text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")):
+        out.append(((*at, "method"), f"the model in {target} has no multi-token-prediction layers to draft with "
+                    f"(no num_nextn_predict_layers in its config.json); use ngram or draft_model"))
+    if spec.method == "draft_model":
+        draft = _model_dir(spec.draft_model, (*at, "draft_model"), problems)
+        if draft is not None and target is not None:
+            from transformers import AutoTokenizer
+
+            a, b = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (target, draft))
+            if a != b:
+                out.append(((*at, "draft_model"), f"the draft model in {draft} has another tokenizer than the model "
+                            f"it drafts for ({target}; {len(a.items() ^ b.items())} vocabulary entries differ): its "
+                            f"draft ids would be other words"))
+    if g.backend == "sglang" and records_routing(cfg):
+        out.append(((*at, "method"), "routing replay (rollout.routed_experts) with SGLang's speculative decoding: "
+                    "SGLang 0.5.23 does not count the verify forward's tokens in the routing it records (a FIXME in "
+                    "its routed_experts capturer); use the embedded engine, or no speculative decoding"))
+    return out
 
 
 def hub_models(cfg: Config, download: bool) -> list[Problem]:

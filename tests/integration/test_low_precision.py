@@ -1,4 +1,4 @@
-"""Low-precision rollout (``rollout.quantization``): `rl train` with engines that serve FP8 (block-quantised e4m3,
+"""Low-precision rollout (``rollout.quantization``) and speculative decoding: `rl train` with engines that serve FP8 (block-quantised e4m3,
 128x128 scales; the embedded engine holds them as pushed and computes with them dequantised), every push quantised on
 the trainer's side and verified on the engine."""
 
@@ -48,3 +48,16 @@ def test_int4_rollout_and_quantisation_aware_training(tmp_path):
     name = "model.layers.0.mlp.down_proj.weight"
     before, after = qat["before"][name], qat["after"][name]
     assert not torch.equal(after, before) and (after - before).abs().max() < 0.1  # trained, not quantised
+
+
+def test_speculative_decoding_in_rl_train(tmp_path):
+    """``rollout.engines[*].speculative: {method: ngram}`` on the quickstart's model: the engine verifies n-gram drafts each step; the log-probs
+    it returns are the policy's (the trainer's within the full-precision tolerance), and each step reports the drafts'
+    acceptance and the tokens per verify step, as SGLang counts them, beside the rollout's tokens per second."""
+    run = train_and_export(tmp_path, "builtin://tiny-qwen3-arith", 3, "rollout.engines.0.speculative.method=ngram",
+                           "rollout.engines.0.speculative.num_draft_tokens=3", "rollout.sampling.max_new_tokens=32",
+                           "rollout.sampling.ignore_eos=true")
+    for r in run["rows"]:
+        assert r["train_rollout_logprob_diff"] < 1e-5
+        assert 0 < r["rollout/spec_accept_rate"] <= 1 and r["rollout/spec_accept_length"] > 1, r
+        assert r["rollout/tokens_per_s"] > 0

@@ -238,3 +238,36 @@ def test_free_ports_lie_outside_the_kernels_ephemeral_range_and_are_not_handed_o
             pytest.skip("port 20000 is held by another process on this machine")
         s.listen()
         assert net.free_port() != 20000
+
+
+def test_speculative_decoding_launch_options_for_each_method(tmp_path):
+    """speculative: SGLang's flags, whose --speculative-num-draft-tokens counts the last token too; MTP drafts are
+    its EAGLE chain over the checkpoint's MTP layers, a draft model its STANDALONE; the embedded engine takes the
+    n-gram ones and its command line parses them."""
+    from rlx.rollout.engines.embedded.__main__ import parse_args
+
+    cfg = parse_config(f"""
+model: {{path: /models/glm}}
+ray: {{gpus_per_engine: 1}}
+rollout:
+  engines:
+    - {{name: e, speculative: {{method: ngram, num_draft_tokens: 3}}}}
+    - {{name: n, backend: sglang, speculative: {{method: ngram}}}}
+    - {{name: m, backend: sglang, speculative: {{method: mtp, num_draft_tokens: 2}}}}
+    - {{name: d, backend: sglang, speculative: {{method: draft_model, draft_model: {tmp_path}/draft}}}}
+""")
+    fleet = EngineFleet(cfg, tmp_path)
+    e, n, m, d = (fleet._command(g, "127.0.0.1", 30001) for g in cfg.rollout.engines)
+
+    def opts(cmd):
+        return {a: b for a, b in zip(cmd, cmd[1:], strict=False) if a.startswith("--speculative")}
+
+    assert opts(e) == {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": "4"}
+    args = parse_args(e[3:])
+    assert args.speculative_algorithm == "NGRAM" and args.speculative_num_draft_tokens == 4
+    assert opts(n) == {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": "5"}
+    assert opts(m) == {"--speculative-algorithm": "EAGLE", "--speculative-num-draft-tokens": "3",
+                       "--speculative-num-steps": "2", "--speculative-eagle-topk": "1"}
+    assert opts(d) == {"--speculative-algorithm": "STANDALONE", "--speculative-draft-model-path": f"{tmp_path}/draft",
+                       "--speculative-num-draft-tokens": "5", "--speculative-num-steps": "4",
+                       "--speculative-eagle-topk": "1"}

@@ -171,3 +171,41 @@ def test_an_mtp_loss_needs_mtp_layers_and_one_pipeline_stage(tmp_path):
     got, p = problems(tmp_path, text + "  parallel: {pp: 2, world_size: 2}\n")
     assert got[f"{p}:3: train.objective.mtp_loss_coef"].startswith("multi-token-prediction layers train with one "
                                                                      "pipeline stage (train.parallel.pp is 2)")
+
+
+def test_speculative_drafts_need_their_source_and_the_same_tokenizer(tmp_path, tiny_model_path):
+    """mtp drafts need MTP layers in the checkpoint; a draft model must share the tokenizer (here one whose
+    vocabulary swaps two ids is refused, a copy passes); SGLang's drafts cannot record routing (R3); the embedded
+    engine drafts by n-gram only."""
+    import shutil
+
+    m = model(tmp_path)
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\nrollout:\n  engines: [{{backend: sglang, speculative: "
+                                f"{{method: mtp}}}}]\n")
+    assert got[f"{p}:3: rollout.engines[0].speculative.method"].endswith(
+        "has no multi-token-prediction layers to draft with (no num_nextn_predict_layers in its config.json); use "
+        "ngram or draft_model")
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(tiny_model_path, same)
+    shutil.copytree(tiny_model_path, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    text = (f"model: {{path: {tiny_model_path}}}\nrollout:\n  engines: [{{backend: sglang, speculative: "
+            f"{{method: draft_model, draft_model: DRAFT}}}}]\n")
+    assert load_config(_write(tmp_path, text.replace('DRAFT', str(same))), checks=config_checks(files=True))
+    got, p = problems(tmp_path, text.replace('DRAFT', str(other)))
+    assert got[f"{p}:3: rollout.engines[0].speculative.draft_model"].startswith(
+        f"the draft model in {other} has another tokenizer than the model it drafts for")
+    got, p = problems(tmp_path, text.replace('DRAFT', str(same)) + "  routed_experts: true\n")
+    assert "does not count the verify forward's tokens" in got[f"{p}:3: rollout.engines[0].speculative.method"]
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\nrollout:\n  engines: [{{speculative: {{method: mtp}}}}]\n")
+    assert "the embedded engine drafts by n-gram lookup only" in next(iter(got.values()))
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p

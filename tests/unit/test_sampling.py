@@ -3,7 +3,7 @@ sampling_seed draws the same token whatever else runs."""
 
 import torch
 
-from rlx.rollout.engines.embedded.sampling import SamplingParams, draw, sample, seeded_uniform
+from rlx.rollout.engines.embedded.sampling import SamplingParams, draw, sample, seeded_uniform, verify
 
 
 def test_draws_follow_each_rows_probabilities():
@@ -62,3 +62,71 @@ def test_seeded_uniforms_depend_on_seed_and_position_only_and_are_uniform():
     assert 0 <= float(us.min()) and float(us.max()) < 1
     counts = torch.histc(us, bins=10, min=0, max=1)  # 1000 expected per tenth; sd about 30
     assert bool((counts - 1000).abs().max() < 150), counts
+
+
+def _processed(logits, temperature=1.0, top_p=1.0):
+    """The distribution `sample` draws from, normalised: by hand, with sorting, for the tests below."""
+    p = torch.softmax(logits / temperature, -1)
+    sp, order = p.sort(descending=True)
+    sp[(sp.cumsum(-1) - sp) >= top_p] = 0
+    return torch.zeros_like(p).scatter(-1, order, sp) / sp.sum(-1, keepdim=True)
+
+
+def test_speculative_verify_by_hand():
+    """p = [0.5, 0.3, 0.2] at the row's last token, draft 1: the draft passes with probability p(1) = 0.3, else the
+    token is drawn from p without it, [0.5, 0, 0.2] / 0.7; so token 0 has 0.7 * 5/7 = 0.5, token 1 0.3, token 2 0.2:
+    p itself. A passed draft is followed by a draw from the next position's distribution."""
+    n = 200_000
+    l0 = torch.tensor([0.5, 0.3, 0.2]).log()
+    l1 = torch.tensor([0.1, 0.1, 0.8]).log()
+    logits = torch.stack([l0, l1])[None].repeat(n, 1, 1)
+    tokens, logprobs, accepted = verify(logits, torch.ones(n, 1, dtype=torch.long), torch.ones(n, dtype=torch.long),
+                                        [SamplingParams()] * n, torch.Generator().manual_seed(0))
+    assert abs(accepted.float().mean() - 0.3) < 0.005
+    first = torch.bincount(tokens[:, 0], minlength=3).float() / n
+    assert torch.allclose(first, torch.tensor([0.5, 0.3, 0.2]), atol=0.005)
+    second = torch.bincount(tokens[accepted == 1, 1], minlength=3).float() / int((accepted == 1).sum())
+    assert torch.allclose(second, torch.tensor([0.1, 0.1, 0.8]), atol=0.01)
+    assert torch.allclose(logprobs[:, 0], l0[tokens[:, 0]])  # the target's log-probs (temperature 1)
+    assert torch.allclose(logprobs[accepted == 1, 1], l1[tokens[accepted == 1, 1]])
+
+
+def test_speculative_tokens_follow_plain_sampling_at_temperature_1_and_0_6_with_top_p():
+    """Random logits over 8 tokens, three drafts (one likely, one unlikely, one cut by top-p): for each prefix of
+    drafts passed, the next token's frequency is the processed distribution at that position, the
+    distribution plain sampling draws from there (within four standard errors); the log-probs are
+    log_softmax(logits / temperature)."""
+    g = torch.Generator().manual_seed(3)
+    v, n = 8, 300_000
+    logits = torch.randn(4, v, generator=g) * 2
+    for temperature, top_p in ((1.0, 1.0), (0.6, 0.8)):
+        p = _processed(logits, temperature, top_p)
+        drafts = torch.stack([p[0].argmax(), p[1].argsort()[-3], p[2].argmin()])  # likely, unlikely, truncated
+        tokens, logprobs, accepted = verify(logits[None].repeat(n, 1, 1), drafts[None].repeat(n, 1),
+                                            torch.full((n,), 3), [SamplingParams(temperature=temperature,
+                                                                                 top_p=top_p)] * n,
+                                            torch.Generator().manual_seed(1))
+        for j in range(4):  # rows that passed the first j drafts: their token j follows p[j]
+            rows = accepted >= j
+            if not rows.any():  # (past the draft top-p cuts)
+                continue
+            freq = torch.bincount(tokens[rows, j], minlength=v).float() / int(rows.sum())
+            assert torch.allclose(freq, p[j], atol=4 * (0.25 / int(rows.sum())) ** 0.5 + 1e-3), (temperature, j)
+        assert top_p == 1 or int((accepted == 3).sum()) == 0  # a draft top-p cut never passes
+        want = torch.log_softmax(logits / temperature, -1)
+        assert torch.allclose(logprobs, want[torch.arange(4)[None].expand(n, 4), tokens])
+
+
+def test_speculative_greedy_padding_and_seeded_rows():
+    """Greedy rows keep the drafts that are the argmax and then take the argmax; drafts past a row's length are
+    padding, never taken even where they match; a seeded row's tokens do not depend on the generator."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]])[None].repeat(4, 1, 1)
+    drafts = torch.tensor([[1, 0], [1, 2], [1, 0], [2, 0]])
+    greedy = [SamplingParams(temperature=0)] * 4
+    tokens, _, accepted = verify(logits, drafts, torch.tensor([2, 2, 1, 2]), greedy, torch.Generator())
+    assert accepted.tolist() == [2, 1, 1, 0]
+    assert [t[:a + 1] for t, a in zip(tokens.tolist(), accepted.tolist())] == [[1, 0, 2], [1, 0], [1, 0], [1]]
+    seeded = [SamplingParams(sampling_seed=5)] * 4
+    runs = {str(verify(logits, drafts, torch.tensor([2, 2, 1, 2]), seeded, torch.Generator().manual_seed(g),
+                       {i: (5, 7) for i in range(4)})[0].tolist()) for g in range(5)}
+    assert len(runs) == 1

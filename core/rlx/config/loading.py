@@ -182,6 +182,8 @@ def resolve_paths(cfg: Config, base: Path) -> None:
     for g in cfg.rollout.engines:
         if g.model_path:
             g.model_path = resolve(g.model_path, True)
+        if g.speculative is not None and g.speculative.draft_model:
+            g.speculative.draft_model = resolve(g.speculative.draft_model, True)
         if g.python and "/" in g.python:  # a bare name is looked up on PATH when the engine starts
             g.python = os.path.normpath(base.absolute() / Path(g.python).expanduser())  # a venv's python is a link
 

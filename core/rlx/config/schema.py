@@ -116,6 +116,24 @@ class SamplingConfig(Section):
     ignore_eos: bool = False  # generate max_new_tokens whatever the model samples (benchmarks, tests)
 
 
+class SpeculativeConfig(Section):
+    """Speculative decoding in this group's engines: drafts verified by the model in one forward, the tokens
+    following the model's own distribution (rejection sampling), so that training sees the policy's samples."""
+
+    method: Literal["ngram", "mtp", "draft_model"]  # ngram: drafts looked up in the request's own tokens (both
+    #   backends); mtp: from the checkpoint's multi-token-prediction layers (SGLang's EAGLE); draft_model: from a
+    #   smaller model with the same tokenizer (SGLang's STANDALONE)
+    num_draft_tokens: int = Field(4, ge=1, le=32)  # drafted tokens verified per step (SGLang's
+    #   --speculative-num-draft-tokens counts the last token too: this plus one)
+    draft_model: str | None = None  # draft_model: its checkpoint (a folder or builtin://, as model.path)
+
+    @model_validator(mode="after")
+    def _draft(self) -> SpeculativeConfig:
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("draft_model: names the draft of method draft_model, and only of it")
+        return self
+
+
 class EngineGroupConfig(Section):
     """One group of identical engine servers; several groups make a topology."""
 
@@ -130,12 +148,16 @@ class EngineGroupConfig(Section):
     worker_type: Literal["regular", "prefill", "decode"] = "regular"  # prefill/decode: PD disaggregation
     update_weights: bool = True  # whether this group receives the trainer's weights
     server_args: dict[str, Any] = Field(default_factory=dict)  # passed through as --key value
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: none)
 
     @model_validator(mode="after")
     def _python(self) -> EngineGroupConfig:
         if self.python is not None and self.backend != "sglang":
             raise ValueError("python: names the interpreter of SGLang servers; the embedded engine runs in rlx's "
                              "own (set backend: sglang, or leave python out)")
+        if self.speculative is not None and self.speculative.method != "ngram" and self.backend == "embedded":
+            raise ValueError(f"speculative.method: the embedded engine drafts by n-gram lookup only; "
+                             f"{self.speculative.method} drafts run on SGLang (backend: sglang)")
         return self
 
 

@@ -39,6 +39,23 @@ def sglang_on_cpu(cfg: Config, g: EngineGroupConfig) -> bool:
     return not torch.cuda.is_available()
 
 
+def speculative_args(g: EngineGroupConfig) -> dict[str, Any]:
+    """SGLang's launch options for a group's speculative decoding (``speculative``), which the embedded engine takes
+    too for n-gram drafts. MTP drafts are SGLang's EAGLE over the checkpoint's own MTP layers, a draft model its
+    STANDALONE, each a chain of num_draft_tokens single drafts (top-k 1, as slime runs them)."""
+    spec = g.speculative
+    if spec is None:
+        return {}
+    out: dict[str, Any] = {"speculative_num_draft_tokens": spec.num_draft_tokens + 1}
+    if spec.method == "ngram":
+        return {"speculative_algorithm": "NGRAM", **out}
+    out.update(speculative_num_steps=spec.num_draft_tokens, speculative_eagle_topk=1)
+    if spec.method == "mtp":
+        return {"speculative_algorithm": "EAGLE", **out}
+    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": resolve_model_path(
+        spec.draft_model or ""), **out}
+
+
 @dataclass
 class Engine:
     url: str
@@ -133,9 +150,10 @@ class EngineFleet:
                 args.setdefault("kernels", json.dumps(self.cfg.model.kernels))
             if quantized:
                 args.setdefault("quantization", self.rc.quantization)
+            args = {**speculative_args(g), **args}
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
-        args = {**self.engine_args(path), **g.server_args}
+        args = {**self.engine_args(path), **speculative_args(g), **g.server_args}
         if quantized:
             args.setdefault("quantization", self.rc.quantization)
         if records_routing(self.cfg):

@@ -42,11 +42,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve quantised weights, held as pushed and computed with dequantised: fp8, the FP8 "
                         "checkpoint at --model-path as stored (without this flag it is served dequantised); int4, "
                         "the model's weights quantised at start (W4A16, groups of 128)")
+    p.add_argument("--speculative-algorithm", choices=["NGRAM"],
+                   help="speculative decoding: NGRAM, drafts looked up in the request's own tokens, verified by "
+                        "rejection sampling (tokens as without, more of them per forward)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=5,
+                   help="tokens a verify forward runs per request, as SGLang counts them: the last one and the drafts")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.speculative_algorithm and args.speculative_num_draft_tokens < 2:
+        print("error: --speculative-num-draft-tokens counts the last token and the drafts: at least 2",
+              file=sys.stderr)
+        return 2
     if args.tp_size != 1:
         print("error: the embedded engine runs on one device (--tp-size 1); use SGLang for TP", file=sys.stderr)
         return 2
@@ -93,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                           seed=args.random_seed, max_context=args.context_length,
                           capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if no_cache else args.prefix_cache_tokens,
-                          prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20))
+                          prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20),
+                          speculative=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

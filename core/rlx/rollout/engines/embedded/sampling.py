@@ -53,10 +53,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
     if t.all_greedy:
         tokens = logits.argmax(-1)
         return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    tokens = torch.where(t.greedy, logits.argmax(-1), draw(kept(logp, t), generator, seeded))
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def kept(logp: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The probabilities a row samples from, unnormalised: ``exp(logp)`` less what top-k, top-p and min-p drop."""
     probs = logp.exp()
     if t.truncate:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[-1], device=logits.device)[None, :]
+        rank = torch.arange(probs.shape[-1], device=logp.device)[None, :]
         drop = (t.top_k[:, None] > 0) & (rank >= t.top_k[:, None])
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
         drop |= (sorted_p.cumsum(-1) - sorted_p) >= t.top_p[:, None]
@@ -64,8 +70,65 @@ def sample(logits: torch.Tensor, params: list[SamplingParams] | SamplingTensors,
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
     if t.use_min_p:
         probs = probs.masked_fill(probs < t.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-    tokens = torch.where(t.greedy, logits.argmax(-1), draw(probs, generator, seeded))
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    return probs
+
+
+# the salt that makes a seeded row's acceptance numbers (`verify`) other numbers than its draws
+_ACCEPT_SALT = 0x5EC0DE
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, params: list[SamplingParams],
+           generator: torch.Generator, seeds: dict[int, tuple[int, int]] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) of deterministic drafts: the tokens follow
+    exactly the distribution `sample` draws from, token after token.
+
+    `logits` ``[B, k + 1, V]``: the target's at the row's last token and at each of its `k` drafts; `drafts`
+    ``[B, k]``, of which the first `lengths[b]` are row b's (the rest is padding, never accepted). A draft that is
+    a point mass (n-gram lookup) is accepted with probability ``p(d)`` (``min(1, p/q)`` with ``q(d) = 1``); the
+    first rejected one is replaced by a draw from ``max(p - q, 0)`` normalised, which is ``p`` without ``d``; a row
+    whose drafts all pass draws its next token from ``p`` after the last one. Greedy rows accept the drafts that
+    are the argmax and then take the argmax. ``p`` is the row's distribution after temperature, top-k, top-p and
+    min-p, as `sample` draws from it.
+
+    `seeds`: row -> (sampling_seed, index of the row's next output token): such a row's numbers come from
+    `seeded_uniform` (its acceptance numbers salted), not from `generator`.
+
+    Returns (tokens ``[B, k + 1]``, their logprobs as `sample` reports them, accepted ``[B]``): row b's new tokens
+    are ``tokens[b, :accepted[b] + 1]``."""
+    b, k1, v = logits.shape
+    k = k1 - 1
+    dev = logits.device
+    t = SamplingTensors([p for p in params for _ in range(k1)], dev)
+    logp = torch.log_softmax(logits.reshape(-1, v) / t.divisor, dim=-1)
+    greedy = t.greedy.view(b, k1)[:, 0]
+    target = logits.argmax(-1)  # [B, k + 1]
+    rows = torch.arange(b, device=dev)
+    real = torch.arange(k, device=dev)[None, :] < lengths[:, None]  # [B, k]
+    if t.all_greedy:
+        probs = None
+        ok = drafts == target[:, :k]
+    else:
+        probs = kept(logp, t).view(b, k1, v)
+        probs = probs / probs.sum(-1, keepdim=True)
+        u = torch.rand((b, k), generator=generator, device=dev, dtype=torch.float64)
+        for i, (seed, at) in (seeds or {}).items():
+            u[i] = torch.tensor([seeded_uniform(seed ^ _ACCEPT_SALT, at + j) for j in range(k)], dtype=u.dtype)
+        p_d = probs[:, :k].gather(2, drafts[..., None])[..., 0].double()
+        ok = torch.where(greedy[:, None], drafts == target[:, :k], u < p_d)
+    accepted = (ok & real).int().cumprod(1).sum(1)  # [B]
+    last = target[rows, accepted]
+    if probs is not None:
+        p = probs[rows, accepted]  # [B, V]
+        rejected = accepted < lengths  # a draft was refused here: draw from p without it
+        d = drafts[rows, accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros(b, dtype=torch.long, device=dev)
+        residual = p.scatter(1, d[:, None], 0.0)
+        residual = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p)
+        seeded = {i: seeded_uniform(seed, at + int(accepted[i])) for i, (seed, at) in (seeds or {}).items()}
+        last = torch.where(greedy, last, draw(residual, generator, seeded))
+    tokens = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)
+    tokens[rows, accepted] = last
+    return tokens, logp.view(b, k1, v).gather(2, tokens[..., None])[..., 0], accepted
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator, seeded: dict[int, float] | None = None) -> torch.Tensor:

@@ -18,6 +18,13 @@ Choices:
   stop; the text excludes it and is cut before a matched stop string.
 * Commands (weight updates, flush, pause) run in this thread between two decode steps, so a step
   never sees half-updated weights. Each output token records the weight version that produced it.
+* Speculative decoding (`speculative` > 0 drafts a step): a decode step feeds each row its last token and the
+  n-gram drafts found for it (`speculative.ngram_draft`), verifies them by rejection sampling against the
+  target's logits (`sampling.verify`: the tokens follow plain sampling's distribution, greedy ones are the
+  same, the logprobs are the target's), and keeps the KV of the tokens taken: each row's columns are shifted
+  right by what it refused, so rows stay right-aligned. A step whose drafts fill less than half of the positions
+  the batch would run (every row runs the longest draft's) decodes as without: on a CPU a verify forward costs
+  about a token's forward per position, which padding never pays back.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlx.rollout.engines.embedded.routing import RoutedExperts
-from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample, seeded_uniform
+from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample, seeded_uniform, verify
+from rlx.rollout.engines.embedded.speculative import ngram_draft
 
 if TYPE_CHECKING:
     from rlx.types import HFModel, KVCache, Tokenizer
@@ -64,6 +72,10 @@ class Request:
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens this request did not prefill (prefix cache or a forked prompt)
     kv_epoch: int = 0  # the prefix cache's epoch when it was prefilled (its KV is from that epoch's weights)
+    # speculative decoding, as SGLang counts it: verify forwards, drafts proposed and drafts taken
+    spec_verify_ct: int = 0
+    spec_proposed: int = 0
+    spec_correct: int = 0
 
 
 @dataclass
@@ -136,8 +148,9 @@ class Scheduler:
 
     def __init__(self, model: HFModel, tokenizer: Tokenizer, *, max_running: int = 64, seed: int = 0,
                  max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
-                 prefix_cache_bytes: int = 0):
-        """`capture_experts`: record the experts each token is routed to (SGLang's
+                 prefix_cache_bytes: int = 0, speculative: int = 0):
+        """`speculative`: n-gram drafts verified per decode step (0: none; SGLang's
+        ``--speculative-num-draft-tokens`` less one). `capture_experts`: record the experts each token is routed to (SGLang's
         ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`).
         The prefix cache's budget (`prefix.PrefixCache`): `prefix_cache_tokens` tokens, or else as many tokens as
         `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache."""
@@ -185,6 +198,11 @@ class Scheduler:
 
         self.indexed = any(type(layer).__name__ == "DynamicIndexedLayer"
                            for layer in DynamicCache(config=model.config).layers)
+        self.speculative = speculative
+        if speculative and any(self.recurrent):
+            raise ValueError(f"speculative decoding: {model.config.model_type} has linear-attention layers, whose "
+                             f"recurrent state cannot take back refused drafts")
+        self.spec_verify_ct = self.spec_proposed = self.spec_correct = 0
         if (any(self.recurrent) or self.indexed) and self.prefix is not None:
             log.info("prefix cache off: %s has linear-attention or sparse-attention layers (a prefix's state is not "
                      "its keys and values alone)", model.config.model_type)
@@ -331,6 +349,10 @@ class Scheduler:
                 layer.indexer_keys = state[2][:, 0]
         return cache
 
+    @property
+    def _pad(self) -> int:
+        return self.tokenizer.pad_token_id or 0
+
     def _columns(self, layer: int) -> bool:
         """Whether the layer's cache has a column per token (keys and values), which rows pad and trim."""
         return not (self.recurrent and self.recurrent[layer])
@@ -342,17 +364,19 @@ class Scheduler:
         idx = torch.tensor(keep, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         self._sampling = None
-        mask = self._mask.index_select(0, idx)
-        # Trim columns that no remaining row attends to (left padding of finished long rows).
-        used = mask.any(0).nonzero()
-        start = int(used[0]) if len(used) else mask.shape[1]
-        kv = [tuple(t.index_select(0, idx)[:, :, start:] if self._columns(i) else t.index_select(0, idx)
-                    for t in state)
-              for i, state in enumerate(self._layers(self._cache))]
-        self._cache = self._make_cache(kv)
-        self._mask = mask[:, start:]
         self._pos = self._pos.index_select(0, idx)
         self._last = self._last.index_select(0, idx)
+        self._set_columns(self._mask.index_select(0, idx),
+                          [tuple(t.index_select(0, idx) for t in state) for state in self._layers(self._cache)])
+
+    def _set_columns(self, mask: torch.Tensor, kv: list[tuple[torch.Tensor, ...]]) -> None:
+        """Make `mask` and `kv` the batch's, less the leading columns no row attends to (left padding of finished
+        long rows, refused drafts)."""
+        used = mask.any(0).nonzero()
+        start = int(used[0]) if len(used) else mask.shape[1]
+        self._cache = self._make_cache([tuple(t[:, :, start:] if self._columns(i) else t for t in state)
+                                        for i, state in enumerate(kv)])
+        self._mask = mask[:, start:]
 
     def _prefill(self, new: list[Request]) -> None:
         """Prefill new requests in as few forwards as padding allows. Each distinct prompt runs only the ids after
@@ -380,8 +404,7 @@ class Scheduler:
         n, run = len(prompts), max(p.todo for p in prompts)
         past = [max(len(p.ids) - run, 0) for p in prompts]  # cached ids each row takes, at most what it has
         width = max(past)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((n, run), pad, dtype=torch.long, device=self.device)
+        ids = torch.full((n, run), self._pad, dtype=torch.long, device=self.device)
         pos = torch.zeros((n, run), dtype=torch.long, device=self.device)
         mask = torch.zeros((n, width + run), dtype=torch.long, device=self.device)
         for i, (p, k) in enumerate(zip(prompts, past, strict=True)):
@@ -481,6 +504,19 @@ class Scheduler:
         self.rows += new
 
     def _decode(self) -> None:
+        if self.speculative:
+            # at most the tokens the row may still take, less the one after the drafts
+            drafts = [ngram_draft(r.input_ids + r.output_ids, min(
+                self.speculative, r.params.max_new_tokens - len(r.output_ids) - 1,
+                self.max_context - len(r.input_ids) - len(r.output_ids) - 1)) for r in self.rows]
+            # every row runs as many positions as the longest draft: speculate when drafts fill at least half of them
+            # (measured on small-qwen3: speculating whenever any row drafts ran 0.73x plain at temperature 0.6)
+            if any(drafts) and 2 * sum(map(len, drafts)) >= len(drafts) * max(map(len, drafts)):
+                self._speculate(drafts)
+                return
+            for r in self.rows:  # a verify step with nothing to verify, as SGLang counts them
+                r.spec_verify_ct += 1
+            self.spec_verify_ct += len(self.rows)
         b = len(self.rows)
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, 1))], dim=1)
         # Without padding the model can take its causal fast path; building a mask costs ~30% at batch 1.
@@ -497,6 +533,72 @@ class Scheduler:
         self._pos = self._pos + 1
         self.steps += 1
         self._emit(out.logits[:, -1].float())
+
+    def _speculate(self, drafts: list[list[int]]) -> None:
+        """One decode step that also verifies each row's drafts: feeds ``[last, d_1 .. d_k]`` (rows with fewer
+        drafts padded, their padding never taken), takes what `verify` accepts plus the token after, and drops the
+        KV of the rest."""
+        b, k = len(self.rows), max(map(len, drafts))
+        lengths = torch.tensor([len(d) for d in drafts], device=self.device)
+        padded = torch.tensor([d + [self._pad] * (k - len(d)) for d in drafts], dtype=torch.long, device=self.device)
+        self._mask = torch.cat([self._mask, self._mask.new_ones((b, k + 1))], dim=1)
+        mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
+        experts = self._routing(self.rows)
+        out = self.model(input_ids=torch.cat([self._last[:, None], padded], 1), attention_mask=mask,
+                         position_ids=self._pos[:, None] + torch.arange(k + 1, device=self.device),
+                         past_key_values=self._cache, use_cache=True)
+        taken = experts.take(b, k + 1) if experts is not None else None
+        self._cache = out.past_key_values
+        self.steps += 1
+        seeds = {i: (r.params.sampling_seed, len(r.output_ids)) for i, r in enumerate(self.rows)
+                 if r.params.sampling_seed is not None}
+        tokens, logprobs, accepted = verify(out.logits.float(), padded, lengths, [r.params for r in self.rows],
+                                            self.generator, seeds)
+        kept, done = [], []
+        for i, (r, toks, lps, n_ok) in enumerate(zip(self.rows, tokens.tolist(), logprobs.tolist(),
+                                                     accepted.tolist(), strict=True)):
+            n = 0
+            for tok, lp in zip(toks[:n_ok + 1], lps[:n_ok + 1], strict=True):
+                n += 1
+                reason = self._append(r, tok, lp)
+                if reason is not None:
+                    self._finish(r, reason)
+                    done.append(i)
+                    break
+            else:
+                if r.on_token is not None:
+                    r.text = self._text(r)
+                    r.on_token(r)
+            kept.append(n)
+            r.spec_verify_ct += 1
+            r.spec_proposed += len(drafts[i])
+            r.spec_correct += min(n_ok, n)
+            self.spec_correct += min(n_ok, n)
+            if taken is not None and r.return_routed_experts:
+                r.routed.append(taken[i, :n])
+        self.spec_verify_ct += b
+        self.spec_proposed += int(lengths.sum())
+        n_kept = torch.tensor(kept, device=self.device)
+        self._pos = self._pos + n_kept
+        self._last = tokens[torch.arange(b, device=self.device), n_kept - 1]
+        self._keep_columns(k + 1 - n_kept)
+        self._retire(done)
+
+    def _keep_columns(self, refused: torch.Tensor) -> None:
+        """Drop each row's last `refused[b]` KV columns, shifting the row right by as many (its front becomes
+        padding): rows stay right-aligned, as decoding them on needs."""
+        if not bool(refused.any()):
+            return
+        width = self._mask.shape[1]
+        src = torch.arange(width, device=self.device)[None, :] - refused[:, None]  # [B, W] column each comes from
+        valid = src >= 0
+        src = src.clamp(min=0)
+
+        def shifted(t: torch.Tensor) -> torch.Tensor:  # [B, heads, W, d]
+            return t.gather(2, src[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
+
+        self._set_columns(self._mask.gather(1, src) * valid, [tuple(shifted(t) for t in state)
+                                                               for state in self._layers(self._cache)])
 
     def _routing(self, rows: list[Request]) -> RoutedExperts | None:
         """The recorder, when this forward records routed experts (some row asked, and the engine captures them)."""
@@ -522,27 +624,35 @@ class Scheduler:
             tokens, logprobs = sample(logits, [r.params for r in rows], self.generator, seeded)
             self._last.index_copy_(0, torch.tensor(row_idx, device=self.device), tokens)
         done: list[int] = []
-        now = time.monotonic()
         for i, r, tok, lp in zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            r.output_ids.append(tok)
-            r.logprobs.append(lp)
-            r.versions.append(self.weight_version)
-            r.first_token_at = r.first_token_at or now
-            self.generated_tokens += 1
-            reason = self._stop_reason(r, tok)
+            reason = self._append(r, tok, lp)
             if reason is not None:
                 self._finish(r, reason)
                 done.append(i)
             elif r.on_token is not None:
                 r.text = self._text(r)
                 r.on_token(r)
-        if done:
-            for i in done:  # the KV of everything fed so far: the prompt and all but the last output token
-                r = self.rows[i]
-                if not r.aborted and r.kv_epoch == self.kv_epoch:
-                    seq = (r.input_ids + r.output_ids)[:-1]
-                    self._remember(seq, self._cache, i, len(seq))
-            self._select([i for i in range(len(self.rows)) if i not in set(done)])
+        self._retire(done)
+
+    def _append(self, r: Request, tok: int, lp: float) -> dict[str, Any] | None:
+        """Append a sampled token to its request; returns why the request stops there, if it does."""
+        r.output_ids.append(tok)
+        r.logprobs.append(lp)
+        r.versions.append(self.weight_version)
+        r.first_token_at = r.first_token_at or time.monotonic()
+        self.generated_tokens += 1
+        return self._stop_reason(r, tok)
+
+    def _retire(self, done: list[int]) -> None:
+        """Drop the rows that finished, keeping their KV in the prefix cache."""
+        if not done:
+            return
+        for i in done:  # the KV of everything fed so far: the prompt and all but the last output token
+            r = self.rows[i]
+            if not r.aborted and r.kv_epoch == self.kv_epoch:
+                seq = (r.input_ids + r.output_ids)[:-1]
+                self._remember(seq, self._cache, i, len(seq))
+        self._select([i for i in range(len(self.rows)) if i not in set(done)])
 
     def _stop_reason(self, r: Request, tok: int) -> dict[str, Any] | None:
         p = r.params

@@ -205,6 +205,11 @@ class EngineServer(WeightRoutes):
             "cached_tokens_details": {"device": r.cached_tokens, "host": 0} if r.cached_tokens else None,
             "dp_rank": None,
         }
+        if r.spec_verify_ct:  # as SGLang reports speculative decoding per request
+            meta.update({"spec_accept_rate": r.spec_correct / max(r.spec_proposed, 1),
+                         "spec_accept_length": len(r.output_ids) / r.spec_verify_ct,
+                         "spec_num_correct_drafts": r.spec_correct, "spec_num_proposed_drafts": r.spec_proposed,
+                         "spec_verify_ct": r.spec_verify_ct})
         if r.finish_reason is not None:
             meta["response_sent_to_client_ts"] = time.time()
             spans = weight_version_spans(list(r.versions), self.s.weight_version)
@@ -380,6 +385,9 @@ class EngineServer(WeightRoutes):
              "Prompt tokens not prefilled: prefix cache hits and forked prompts"),
             ("sglang:cache_hit_rate", "gauge", self.s.cached_tokens / max(self.s.prompt_tokens, 1),
              "Cached prompt tokens over prompt tokens"),
+            ("sglang:spec_verify_ct_total", "counter", self.s.spec_verify_ct, "Speculative verify steps, by request"),
+            ("sglang:spec_proposed_drafts_total", "counter", self.s.spec_proposed, "Draft tokens verified"),
+            ("sglang:spec_correct_drafts_total", "counter", self.s.spec_correct, "Draft tokens accepted"),
             ("sglang:num_running_reqs", "gauge", len(self.s.rows), "Requests decoding"),
             ("sglang:num_queue_reqs", "gauge", len(self.s.waiting), "Requests waiting"),
         ):
