@@ -50,13 +50,17 @@ def test_int4_rollout_and_quantisation_aware_training(tmp_path):
     assert not torch.equal(after, before) and (after - before).abs().max() < 0.1  # trained, not quantised
 
 
-def test_speculative_decoding_in_rl_train(tmp_path):
-    """``rollout.engines[*].speculative: {method: ngram}`` on the quickstart's model: the engine verifies n-gram drafts each step; the log-probs
-    it returns are the policy's (the trainer's within the full-precision tolerance), and each step reports the drafts'
-    acceptance and the tokens per verify step, as SGLang counts them, beside the rollout's tokens per second."""
-    run = train_and_export(tmp_path, "builtin://tiny-qwen3-arith", 3, "rollout.engines.0.speculative.method=ngram",
-                           "rollout.engines.0.speculative.num_draft_tokens=3", "rollout.sampling.max_new_tokens=32",
-                           "rollout.sampling.ignore_eos=true")
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_in_rl_train(tmp_path, method):
+    """``rollout.engines[*].speculative`` on the quickstart's model, 32 tokens past its answer (ignore_eos), where it
+    repeats itself: n-gram drafts, or drafts from the model the run starts from (not trained, as SGLang's STANDALONE
+    drafts are not); the engine verifies them each step. The log-probs it returns are the policy's (the trainer's within the full-precision
+    tolerance), and each step reports the drafts' acceptance and the tokens per verify step, as SGLang counts them,
+    beside the rollout's tokens per second."""
+    draft = ["rollout.engines.0.speculative.draft_model=builtin://tiny-qwen3-arith"] if method == "draft_model" else []
+    run = train_and_export(tmp_path, "builtin://tiny-qwen3-arith", 3, f"rollout.engines.0.speculative.method={method}",
+                           *draft, "rollout.engines.0.speculative.num_draft_tokens=3",
+                           "rollout.sampling.max_new_tokens=32", "rollout.sampling.ignore_eos=true")
     for r in run["rows"]:
         assert r["train_rollout_logprob_diff"] < 1e-5
         assert 0 < r["rollout/spec_accept_rate"] <= 1 and r["rollout/spec_accept_length"] > 1, r

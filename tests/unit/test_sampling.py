@@ -3,7 +3,7 @@ sampling_seed draws the same token whatever else runs."""
 
 import torch
 
-from rlx.rollout.engines.embedded.sampling import SamplingParams, draw, sample, seeded_uniform, verify
+from rlx.rollout.engines.embedded.sampling import SamplingParams, draw, propose, sample, seeded_uniform, verify
 
 
 def test_draws_follow_each_rows_probabilities():
@@ -130,3 +130,22 @@ def test_speculative_greedy_padding_and_seeded_rows():
     runs = {str(verify(logits, drafts, torch.tensor([2, 2, 1, 2]), seeded, torch.Generator().manual_seed(g),
                        {i: (5, 7) for i in range(4)})[0].tolist()) for g in range(5)}
     assert len(runs) == 1
+
+
+def test_speculative_verify_of_a_draft_models_samples_by_hand():
+    """Drafts drawn from q = [0.2, 0.6, 0.2] (`propose`) for p = [0.5, 0.3, 0.2]: a draft passes with probability
+    min(1, p/q), in all sum(min(p, q)) = 0.7; a refused one is replaced from max(p - q, 0) / 0.3 = [1, 0, 0]; so the
+    token is 0 with 0.2 + 0.3 = 0.5, 1 with 0.3, 2 with 0.2: p. A greedy row's draft is q's argmax, one-hot."""
+    n = 200_000
+    g = torch.Generator().manual_seed(4)
+    q_logits = torch.tensor([0.2, 0.6, 0.2]).log()[None].repeat(n, 1)
+    drafts, q = propose(q_logits, [SamplingParams()] * n, g)
+    assert torch.allclose(q[0], torch.tensor([0.2, 0.6, 0.2]))
+    logits = torch.stack([torch.tensor([0.5, 0.3, 0.2]).log(), torch.zeros(3)])[None].repeat(n, 1, 1)
+    tokens, _, accepted = verify(logits, drafts[:, None], torch.ones(n, dtype=torch.long), [SamplingParams()] * n, g,
+                                 q=q[:, None])
+    assert abs(accepted.float().mean() - 0.7) < 0.005
+    assert torch.allclose(torch.bincount(tokens[:, 0], minlength=3).float() / n, torch.tensor([0.5, 0.3, 0.2]),
+                          atol=0.005)
+    token, q = propose(q_logits[:1], [SamplingParams(temperature=0)], g)
+    assert token.tolist() == [1] and q.tolist() == [[0.0, 1.0, 0.0]]

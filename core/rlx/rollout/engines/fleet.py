@@ -41,19 +41,19 @@ def sglang_on_cpu(cfg: Config, g: EngineGroupConfig) -> bool:
 
 def speculative_args(g: EngineGroupConfig) -> dict[str, Any]:
     """SGLang's launch options for a group's speculative decoding (``speculative``), which the embedded engine takes
-    too for n-gram drafts. MTP drafts are SGLang's EAGLE over the checkpoint's own MTP layers, a draft model its
-    STANDALONE, each a chain of num_draft_tokens single drafts (top-k 1, as slime runs them)."""
+    too (n-gram and draft-model drafts). MTP drafts are SGLang's EAGLE over the checkpoint's own MTP layers, a draft
+    model its STANDALONE; on SGLang each is a chain of num_draft_tokens single drafts (top-k 1, as slime runs them),
+    which is what the embedded engine drafts."""
     spec = g.speculative
     if spec is None:
         return {}
-    out: dict[str, Any] = {"speculative_num_draft_tokens": spec.num_draft_tokens + 1}
-    if spec.method == "ngram":
-        return {"speculative_algorithm": "NGRAM", **out}
-    out.update(speculative_num_steps=spec.num_draft_tokens, speculative_eagle_topk=1)
-    if spec.method == "mtp":
-        return {"speculative_algorithm": "EAGLE", **out}
-    return {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": resolve_model_path(
-        spec.draft_model or ""), **out}
+    out: dict[str, Any] = {"speculative_algorithm": {"ngram": "NGRAM", "mtp": "EAGLE", "draft_model": "STANDALONE"}[
+        spec.method], "speculative_num_draft_tokens": spec.num_draft_tokens + 1}
+    if spec.draft_model:
+        out["speculative_draft_model_path"] = resolve_model_path(spec.draft_model)
+    if spec.method != "ngram" and g.backend == "sglang":
+        out.update(speculative_num_steps=spec.num_draft_tokens, speculative_eagle_topk=1)
+    return out
 
 
 @dataclass

@@ -42,9 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve quantised weights, held as pushed and computed with dequantised: fp8, the FP8 "
                         "checkpoint at --model-path as stored (without this flag it is served dequantised); int4, "
                         "the model's weights quantised at start (W4A16, groups of 128)")
-    p.add_argument("--speculative-algorithm", choices=["NGRAM"],
-                   help="speculative decoding: NGRAM, drafts looked up in the request's own tokens, verified by "
-                        "rejection sampling (tokens as without, more of them per forward)")
+    p.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"],
+                   help="speculative decoding, drafts verified by rejection sampling (tokens as without, more of them "
+                        "per forward): NGRAM, looked up in the request's own tokens; STANDALONE, drawn from the model "
+                        "at --speculative-draft-model-path")
+    p.add_argument("--speculative-draft-model-path", help="STANDALONE: the draft model (the same tokenizer)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=5,
                    help="tokens a verify forward runs per request, as SGLang counts them: the last one and the drafts")
     return p.parse_args(argv)
@@ -52,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (args.speculative_algorithm == "STANDALONE") != (args.speculative_draft_model_path is not None):
+        print("error: --speculative-draft-model-path names the draft of --speculative-algorithm STANDALONE, and only "
+              "of it", file=sys.stderr)
+        return 2
     if args.speculative_algorithm and args.speculative_num_draft_tokens < 2:
         print("error: --speculative-num-draft-tokens counts the last token and the drafts: at least 2",
               file=sys.stderr)
@@ -79,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer_path or path))
     model = load_lm(path, getattr(torch, dtype)).to(device).eval()
+    draft = None
+    if args.speculative_draft_model_path:
+        draft = load_lm(resolve_model_path(args.speculative_draft_model_path), getattr(torch, dtype)).to(device).eval()
     from rlx.rollout.engines.embedded.weights import name_as_checkpoint
 
     name_as_checkpoint(model, path)  # (pushes come by the checkpoint's names)
@@ -103,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                           capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if no_cache else args.prefix_cache_tokens,
                           prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20),
-                          speculative=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
+                          speculative=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
+                          draft=draft)
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

@@ -77,19 +77,38 @@ def kept(logp: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 _ACCEPT_SALT = 0x5EC0DE
 
 
+# the salt of a seeded row's draft draws (`propose`)
+_DRAFT_SALT = 0xD4AF7
+
+
+def propose(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator,
+            seeds: dict[int, tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft model's token per row, drawn as `sample` would draw from its logits, and the distribution it was
+    drawn from, normalised ``[B, V]`` (one-hot at the argmax for a greedy row): `verify`'s ``q``. `seeds`: row ->
+    (sampling_seed, position), whose draws come from `seeded_uniform` (salted)."""
+    t = SamplingTensors(params, logits.device)
+    logp = torch.log_softmax(logits / t.divisor, dim=-1)
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logp.dtype)
+    q = greedy if t.all_greedy else kept(logp, t)
+    q = torch.where(t.greedy[:, None], greedy, q / q.sum(-1, keepdim=True))
+    seeded = {i: seeded_uniform(seed ^ _DRAFT_SALT, at) for i, (seed, at) in (seeds or {}).items()}
+    return draw(q, generator, seeded), q
+
+
 def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, params: list[SamplingParams],
-           generator: torch.Generator, seeds: dict[int, tuple[int, int]] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) of deterministic drafts: the tokens follow
-    exactly the distribution `sample` draws from, token after token.
+           generator: torch.Generator, seeds: dict[int, tuple[int, int]] | None = None,
+           q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): the tokens follow exactly the distribution
+    `sample` draws from, token after token, whatever the drafts.
 
     `logits` ``[B, k + 1, V]``: the target's at the row's last token and at each of its `k` drafts; `drafts`
-    ``[B, k]``, of which the first `lengths[b]` are row b's (the rest is padding, never accepted). A draft that is
-    a point mass (n-gram lookup) is accepted with probability ``p(d)`` (``min(1, p/q)`` with ``q(d) = 1``); the
-    first rejected one is replaced by a draw from ``max(p - q, 0)`` normalised, which is ``p`` without ``d``; a row
-    whose drafts all pass draws its next token from ``p`` after the last one. Greedy rows accept the drafts that
-    are the argmax and then take the argmax. ``p`` is the row's distribution after temperature, top-k, top-p and
-    min-p, as `sample` draws from it.
+    ``[B, k]``, of which the first `lengths[b]` are row b's (the rest is padding, never accepted); `q` ``[B, k, V]``:
+    the distributions the drafts were drawn from (`propose`), or None for drafts that are point masses (n-gram
+    lookup). A draft passes with probability ``min(1, p(d) / q(d))`` (``p(d)`` for a point mass); the first refused
+    one is replaced by a draw from ``max(p - q, 0)`` normalised (for a point mass, ``p`` without ``d``); a row whose
+    drafts all pass draws its next token from ``p`` after the last one. Greedy rows accept the drafts that are the
+    argmax and then take the argmax. ``p`` is the row's distribution after temperature, top-k, top-p and min-p, as
+    `sample` draws from it.
 
     `seeds`: row -> (sampling_seed, index of the row's next output token): such a row's numbers come from
     `seeded_uniform` (its acceptance numbers salted), not from `generator`.
@@ -115,14 +134,19 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, pa
         for i, (seed, at) in (seeds or {}).items():
             u[i] = torch.tensor([seeded_uniform(seed ^ _ACCEPT_SALT, at + j) for j in range(k)], dtype=u.dtype)
         p_d = probs[:, :k].gather(2, drafts[..., None])[..., 0].double()
-        ok = torch.where(greedy[:, None], drafts == target[:, :k], u < p_d)
+        q_d = 1.0 if q is None else q.gather(2, drafts[..., None])[..., 0].double()
+        ok = torch.where(greedy[:, None], drafts == target[:, :k], u * q_d < p_d)
     accepted = (ok & real).int().cumprod(1).sum(1)  # [B]
     last = target[rows, accepted]
     if probs is not None:
         p = probs[rows, accepted]  # [B, V]
         rejected = accepted < lengths  # a draft was refused here: draw from p without it
-        d = drafts[rows, accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros(b, dtype=torch.long, device=dev)
-        residual = p.scatter(1, d[:, None], 0.0)
+        refused_at = accepted.clamp(max=max(k - 1, 0))
+        if q is None:
+            d = drafts[rows, refused_at] if k else torch.zeros(b, dtype=torch.long, device=dev)
+            residual = p.scatter(1, d[:, None], 0.0)
+        else:
+            residual = (p - q[rows, refused_at]).clamp(min=0)
         residual = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p)
         seeded = {i: seeded_uniform(seed, at + int(accepted[i])) for i, (seed, at) in (seeds or {}).items()}
         last = torch.where(greedy, last, draw(residual, generator, seeded))

@@ -18,11 +18,13 @@ Choices:
   stop; the text excludes it and is cut before a matched stop string.
 * Commands (weight updates, flush, pause) run in this thread between two decode steps, so a step
   never sees half-updated weights. Each output token records the weight version that produced it.
-* Speculative decoding (`speculative` > 0 drafts a step): a decode step feeds each row its last token and the
-  n-gram drafts found for it (`speculative.ngram_draft`), verifies them by rejection sampling against the
-  target's logits (`sampling.verify`: the tokens follow plain sampling's distribution, greedy ones are the
-  same, the logprobs are the target's), and keeps the KV of the tokens taken: each row's columns are shifted
-  right by what it refused, so rows stay right-aligned. A step whose drafts fill less than half of the positions
+* Speculative decoding (`speculative` > 0 drafts a step): a decode step feeds each row its last token and its
+  drafts, verifies them by rejection sampling against the target's logits (`sampling.verify`: the tokens follow
+  plain sampling's distribution, greedy ones are the same, the logprobs are the target's), and keeps the KV of
+  the tokens taken: each row's columns are shifted right by what it refused, so rows stay right-aligned. Drafts
+  are n-gram lookups in the row's own tokens (`speculative.ngram_draft`), or a draft model's samples: a smaller
+  model with the same tokenizer whose KV is kept beside the target's, column for column (it is prefilled with
+  the prompts, runs the same tokens, and loses the same refused columns). A step whose drafts fill less than half of the positions
   the batch would run (every row runs the longest draft's) decodes as without: on a CPU a verify forward costs
   about a token's forward per position, which padding never pays back.
 """
@@ -39,9 +41,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
 
 from rlx.rollout.engines.embedded.routing import RoutedExperts
-from rlx.rollout.engines.embedded.sampling import SamplingParams, SamplingTensors, sample, seeded_uniform, verify
+from rlx.rollout.engines.embedded.sampling import (SamplingParams, SamplingTensors, propose, sample, seeded_uniform,
+                                                  verify)
 from rlx.rollout.engines.embedded.speculative import ngram_draft
 
 if TYPE_CHECKING:
@@ -50,6 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _rid_counter = itertools.count()
+
+
+def _plain_layers(cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (keys, values) of a cache of full-attention layers only (a draft model's)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @dataclass
@@ -148,9 +157,9 @@ class Scheduler:
 
     def __init__(self, model: HFModel, tokenizer: Tokenizer, *, max_running: int = 64, seed: int = 0,
                  max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
-                 prefix_cache_bytes: int = 0, speculative: int = 0):
-        """`speculative`: n-gram drafts verified per decode step (0: none; SGLang's
-        ``--speculative-num-draft-tokens`` less one). `capture_experts`: record the experts each token is routed to (SGLang's
+                 prefix_cache_bytes: int = 0, speculative: int = 0, draft: HFModel | None = None):
+        """`speculative`: drafts verified per decode step (0: none; SGLang's ``--speculative-num-draft-tokens`` less
+        one), by n-gram lookup, or drawn from `draft` (a model with the target's tokenizer). `capture_experts`: record the experts each token is routed to (SGLang's
         ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`).
         The prefix cache's budget (`prefix.PrefixCache`): `prefix_cache_tokens` tokens, or else as many tokens as
         `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache."""
@@ -194,11 +203,14 @@ class Scheduler:
         self.recurrent = [t == "linear_attention" for t in types]
         # sparse-attention layers (DeepSeek-V3.2's, GLM-5's) keep their indexer's keys beside the keys and values:
         # one more tensor per token column, selected, padded and joined with them
-        from transformers import DynamicCache
-
         self.indexed = any(type(layer).__name__ == "DynamicIndexedLayer"
                            for layer in DynamicCache(config=model.config).layers)
         self.speculative = speculative
+        self.draft = draft
+        self._dcache: KVCache = None  # the draft model's KV of the running rows, in the target's columns
+        if draft is not None and not self._cacheable(DynamicCache(config=draft.config)):
+            raise ValueError(f"speculative decoding: the draft model ({draft.config.model_type}) has layers other "
+                             f"than full attention, whose state the engine cannot keep beside the target's")
         if speculative and any(self.recurrent):
             raise ValueError(f"speculative decoding: {model.config.model_type} has linear-attention layers, whose "
                              f"recurrent state cannot take back refused drafts")
@@ -310,7 +322,7 @@ class Scheduler:
     # -- batch state ---------------------------------------------------------------------------
 
     def _reset_batch(self) -> None:
-        self.rows, self._cache, self._sampling = [], None, None
+        self.rows, self._cache, self._dcache, self._sampling = [], None, None, None
         self._mask, self._pos, self._last = self._mask.new_zeros((0, 0)), self._pos.new_zeros(0), self._last.new_zeros(0)
 
     def _layers(self, cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
@@ -328,8 +340,6 @@ class Scheduler:
         return out
 
     def _make_cache(self, kv: list[tuple[torch.Tensor, ...]]) -> Any:
-        from transformers import DynamicCache
-
         if not any(self.recurrent) and not self.indexed:
             return DynamicCache(ddp_cache_data=kv)
         cache = DynamicCache(config=self.model.config)
@@ -367,15 +377,26 @@ class Scheduler:
         self._pos = self._pos.index_select(0, idx)
         self._last = self._last.index_select(0, idx)
         self._set_columns(self._mask.index_select(0, idx),
-                          [tuple(t.index_select(0, idx) for t in state) for state in self._layers(self._cache)])
+                          *([tuple(t.index_select(0, idx) for t in state) for state in layers]
+                            for layers in self._state()))
 
-    def _set_columns(self, mask: torch.Tensor, kv: list[tuple[torch.Tensor, ...]]) -> None:
-        """Make `mask` and `kv` the batch's, less the leading columns no row attends to (left padding of finished
-        long rows, refused drafts)."""
+    def _state(self) -> list[list[tuple[torch.Tensor, ...]]]:
+        """The running rows' per-layer state (`_layers`): the target's, and the draft model's when there is one."""
+        out = [self._layers(self._cache)]
+        if self.draft is not None:
+            out.append(_plain_layers(self._dcache))
+        return out
+
+    def _set_columns(self, mask: torch.Tensor, kv: list[tuple[torch.Tensor, ...]],
+                     draft: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Make `mask`, `kv` and the draft model's `draft` the batch's, less the leading columns no row attends to
+        (left padding of finished long rows, refused drafts)."""
         used = mask.any(0).nonzero()
         start = int(used[0]) if len(used) else mask.shape[1]
         self._cache = self._make_cache([tuple(t[:, :, start:] if self._columns(i) else t for t in state)
                                         for i, state in enumerate(kv)])
+        if draft is not None:
+            self._dcache = DynamicCache(ddp_cache_data=[(k[:, :, start:], v[:, :, start:]) for k, v in draft])
         self._mask = mask[:, start:]
 
     def _prefill(self, new: list[Request]) -> None:
@@ -423,10 +444,14 @@ class Scheduler:
             self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
         taken = experts.take(n, run) if experts is not None else None
+        draft = self._draft_prefill(prompts, mask) if self.draft is not None else None
         which = [i for i, p in enumerate(prompts) for _ in p.requests]
         if len(which) > n:  # fork each prompt's row to its requests
             idx = torch.tensor(which, device=self.device)
             cache = self._make_cache([tuple(t.index_select(0, idx) for t in state) for state in self._layers(cache)])
+            if draft is not None:
+                draft = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx))
+                                                     for k, v in _plain_layers(draft)])
             logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
             taken = taken.index_select(0, idx) if taken is not None else None
         every = [r for p in prompts for r in p.requests]
@@ -434,9 +459,21 @@ class Scheduler:
             for i, r in enumerate(every):
                 if r.return_routed_experts:  # its prompt ran whole: no cached ids
                     r.routed.append(taken[i, run - len(r.input_ids):])
-        self._merge(every, cache, mask, mask.sum(-1))
+        self._merge(every, cache, mask, mask.sum(-1), draft)
         offset = len(self.rows) - len(every)
         self._emit(logits, list(range(offset, len(self.rows))))
+
+    def _draft_prefill(self, prompts: list[_Prompt], mask: torch.Tensor) -> KVCache:
+        """The draft model's KV of the prompts, whole (it has no prefix cache), in the columns `mask` gives them."""
+        n, width = mask.shape
+        ids = torch.full((n, width), self._pad, dtype=torch.long, device=self.device)
+        pos = torch.zeros((n, width), dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p.ids):] = torch.tensor(p.ids, device=self.device)
+            pos[i, width - len(p.ids):] = torch.arange(len(p.ids), device=self.device)
+        assert self.draft is not None
+        return self.draft(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
+                          position_ids=pos, use_cache=True, logits_to_keep=1).past_key_values
 
     def _left_padded(self, prompts: list[_Prompt], past: list[int], width: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer, the rows' first `past[i]` cached keys and values, left-padded to `width` columns."""
@@ -476,10 +513,11 @@ class Scheduler:
         """Full-attention layers only: a sliding-window or recurrent layer's state is not a per-token KV."""
         return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
 
-    def _merge(self, new: list[Request], cache: KVCache, mask: torch.Tensor, pos: torch.Tensor) -> None:
+    def _merge(self, new: list[Request], cache: KVCache, mask: torch.Tensor, pos: torch.Tensor,
+               draft: KVCache = None) -> None:
         self._sampling = None
         if not self.rows:
-            self.rows, self._cache, self._mask, self._pos = list(new), cache, mask, pos
+            self.rows, self._cache, self._mask, self._pos, self._dcache = list(new), cache, mask, pos, draft
             self._last = torch.zeros(len(new), dtype=torch.long, device=self.device)
             return
         old_len, new_len = self._mask.shape[1], mask.shape[1]
@@ -492,12 +530,15 @@ class Scheduler:
             shape[dim] = to - t.shape[dim]
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-        kv = [
-            tuple(torch.cat([left_pad(a, 2, total), left_pad(b, 2, total)]) if self._columns(i) else torch.cat([a, b])
-                  for a, b in zip(old, new_, strict=True))
-            for i, (old, new_) in enumerate(zip(self._layers(self._cache), self._layers(cache), strict=True))
-        ]
-        self._cache = self._make_cache(kv)
+        def joined(old: list[tuple[torch.Tensor, ...]], new_: list[tuple[torch.Tensor, ...]], columns: bool = False
+                   ) -> list[tuple[torch.Tensor, ...]]:
+            return [tuple(torch.cat([left_pad(a, 2, total), left_pad(b, 2, total)]) if columns or self._columns(i)
+                          else torch.cat([a, b]) for a, b in zip(x, y, strict=True))
+                    for i, (x, y) in enumerate(zip(old, new_, strict=True))]
+
+        self._cache = self._make_cache(joined(self._layers(self._cache), self._layers(cache)))
+        if self.draft is not None:
+            self._dcache = DynamicCache(ddp_cache_data=joined(_plain_layers(self._dcache), _plain_layers(draft), True))
         self._mask = torch.cat([left_pad(self._mask, 1, total), left_pad(mask, 1, total)])
         self._pos = torch.cat([self._pos, pos])
         self._last = torch.cat([self._last, torch.zeros(len(new), dtype=torch.long, device=self.device)])
@@ -506,13 +547,19 @@ class Scheduler:
     def _decode(self) -> None:
         if self.speculative:
             # at most the tokens the row may still take, less the one after the drafts
-            drafts = [ngram_draft(r.input_ids + r.output_ids, min(
-                self.speculative, r.params.max_new_tokens - len(r.output_ids) - 1,
-                self.max_context - len(r.input_ids) - len(r.output_ids) - 1)) for r in self.rows]
+            room = [min(self.speculative, r.params.max_new_tokens - len(r.output_ids) - 1,
+                        self.max_context - len(r.input_ids) - len(r.output_ids) - 1) for r in self.rows]
+            if self.draft is not None:  # the draft model runs every step, to keep its KV in step with the target's
+                self._speculate(*self._draft_tokens(room))
+                return
+            drafts = [ngram_draft(r.input_ids + r.output_ids, n) for r, n in zip(self.rows, room, strict=True)]
             # every row runs as many positions as the longest draft: speculate when drafts fill at least half of them
             # (measured on small-qwen3: speculating whenever any row drafts ran 0.73x plain at temperature 0.6)
-            if any(drafts) and 2 * sum(map(len, drafts)) >= len(drafts) * max(map(len, drafts)):
-                self._speculate(drafts)
+            k = max(map(len, drafts))
+            if k and 2 * sum(map(len, drafts)) >= len(drafts) * k:
+                padded = torch.tensor([d + [self._pad] * (k - len(d)) for d in drafts], dtype=torch.long,
+                                      device=self.device)
+                self._speculate(padded, torch.tensor([len(d) for d in drafts], device=self.device))
                 return
             for r in self.rows:  # a verify step with nothing to verify, as SGLang counts them
                 r.spec_verify_ct += 1
@@ -534,13 +581,37 @@ class Scheduler:
         self.steps += 1
         self._emit(out.logits[:, -1].float())
 
-    def _speculate(self, drafts: list[list[int]]) -> None:
-        """One decode step that also verifies each row's drafts: feeds ``[last, d_1 .. d_k]`` (rows with fewer
-        drafts padded, their padding never taken), takes what `verify` accepts plus the token after, and drops the
-        KV of the rest."""
-        b, k = len(self.rows), max(map(len, drafts))
-        lengths = torch.tensor([len(d) for d in drafts], device=self.device)
-        padded = torch.tensor([d + [self._pad] * (k - len(d)) for d in drafts], dtype=torch.long, device=self.device)
+    def _draft_tokens(self, room: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft model's `speculative` tokens per row, each drawn as the row samples (`propose`), and the
+        distributions they were drawn from. It runs the row's last token and each draft, the last one only for its
+        KV, so that it holds the columns the target's verify forward adds. A row's drafts past its `room` are
+        padding (`verify` takes none)."""
+        assert self.draft is not None
+        b, k, vocab = len(self.rows), self.speculative, self.model.config.get_text_config().vocab_size
+        params = [r.params for r in self.rows]
+        mask, token = self._mask, self._last
+        drafts, dists = [], []
+        for j in range(k + 1):
+            mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
+            out = self.draft(input_ids=token[:, None], attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
+                             position_ids=self._pos[:, None] + j, past_key_values=self._dcache, use_cache=True)
+            self._dcache = out.past_key_values
+            if j == k:
+                break
+            logits = out.logits[:, -1, :vocab].float()  # (a draft's embedding may have other padding rows)
+            seeds = {i: (r.params.sampling_seed, len(r.output_ids) + j) for i, r in enumerate(self.rows)
+                     if r.params.sampling_seed is not None}
+            token, q = propose(logits, params, self.generator, seeds)
+            drafts.append(token)
+            dists.append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
+        lengths = torch.tensor(room, device=self.device).clamp(min=0)
+        return torch.stack(drafts, 1), lengths, torch.stack(dists, 1)
+
+    def _speculate(self, padded: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None = None) -> None:
+        """One decode step that also verifies each row's drafts `padded` ``[B, k]`` (the first `lengths[b]` are
+        row b's; `q`: the distributions they were drawn from, None for n-gram drafts): feeds ``[last, d_1 .. d_k]``,
+        takes what `verify` accepts plus the token after, and drops the KV of the rest."""
+        b, k = padded.shape
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, k + 1))], dim=1)
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
         experts = self._routing(self.rows)
@@ -553,7 +624,7 @@ class Scheduler:
         seeds = {i: (r.params.sampling_seed, len(r.output_ids)) for i, r in enumerate(self.rows)
                  if r.params.sampling_seed is not None}
         tokens, logprobs, accepted = verify(out.logits.float(), padded, lengths, [r.params for r in self.rows],
-                                            self.generator, seeds)
+                                            self.generator, seeds, q)
         kept, done = [], []
         for i, (r, toks, lps, n_ok) in enumerate(zip(self.rows, tokens.tolist(), logprobs.tolist(),
                                                      accepted.tolist(), strict=True)):
@@ -571,7 +642,7 @@ class Scheduler:
                     r.on_token(r)
             kept.append(n)
             r.spec_verify_ct += 1
-            r.spec_proposed += len(drafts[i])
+            r.spec_proposed += int(lengths[i])
             r.spec_correct += min(n_ok, n)
             self.spec_correct += min(n_ok, n)
             if taken is not None and r.return_routed_experts:
@@ -597,8 +668,8 @@ class Scheduler:
         def shifted(t: torch.Tensor) -> torch.Tensor:  # [B, heads, W, d]
             return t.gather(2, src[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
 
-        self._set_columns(self._mask.gather(1, src) * valid, [tuple(shifted(t) for t in state)
-                                                               for state in self._layers(self._cache)])
+        self._set_columns(self._mask.gather(1, src) * valid,
+                          *([tuple(shifted(t) for t in state) for state in layers] for layers in self._state()))
 
     def _routing(self, rows: list[Request]) -> RoutedExperts | None:
         """The recorder, when this forward records routed experts (some row asked, and the engine captures them)."""

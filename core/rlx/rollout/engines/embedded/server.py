@@ -470,7 +470,9 @@ class EngineServer(WeightRoutes):
 
                 from rlx.rollout.engines.embedded.weights import move_held
 
-                self.s.model.to("cpu")
+                for m in (self.s.model, self.s.draft):
+                    if m is not None:
+                        m.to("cpu")
                 move_held(self.s.model, "cpu")
                 torch.cuda.empty_cache()
             self.s.released = True
@@ -484,7 +486,9 @@ class EngineServer(WeightRoutes):
                 raise BadRequest("resume_memory_occupation: nothing was released")
             from rlx.rollout.engines.embedded.weights import move_held
 
-            self.s.model.to(self.s.device)
+            for m in (self.s.model, self.s.draft):
+                if m is not None:
+                    m.to(self.s.device)
             move_held(self.s.model, self.s.device)
             self.s.released = False
 
