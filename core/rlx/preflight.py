@@ -184,6 +184,10 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
     if spec.method == "mtp" and hf and not (text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")):
         out.append(((*at, "method"), f"the model in {target} has no multi-token-prediction layers to draft with "
                     f"(no num_nextn_predict_layers in its config.json); use ngram or draft_model"))
+    elif spec.method == "mtp" and g.backend == "embedded" and text.get("index_topk"):
+        out.append(((*at, "method"), f"the model in {target} has a sparse-attention MTP layer (index_topk in its "
+                    f"config.json), whose indexer cache the embedded engine does not draft with; use ngram or "
+                    f"draft_model, or SGLang"))
     if spec.method == "draft_model":
         draft = _model_dir(spec.draft_model, (*at, "draft_model"), problems)
         if draft is not None and target is not None:

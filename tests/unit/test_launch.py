@@ -242,8 +242,8 @@ def test_free_ports_lie_outside_the_kernels_ephemeral_range_and_are_not_handed_o
 
 def test_speculative_decoding_launch_options_for_each_method(tmp_path):
     """speculative: SGLang's flags, whose --speculative-num-draft-tokens counts the last token too; MTP drafts are
-    its EAGLE chain over the checkpoint's MTP layers, a draft model its STANDALONE; the embedded engine takes the
-    n-gram and draft-model ones and its command line parses them."""
+    its EAGLE chain over the checkpoint's MTP layers, a draft model its STANDALONE; the embedded engine takes each
+    (drafting the same top-k-1 chain) and its command line parses them."""
     from rlx.rollout.engines.embedded.__main__ import parse_args
 
     cfg = parse_config(f"""
@@ -256,9 +256,10 @@ rollout:
     - {{name: m, backend: sglang, speculative: {{method: mtp, num_draft_tokens: 2}}}}
     - {{name: d, backend: sglang, speculative: {{method: draft_model, draft_model: {tmp_path}/draft}}}}
     - {{name: ed, speculative: {{method: draft_model, draft_model: {tmp_path}/draft, num_draft_tokens: 2}}}}
+    - {{name: em, speculative: {{method: mtp}}}}
 """)
     fleet = EngineFleet(cfg, tmp_path)
-    e, n, m, d, ed = (fleet._command(g, "127.0.0.1", 30001) for g in cfg.rollout.engines)
+    e, n, m, d, ed, em = (fleet._command(g, "127.0.0.1", 30001) for g in cfg.rollout.engines)
 
     def opts(cmd):
         return {a: b for a, b in zip(cmd, cmd[1:], strict=False) if a.startswith("--speculative")}
@@ -276,3 +277,5 @@ rollout:
                         "--speculative-num-draft-tokens": "3"}
     args = parse_args(ed[3:])
     assert args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path == f"{tmp_path}/draft"
+    assert opts(em) == {"--speculative-algorithm": "EAGLE", "--speculative-num-draft-tokens": "5"}
+    assert parse_args(em[3:]).speculative_algorithm == "EAGLE"

@@ -120,9 +120,10 @@ class SpeculativeConfig(Section):
     """Speculative decoding in this group's engines: drafts verified by the model in one forward, the tokens
     following the model's own distribution (rejection sampling), so that training sees the policy's samples."""
 
-    method: Literal["ngram", "mtp", "draft_model"]  # ngram: drafts looked up in the request's own tokens;
-    #   draft_model: drawn from a smaller model with the same tokenizer (SGLang's STANDALONE), not trained; mtp: from
-    #   the checkpoint's multi-token-prediction layers (SGLang's EAGLE; SGLang only)
+    method: Literal["ngram", "mtp", "draft_model"]  # ngram: drafts looked up in the request's own tokens; mtp:
+    #   from the checkpoint's first multi-token-prediction layer (SGLang's EAGLE), which follows the pushes of a run
+    #   that trains it (train.objective.mtp_loss_coef); draft_model: drawn from a smaller model with the same
+    #   tokenizer (SGLang's STANDALONE), not trained
     num_draft_tokens: int = Field(4, ge=1, le=32)  # drafted tokens verified per step (SGLang's
     #   --speculative-num-draft-tokens counts the last token too: this plus one)
     draft_model: str | None = None  # draft_model: its checkpoint (a folder or builtin://, as model.path)
@@ -155,9 +156,6 @@ class EngineGroupConfig(Section):
         if self.python is not None and self.backend != "sglang":
             raise ValueError("python: names the interpreter of SGLang servers; the embedded engine runs in rlx's "
                              "own (set backend: sglang, or leave python out)")
-        if self.speculative is not None and self.speculative.method == "mtp" and self.backend == "embedded":
-            raise ValueError("speculative.method: the embedded engine drafts by n-gram lookup or from a draft model; "
-                             "MTP drafts run on SGLang (backend: sglang)")
         return self
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -100,8 +100,114 @@ def mtp_reference_error(folder: str | Path, model_type: str) -> float:
     return float(got["error"])
 
 
+def mtp_reference(folder: str | Path) -> Any:
+    """The checkpoint in `folder`'s first multi-token-prediction layer built by hand, as DeepSeek-V3's report and
+    SGLang's draft model define it: transformers' main model for the final hidden states, ``eh_proj`` over
+    ``[enorm(embed(t + 1)); hnorm(h_t)]``, transformers' own decoder layer (the checkpoint's layer
+    ``num_hidden_layers``, loaded into a model one layer deeper) and ``shared_head``. Returns a function of a token
+    list to the layer's logits at each position but the last, ``[len - 1, vocab]`` (position i predicts token i + 2)."""
+    import glob
+    import json
+    import os
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from rlx.models.load import load_lm
+
+    folder = str(folder)
+    hf = load_lm(folder, torch.float32).eval()
+    n = hf.config.get_text_config().num_hidden_layers
+    every = {k: v for f in glob.glob(folder + "/*.safetensors") for k, v in load_file(f).items()}
+    deeper = tempfile.mkdtemp()  # the MTP layer's decoder layer as layer n of a model one layer deeper
+    save_file(every, os.path.join(deeper, "model.safetensors"), metadata={"format": "pt"})
+    c = json.load(open(os.path.join(folder, "config.json")))
+    for k, v in list(c.items()):
+        if isinstance(v, list) and len(v) == n:  # per-layer kinds: the MTP layer is a sparse (MoE), full-indexer one
+            c[k] = v + ["full" if k == "indexer_types" else v[-1]]
+    c.update(num_hidden_layers=n + 1, num_nextn_predict_layers=0)
+    json.dump(c, open(os.path.join(deeper, "config.json"), "w"))
+    layer = AutoModelForCausalLM.from_pretrained(deeper, dtype=torch.float32).eval().model.layers[n]
+    w = {k[len(f"model.layers.{n}."):]: v for k, v in every.items() if k.startswith(f"model.layers.{n}.")}
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), w[name], hf.config.rms_norm_eps)
+
+    @torch.no_grad()
+    def logits(ids: list[int]) -> torch.Tensor:
+        full = torch.tensor([ids])
+        length = full.shape[1] - 1
+        h = hf.model(full).last_hidden_state
+        e = torch.nn.functional.embedding(full[:, 1:], w["embed_tokens.weight"])
+        x = torch.cat([norm(e, "enorm.weight"), norm(h[:, :-1], "hnorm.weight")], -1) @ w["eh_proj.weight"].T
+        pos = torch.arange(length)[None]
+        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
+        x = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        return (norm(x, "shared_head.norm.weight") @ w["shared_head.head.weight"].T)[0]
+
+    return logits
+
+
+def mtp_draft_errors(folder: str | Path, temperature: float) -> dict[str, Any]:
+    """The embedded engine's scheduler with MTP drafts (``--speculative-algorithm EAGLE``, 3 drafts a step) on the
+    checkpoint in `folder`, over prompts of several lengths (some identical: forked prefills): how far its first
+    drafts' logits, at every step of every row, are from `mtp_reference`'s at that position (``draft``); how far the
+    log-probs it returns are from a full forward's (``logprob``); the verify steps it ran; and, greedy, whether its
+    tokens are plain decoding's (``same``)."""
+    import threading
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlx.models.load import load_lm
+    from rlx.rollout.engines.embedded.sampling import SamplingParams
+    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+    from rlx.rollout.engines.embedded.weights import name_as_checkpoint
+
+    model = load_lm(str(folder), torch.float32).eval()
+    name_as_checkpoint(model, folder)  # (holds the MTP layer, as the engine does)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    params = SamplingParams(temperature=temperature, max_new_tokens=16, ignore_eos=True)
+    base = [[5, 6, 7, 8] * 6, [9, 3] * 3 + [5, 6, 7], [11, 12, 13, 11, 12], [40, 41, 42]]
+    prompts = base * 2 + [base[0]] * 3
+
+    def generate(mtp: bool) -> tuple[list[Request], Scheduler]:
+        s = Scheduler(model, tok, speculative=3 if mtp else 0, mtp=mtp)
+        if s.mtp is not None:
+            s.mtp.trace = []
+        s.start()
+        done = threading.Semaphore(0)
+        reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
+        try:
+            for r in reqs:
+                s.submit(r)
+            for _ in reqs:
+                assert done.acquire(timeout=300)
+        finally:
+            s.shutdown()
+        return reqs, s
+
+    spec, s = generate(True)
+    assert s.mtp is not None and s.mtp.trace is not None
+    reference = mtp_reference(folder)
+    want = {r.rid: reference(r.input_ids + r.output_ids) for r in spec}
+    logprob = 0.0
+    for r in spec:
+        ids = torch.tensor([r.input_ids + r.output_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0].float() / (temperature or 1.0), -1)
+        target = lp[len(r.input_ids) - 1:-1].gather(1, ids[0, len(r.input_ids):, None])[:, 0]
+        logprob = max(logprob, float((torch.tensor(r.logprobs) - target).abs().max()))
+    return {"draft": max(float((want[rid][i] - x).abs().max()) for rid, i, x in s.mtp.trace), "logprob": logprob,
+            "verify": s.spec_verify_ct, "drafted": len(s.mtp.trace),
+            "same": temperature != 0 or [r.output_ids for r in spec] == [r.output_ids for r in generate(False)[0]]}
+
+
 _MTP_SCRIPT = """
-import glob, json, os, sys, tempfile, warnings
+import json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
 from rlx.train.megatron_patches.cpu import enable
@@ -114,10 +220,9 @@ from megatron.core import parallel_state as ps
 ps.initialize_model_parallel(1, 1)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 model_parallel_cuda_manual_seed(1)
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 from rlx.config import ParallelConfig
-from rlx.models.load import load_config, load_lm
+from rlx.models.load import load_config
+from rlx.testing.models import mtp_reference
 from rlx.plugins import build_plugins
 from rlx.train.mtp import MTPTraining
 from rlx.train.packing import pack
@@ -142,37 +247,11 @@ model.train()
 model(mb.input_ids, mb.position_ids, attention_mask=mb.attention_mask)
 got = mb.mtp_logprobs[0].detach()
 
-n = spec.num_layers
-every = {k: v for f in glob.glob(folder + "/*.safetensors") for k, v in load_file(f).items()}
-deeper = tempfile.mkdtemp()  # the MTP layer's decoder layer as layer n of a model one layer deeper
-save_file(every, os.path.join(deeper, "model.safetensors"), metadata={"format": "pt"})
-c = json.load(open(os.path.join(folder, "config.json")))
-for k, v in list(c.items()):
-    if isinstance(v, list) and len(v) == n:  # per-layer kinds: the MTP layer is a sparse (MoE), full-indexer one
-        c[k] = v + ["full" if k == "indexer_types" else v[-1]]
-c.update(num_hidden_layers=n + 1, num_nextn_predict_layers=0)
-json.dump(c, open(os.path.join(deeper, "config.json"), "w"))
-layer = AutoModelForCausalLM.from_pretrained(deeper, dtype=torch.float32).eval().model.layers[n]
-hf = load_lm(folder, torch.float32).eval()
-w = {k[len(f"model.layers.{n}."):]: v for k, v in every.items() if k.startswith(f"model.layers.{n}.")}
-size = w["enorm.weight"].shape[0]
-
-def norm(x, name):
-    return torch.nn.functional.rms_norm(x, (size,), w[name], hf.config.rms_norm_eps)
-
+reference = mtp_reference(folder)
 want = []
 with torch.no_grad():
     for s in samples:
-        full = torch.tensor([s.prompt_ids + s.response_ids])
-        length = full.shape[1] - 1
-        h = hf.model(full).last_hidden_state
-        e = torch.nn.functional.embedding(full[:, 1:], w["embed_tokens.weight"])
-        x = torch.cat([norm(e, "enorm.weight"), norm(h[:, :-1], "hnorm.weight")], -1) @ w["eh_proj.weight"].T
-        pos = torch.arange(length)[None]
-        causal = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        x = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
-        x = x[0] if isinstance(x, tuple) else x
-        lp = torch.log_softmax(norm(x, "shared_head.norm.weight") @ w["shared_head.head.weight"].T, -1)[0]
+        lp = torch.log_softmax(reference(s.prompt_ids + s.response_ids), -1)
         p = len(s.prompt_ids)
         # response token j sits at p + j: depth 1 predicts it from position p + j - 2
         want += [lp[p + j - 2, t].item() if p + j >= 2 else 0.0 for j, t in enumerate(s.response_ids)]

@@ -69,16 +69,18 @@ def test_the_mtp_layer_is_written_back_unchanged(tmp_path):
 
 def test_trained_mtp_layer_reaches_the_engine_and_the_export(tmp_path):
     """``train.objective.mtp_loss_coef``: the MTP layer trains (its loss reported each step), every push carries it
-    and is verified on the engine, which holds it beside the model transformers serves; the export writes it trained,
+    and is verified on the engine, which holds it beside the model transformers serves and drafts with it
+    (``speculative.method: mtp``: the drafted tokens keep the policy's log-probs); the export writes it trained,
     with its copies of the embedding and output layer equal to the model's."""
     import torch
 
     from rlx.testing.models import mtp_copy
 
     run = train_and_export(tmp_path, str(mtp_copy("builtin://tiny-deepseek-v3", tmp_path / "mtp")), 3,
-                           "train.objective.mtp_loss_coef=0.5")
+                           "train.objective.mtp_loss_coef=0.5", "rollout.engines.0.speculative.method=mtp")
     rows, before, after = run["rows"], run["before"], run["after"]
     assert all(r["mtp_loss"] > 0 for r in rows) and max(r["train_rollout_logprob_diff"] for r in rows) < 1e-4
+    assert all(0 <= r["rollout/spec_accept_rate"] <= 1 and r["rollout/spec_accept_length"] >= 1 for r in rows)
     assert set(after) == set(before)
     for name in ("eh_proj.weight", "self_attn.q_b_proj.weight", "mlp.shared_experts.up_proj.weight"):
         assert not torch.equal(after[f"model.layers.4.{name}"], before[f"model.layers.4.{name}"]), name

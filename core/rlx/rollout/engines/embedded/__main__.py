@@ -42,10 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve quantised weights, held as pushed and computed with dequantised: fp8, the FP8 "
                         "checkpoint at --model-path as stored (without this flag it is served dequantised); int4, "
                         "the model's weights quantised at start (W4A16, groups of 128)")
-    p.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE"],
+    p.add_argument("--speculative-algorithm", choices=["NGRAM", "STANDALONE", "EAGLE", "NEXTN"],
                    help="speculative decoding, drafts verified by rejection sampling (tokens as without, more of them "
                         "per forward): NGRAM, looked up in the request's own tokens; STANDALONE, drawn from the model "
-                        "at --speculative-draft-model-path")
+                        "at --speculative-draft-model-path; EAGLE (or NEXTN), from the checkpoint's MTP layer")
     p.add_argument("--speculative-draft-model-path", help="STANDALONE: the draft model (the same tokenizer)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=5,
                    help="tokens a verify forward runs per request, as SGLang counts them: the last one and the drafts")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                           prefix_cache_tokens=0 if no_cache else args.prefix_cache_tokens,
                           prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20),
                           speculative=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
-                          draft=draft)
+                          draft=draft, mtp=args.speculative_algorithm in ("EAGLE", "NEXTN"))
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from rlx.rollout.engines.embedded.mtp import mask as mtp_mask
 from rlx.rollout.engines.embedded.routing import RoutedExperts
 from rlx.rollout.engines.embedded.sampling import (SamplingParams, SamplingTensors, propose, sample, seeded_uniform,
                                                   verify)
@@ -157,9 +158,10 @@ class Scheduler:
 
     def __init__(self, model: HFModel, tokenizer: Tokenizer, *, max_running: int = 64, seed: int = 0,
                  max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
-                 prefix_cache_bytes: int = 0, speculative: int = 0, draft: HFModel | None = None):
+                 prefix_cache_bytes: int = 0, speculative: int = 0, draft: HFModel | None = None, mtp: bool = False):
         """`speculative`: drafts verified per decode step (0: none; SGLang's ``--speculative-num-draft-tokens`` less
-        one), by n-gram lookup, or drawn from `draft` (a model with the target's tokenizer). `capture_experts`: record the experts each token is routed to (SGLang's
+        one), by n-gram lookup, drawn from `draft` (a model with the target's tokenizer), or with `mtp` from the
+        model's own multi-token-prediction layer (`mtp.MTPDraft`). `capture_experts`: record the experts each token is routed to (SGLang's
         ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`).
         The prefix cache's budget (`prefix.PrefixCache`): `prefix_cache_tokens` tokens, or else as many tokens as
         `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache."""
@@ -207,7 +209,14 @@ class Scheduler:
                            for layer in DynamicCache(config=model.config).layers)
         self.speculative = speculative
         self.draft = draft
-        self._dcache: KVCache = None  # the draft model's KV of the running rows, in the target's columns
+        self.mtp = None
+        if mtp:
+            from rlx.rollout.engines.embedded.mtp import MTPDraft
+
+            self.mtp = MTPDraft(model)
+        self._dcache: KVCache = None  # the draft model's or MTP layer's KV of the running rows, in the target's columns
+        # with MTP drafts: the target's final hidden state at each row's last column (the next draft's input)
+        self._hid = torch.zeros((0, model.config.get_text_config().hidden_size), device=self.device)
         if draft is not None and not self._cacheable(DynamicCache(config=draft.config)):
             raise ValueError(f"speculative decoding: the draft model ({draft.config.model_type}) has layers other "
                              f"than full attention, whose state the engine cannot keep beside the target's")
@@ -215,6 +224,9 @@ class Scheduler:
             raise ValueError(f"speculative decoding: {model.config.model_type} has linear-attention layers, whose "
                              f"recurrent state cannot take back refused drafts")
         self.spec_verify_ct = self.spec_proposed = self.spec_correct = 0
+        if self.mtp is not None and self.prefix is not None:
+            log.info("prefix cache off: MTP drafts need the target's hidden state at every prompt position")
+            self.prefix, self._prefix_bytes = None, 0
         if (any(self.recurrent) or self.indexed) and self.prefix is not None:
             log.info("prefix cache off: %s has linear-attention or sparse-attention layers (a prefix's state is not "
                      "its keys and values alone)", model.config.model_type)
@@ -323,6 +335,7 @@ class Scheduler:
 
     def _reset_batch(self) -> None:
         self.rows, self._cache, self._dcache, self._sampling = [], None, None, None
+        self._hid = self._hid.new_zeros((0, self._hid.shape[1]))
         self._mask, self._pos, self._last = self._mask.new_zeros((0, 0)), self._pos.new_zeros(0), self._last.new_zeros(0)
 
     def _layers(self, cache: KVCache) -> list[tuple[torch.Tensor, ...]]:
@@ -376,6 +389,8 @@ class Scheduler:
         self._sampling = None
         self._pos = self._pos.index_select(0, idx)
         self._last = self._last.index_select(0, idx)
+        if self.mtp is not None:
+            self._hid = self._hid.index_select(0, idx)
         self._set_columns(self._mask.index_select(0, idx),
                           *([tuple(t.index_select(0, idx) for t in state) for state in layers]
                             for layers in self._state()))
@@ -383,9 +398,14 @@ class Scheduler:
     def _state(self) -> list[list[tuple[torch.Tensor, ...]]]:
         """The running rows' per-layer state (`_layers`): the target's, and the draft model's when there is one."""
         out = [self._layers(self._cache)]
-        if self.draft is not None:
+        if self._drafts_kv:
             out.append(_plain_layers(self._dcache))
         return out
+
+    @property
+    def _drafts_kv(self) -> bool:
+        """Whether a draft model's or MTP layer's KV is kept beside the target's."""
+        return self.draft is not None or self.mtp is not None
 
     def _set_columns(self, mask: torch.Tensor, kv: list[tuple[torch.Tensor, ...]],
                      draft: list[tuple[torch.Tensor, ...]] | None = None) -> None:
@@ -444,11 +464,12 @@ class Scheduler:
             self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
         taken = experts.take(n, run) if experts is not None else None
-        draft = self._draft_prefill(prompts, mask) if self.draft is not None else None
+        draft, hid = self._draft_prefill(prompts, ids, pos, mask) if self._drafts_kv else (None, None)
         which = [i for i, p in enumerate(prompts) for _ in p.requests]
         if len(which) > n:  # fork each prompt's row to its requests
             idx = torch.tensor(which, device=self.device)
             cache = self._make_cache([tuple(t.index_select(0, idx) for t in state) for state in self._layers(cache)])
+            hid = hid.index_select(0, idx) if hid is not None else None
             if draft is not None:
                 draft = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx))
                                                      for k, v in _plain_layers(draft)])
@@ -459,12 +480,22 @@ class Scheduler:
             for i, r in enumerate(every):
                 if r.return_routed_experts:  # its prompt ran whole: no cached ids
                     r.routed.append(taken[i, run - len(r.input_ids):])
-        self._merge(every, cache, mask, mask.sum(-1), draft)
+        self._merge(every, cache, mask, mask.sum(-1), draft, hid)
         offset = len(self.rows) - len(every)
         self._emit(logits, list(range(offset, len(self.rows))))
 
-    def _draft_prefill(self, prompts: list[_Prompt], mask: torch.Tensor) -> KVCache:
-        """The draft model's KV of the prompts, whole (it has no prefix cache), in the columns `mask` gives them."""
+    def _draft_prefill(self, prompts: list[_Prompt], run_ids: torch.Tensor, run_pos: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[KVCache, torch.Tensor | None]:
+        """The draft model's KV of the prompts, whole (it has no prefix cache), in the columns `mask` gives them;
+        or the MTP layer's, from the target's hidden states of the prefill just run (whole prompts: MTP turns the
+        prefix cache off), and each row's last hidden state."""
+        if self.mtp is not None:
+            hidden = self.mtp.hidden
+            assert hidden is not None and hidden.shape[1] == run_ids.shape[1] == mask.shape[1]
+            # column j holds x_j and the MTP entry of position j - 1: [x_j; h_{j-1}]
+            before = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))
+            _, _, cache = self.mtp(run_ids, before, mtp_mask(mask), run_pos - 1, None)
+            return cache, hidden[:, -1]
         n, width = mask.shape
         ids = torch.full((n, width), self._pad, dtype=torch.long, device=self.device)
         pos = torch.zeros((n, width), dtype=torch.long, device=self.device)
@@ -473,7 +504,7 @@ class Scheduler:
             pos[i, width - len(p.ids):] = torch.arange(len(p.ids), device=self.device)
         assert self.draft is not None
         return self.draft(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
-                          position_ids=pos, use_cache=True, logits_to_keep=1).past_key_values
+                          position_ids=pos, use_cache=True, logits_to_keep=1).past_key_values, None
 
     def _left_padded(self, prompts: list[_Prompt], past: list[int], width: int) -> list[tuple[torch.Tensor, ...]]:
         """Per layer, the rows' first `past[i]` cached keys and values, left-padded to `width` columns."""
@@ -514,8 +545,10 @@ class Scheduler:
         return all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None]))
 
     def _merge(self, new: list[Request], cache: KVCache, mask: torch.Tensor, pos: torch.Tensor,
-               draft: KVCache = None) -> None:
+               draft: KVCache = None, hid: torch.Tensor | None = None) -> None:
         self._sampling = None
+        if hid is not None:
+            self._hid = torch.cat([self._hid, hid.to(self._hid.dtype)]) if self.rows else hid.to(self._hid.dtype)
         if not self.rows:
             self.rows, self._cache, self._mask, self._pos, self._dcache = list(new), cache, mask, pos, draft
             self._last = torch.zeros(len(new), dtype=torch.long, device=self.device)
@@ -537,7 +570,7 @@ class Scheduler:
                     for i, (x, y) in enumerate(zip(old, new_, strict=True))]
 
         self._cache = self._make_cache(joined(self._layers(self._cache), self._layers(cache)))
-        if self.draft is not None:
+        if self._drafts_kv:
             self._dcache = DynamicCache(ddp_cache_data=joined(_plain_layers(self._dcache), _plain_layers(draft), True))
         self._mask = torch.cat([left_pad(self._mask, 1, total), left_pad(mask, 1, total)])
         self._pos = torch.cat([self._pos, pos])
@@ -549,7 +582,7 @@ class Scheduler:
             # at most the tokens the row may still take, less the one after the drafts
             room = [min(self.speculative, r.params.max_new_tokens - len(r.output_ids) - 1,
                         self.max_context - len(r.input_ids) - len(r.output_ids) - 1) for r in self.rows]
-            if self.draft is not None:  # the draft model runs every step, to keep its KV in step with the target's
+            if self._drafts_kv:  # the draft runs every step, to keep its KV in step with the target's
                 self._speculate(*self._draft_tokens(room))
                 return
             drafts = [ngram_draft(r.input_ids + r.output_ids, n) for r, n in zip(self.rows, room, strict=True)]
@@ -586,11 +619,13 @@ class Scheduler:
         distributions they were drawn from. It runs the row's last token and each draft, the last one only for its
         KV, so that it holds the columns the target's verify forward adds. A row's drafts past its `room` are
         padding (`verify` takes none)."""
-        assert self.draft is not None
         b, k, vocab = len(self.rows), self.speculative, self.model.config.get_text_config().vocab_size
         params = [r.params for r in self.rows]
         mask, token = self._mask, self._last
         drafts, dists = [], []
+        if self.mtp is not None:
+            return self._mtp_tokens(room)
+        assert self.draft is not None
         for j in range(k + 1):
             mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
             out = self.draft(input_ids=token[:, None], attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
@@ -604,6 +639,35 @@ class Scheduler:
             token, q = propose(logits, params, self.generator, seeds)
             drafts.append(token)
             dists.append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
+        lengths = torch.tensor(room, device=self.device).clamp(min=0)
+        return torch.stack(drafts, 1), lengths, torch.stack(dists, 1)
+
+    def _mtp_tokens(self, room: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_draft_tokens` from the MTP layer: the first draft from ``[last; h]`` (the target's hidden state at the
+        row's last column), each next one from the previous draft and the layer's own output (EAGLE's chain). Only
+        the first entry is kept in its KV: the verify forward's hidden states make the others (`_speculate`)."""
+        assert self.mtp is not None
+        b, k, vocab = len(self.rows), self.speculative, self.model.config.get_text_config().vocab_size
+        params = [r.params for r in self.rows]
+        mask, token, hid = self._mask, self._last, self._hid
+        drafts, dists = [], []
+        for j in range(k):
+            mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
+            out, logits, self._dcache = self.mtp(token[:, None], hid[:, None], mtp_mask(mask),
+                                                 self._pos[:, None] - 1 + j, self._dcache)
+            seeds = {i: (r.params.sampling_seed, len(r.output_ids) + j) for i, r in enumerate(self.rows)
+                     if r.params.sampling_seed is not None}
+            if j == 0 and self.mtp.trace is not None:
+                self.mtp.trace += [(r.rid, int(p) - 1, x) for r, p, x in zip(self.rows, self._pos, logits[:, -1],
+                                                                             strict=True)]
+            token, q = propose(logits[:, -1, :vocab].float(), params, self.generator, seeds)
+            hid = out[:, -1]
+            drafts.append(token)
+            dists.append(torch.nn.functional.pad(q, (0, vocab - q.shape[-1])))
+        if k > 1:
+            keep = self._mask.shape[1] + 1
+            self._dcache = DynamicCache(ddp_cache_data=[(a[:, :, :keep], v[:, :, :keep])
+                                                        for a, v in _plain_layers(self._dcache)])
         lengths = torch.tensor(room, device=self.device).clamp(min=0)
         return torch.stack(drafts, 1), lengths, torch.stack(dists, 1)
 
@@ -621,6 +685,11 @@ class Scheduler:
         taken = experts.take(b, k + 1) if experts is not None else None
         self._cache = out.past_key_values
         self.steps += 1
+        if self.mtp is not None:  # the MTP entries of the drafts' columns, from the target's hidden states
+            hidden = self.mtp.hidden
+            assert hidden is not None
+            _, _, self._dcache = self.mtp(padded, hidden[:, :k], mtp_mask(self._mask),
+                                          self._pos[:, None] + torch.arange(k, device=self.device), self._dcache)
         seeds = {i: (r.params.sampling_seed, len(r.output_ids)) for i, r in enumerate(self.rows)
                  if r.params.sampling_seed is not None}
         tokens, logprobs, accepted = verify(out.logits.float(), padded, lengths, [r.params for r in self.rows],
@@ -650,6 +719,9 @@ class Scheduler:
         self.spec_verify_ct += b
         self.spec_proposed += int(lengths.sum())
         n_kept = torch.tensor(kept, device=self.device)
+        if self.mtp is not None:
+            assert hidden is not None
+            self._hid = hidden[torch.arange(b, device=self.device), n_kept - 1].to(self._hid.dtype)
         self._pos = self._pos + n_kept
         self._last = tokens[torch.arange(b, device=self.device), n_kept - 1]
         self._keep_columns(k + 1 - n_kept)

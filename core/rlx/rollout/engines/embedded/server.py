@@ -474,6 +474,8 @@ class EngineServer(WeightRoutes):
                     if m is not None:
                         m.to("cpu")
                 move_held(self.s.model, "cpu")
+                if self.s.mtp is not None:  # its layer's tensors are the held ones
+                    self.s.mtp.bind()
                 torch.cuda.empty_cache()
             self.s.released = True
 
@@ -490,6 +492,8 @@ class EngineServer(WeightRoutes):
                 if m is not None:
                     m.to(self.s.device)
             move_held(self.s.model, self.s.device)
+            if self.s.mtp is not None:  # its layer's tensors are the held ones, which moved
+                self.s.mtp.bind()
             self.s.released = False
 
         await self._call(resume)
