@@ -8,10 +8,10 @@ Two workloads:
   has nothing else it would write); the request is that file, a separator and the file's first 16 tokens, and the
   model goes on for `--tokens`, greedy and at temperature 0.6.
 * arithmetic: the quickstart's task and model (``builtin://tiny-qwen3-arith``, its prompts, temperature 1, up to 16
-  new tokens, stopping at EOS): short answers with little to look up.
+  new tokens, stopping at EOS), its first 256 prompts: short answers with little to look up.
 
 Each point runs every request once through the engine's scheduler (its core, without HTTP), a batch of 16 at once,
-and is the median of 3 timed runs after a warm-up.
+and is the median of 5 timed runs after a warm-up, plain and drafted alternating.
 
     python benchmarks/speculative.py [--model builtin://small-qwen3] [--draft-tokens 4] [--tokens 96] [--threads 2]
 """
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-REPEATS = 3
+REPEATS = 5
 
 
 def run(model, tok, prompts: list[list[int]], params, speculative: int, seed: int = 0) -> dict[str, float]:
@@ -104,7 +104,7 @@ def main() -> None:
     path = resolve_model_path("builtin://tiny-qwen3-arith")
     tok = AutoTokenizer.from_pretrained(path)
     model = load_lm(path, torch.float32).eval()
-    rows = [json.loads(line) for line in open("examples/data/arithmetic.jsonl")][:64]
+    rows = [json.loads(line) for line in open("examples/data/arithmetic.jsonl")][:256]
     prompts = []
     for r in rows:
         out = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,

@@ -179,17 +179,38 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
     from rlx.config import records_routing
 
     spec, out = g.speculative, []
+    embedded = g.backend == "embedded"
     hf = json.loads((target / "config.json").read_text()) if target and (target / "config.json").is_file() else {}
     text = hf.get("text_config", hf)
-    if spec.method == "mtp" and hf and not (text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers")):
-        out.append(((*at, "method"), f"the model in {target} has no multi-token-prediction layers to draft with "
-                    f"(no num_nextn_predict_layers in its config.json); use ngram or draft_model"))
-    elif spec.method == "mtp" and g.backend == "embedded" and text.get("index_topk"):
-        out.append(((*at, "method"), f"the model in {target} has a sparse-attention MTP layer (index_topk in its "
-                    f"config.json), whose indexer cache the embedded engine does not draft with; use ngram or "
-                    f"draft_model, or SGLang"))
+    if embedded and "linear_attention" in (text.get("layer_types") or []):
+        out.append(((*at, "method"), f"the model in {target} has linear-attention layers, whose recurrent state the "
+                    f"embedded engine cannot take back from refused drafts"))
+    if spec.method == "mtp" and target is not None and hf:
+        n = text.get("num_hidden_layers")
+        stored = embedded and any(k.startswith(f"model.layers.{n}.") for k in _tensor_names(target))
+        if not (text.get("num_nextn_predict_layers") or (not embedded and text.get("mtp_num_hidden_layers"))):
+            out.append(((*at, "method"), f"the model in {target} has no multi-token-prediction layers to draft with "
+                        f"(no num_nextn_predict_layers in its config.json); use ngram or draft_model"))
+        elif embedded and not stored:
+            out.append(((*at, "method"), f"the model in {target} declares multi-token-prediction layers but its "
+                        f"checkpoint stores none (no model.layers.{n}.* tensors); use ngram or draft_model"))
+        elif embedded and text.get("index_topk"):
+            out.append(((*at, "method"), f"the model in {target} has a sparse-attention MTP layer (index_topk in its "
+                        f"config.json), whose indexer cache the embedded engine does not draft with; use ngram or "
+                        f"draft_model, or SGLang"))
+        elif embedded and cfg.rollout.quantization is not None:
+            out.append(((*at, "method"), f"MTP drafts with rollout.quantization {cfg.rollout.quantization}: the "
+                        f"embedded engine's MTP layer computes with the tensors it holds unquantised; use ngram or "
+                        f"draft_model drafts with quantised rollout"))
     if spec.method == "draft_model":
         draft = _model_dir(spec.draft_model, (*at, "draft_model"), problems)
+        kinds = set()
+        if draft is not None:
+            dcfg = json.loads((draft / "config.json").read_text())
+            kinds = set(dcfg.get("text_config", dcfg).get("layer_types") or []) - {"full_attention"}
+        if embedded and kinds:
+            out.append(((*at, "draft_model"), f"the draft model in {draft} has {sorted(kinds)[0]} layers: the "
+                        f"embedded engine keeps a draft's keys and values beside the target's, full attention only"))
         if draft is not None and target is not None:
             from transformers import AutoTokenizer
 
@@ -203,6 +224,20 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
                     "SGLang 0.5.23 does not count the verify forward's tokens in the routing it records (a FIXME in "
                     "its routed_experts capturer); use the embedded engine, or no speculative decoding"))
     return out
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    """The tensor names a checkpoint folder stores (its safetensors index, or the files' headers)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file() and not (folder / "model.safetensors").is_file():  # (transformers reads the latter then)
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            names += list(h.keys())
+    return names
 
 
 def hub_models(cfg: Config, download: bool) -> list[Problem]:

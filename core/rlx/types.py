@@ -173,11 +173,11 @@ class RolloutBatch:
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
         }
-        spec = [(s.metadata["speculative"], sum(s.loss_mask)) for s in samples if "speculative" in s.metadata]
+        spec = [s.metadata["speculative"] for s in samples if "speculative" in s.metadata]
         if spec:  # as SGLang reports them: drafts accepted of those proposed, tokens per verify step
-            verify, proposed, correct = (sum(c[i] for c, _ in spec) for i in range(3))
+            verify, proposed, correct, tokens = (sum(c[i] for c in spec) for i in range(4))
             m["rollout/spec_accept_rate"] = correct / proposed if proposed else 0.0
-            m["rollout/spec_accept_length"] = sum(n for _, n in spec) / verify if verify else 0.0
+            m["rollout/spec_accept_length"] = tokens / verify if verify else 0.0
         for name in sorted({name for s in trainable for name in s.rewards}):
             vals = [s.rewards[name].score for s in trainable if name in s.rewards]
             m[f"reward/{name}/mean"] = sum(vals) / len(vals)
@@ -202,8 +202,9 @@ class GenerateResult:
     # SGLang's meta_info.routed_experts: base64 of int32 [prompt + output tokens - 1, layers, top_k], when asked
     routed_experts: str | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
-    # speculative decoding's counts, where the engine drafted: (verify steps, drafts proposed, drafts accepted)
-    spec: tuple[int, int, int] | None = None
+    # speculative decoding's counts, where the engine reports them (SGLang's meta_info): (verify steps, drafts
+    # proposed, drafts accepted, tokens)
+    spec: tuple[int, int, int, int] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateResult:
@@ -228,8 +229,9 @@ class GenerateResult:
             raw=d,
             routed_experts=meta.get("routed_experts"),
             cached_tokens=int(meta.get("cached_tokens") or 0),
-            spec=(int(meta["spec_verify_ct"]), int(meta.get("spec_num_proposed_drafts") or 0),
-                  int(meta.get("spec_num_correct_drafts") or 0)) if meta.get("spec_verify_ct") else None,
+            spec=(int(meta["spec_verify_ct"]), int(meta["spec_num_proposed_drafts"]),
+                  int(meta.get("spec_num_correct_drafts") or 0), len(output_ids))
+            if meta.get("spec_verify_ct") and "spec_num_proposed_drafts" in meta else None,
         )
 
 

@@ -45,9 +45,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the checks beside this file, also when imported
 from checks import (Ctx, Failed, check_engine, check_environment, check_gdn, check_offload,  # noqa: E402
-                    check_rl_train, check_throughput, check_trainer, check_transport)
+                    check_rl_train, check_speculative, check_throughput, check_trainer, check_transport)
 from sglang_checks import (check_sglang_fp8, check_sglang_offload, check_sglang_router,  # noqa: E402
-                           check_sglang_transports)
+                           check_sglang_speculative, check_sglang_transports)
 
 
 @dataclass
@@ -72,6 +72,8 @@ PLAN = [  # in order of what matters most, should the budget run out
     Check("transport", 60, check_transport, "tensor transport (CUDA IPC) into the engine, bit-exact", on_cpu=True),
     Check("rl-train", 180, check_rl_train, "rl train 10 steps on the GPU: plain, with offload, with FP8 rollout",
           on_cpu=True, compile=True),
+    Check("speculative", 40, check_speculative, "embedded engine's n-gram and draft-model drafts on the GPU: "
+                                                "log-probs, acceptance, tokens/s", on_cpu=True),
     Check("offload", 80, check_offload, "colocated offload: memory between steps and peak, ~0.5B model",
           on_cpu=True),
     Check("gdn", 40, check_gdn, "flash-linear-attention GDN vs fp32 torch, forward and backward", needs=("fla",)),
@@ -85,6 +87,8 @@ PLAN = [  # in order of what matters most, should the budget run out
           needs=("sgl_kernel",)),
     Check("sglang-fp8", 150, check_sglang_fp8, "FP8 rollout: quantised pushes into SGLang's FP8 path",
           needs=("sgl_kernel",)),
+    Check("sglang-speculative", 150, check_sglang_speculative, "SGLang's n-gram speculative decoding: its counts, "
+                                                                "log-probs", needs=("sgl_kernel",)),
 ]
 
 

@@ -229,6 +229,63 @@ def check_transport(ctx: Ctx) -> None:
     ctx.expect(mean < 0.05, f"after the push, mean |log-prob difference| {mean:.4f}")
 
 
+def check_speculative(ctx: Ctx) -> None:
+    """Pass: the embedded engine's scheduler on the device (bf16 on a GPU), 16 rows of repetitive prompts, 48 greedy
+    tokens each: with n-gram drafts and with a draft model equal to the target, each token's log-prob is within 0.05
+    of a full forward's, the draft model's drafts pass at least 90% of the time (the two compute p and q with
+    other kernels, so not always), and the tokens differ from plain decoding's in under a tenth of rows (a bf16
+    near-tie can flip under another batch shape). Figures: tokens/s of each, acceptance."""
+    import copy
+    import threading
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlx.models.load import load_lm
+    from rlx.models.tiny import resolve_model_path
+    from rlx.rollout.engines.embedded.sampling import SamplingParams
+    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+
+    path = resolve_model_path(DENSE)
+    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
+    model = load_lm(path, dtype).to(ctx.device).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [[5 + i, 6, 7, 8] * 6 for i in range(16)]
+    params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
+
+    def run(**spec: Any) -> tuple[list[Any], Any, float]:
+        s = Scheduler(model, tok, max_running=16, **spec)
+        s.start()
+        done = threading.Semaphore(0)
+        reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
+        t = time.monotonic()
+        for r in reqs:
+            s.submit(r)
+        for _ in reqs:
+            done.acquire()
+        took = time.monotonic() - t
+        s.shutdown()
+        return reqs, s, sum(len(r.output_ids) for r in reqs) / took
+
+    plain, _, plain_rate = run()
+    ngram, s_ngram, ngram_rate = run(speculative=4)
+    drafted, s_draft, draft_rate = run(speculative=4, draft=copy.deepcopy(model))
+    worst = 0.0
+    for r in ngram + drafted:
+        ids = torch.tensor([r.input_ids + r.output_ids], device=ctx.device)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        want = lp[len(r.input_ids) - 1:-1].gather(1, ids[0, len(r.input_ids):, None])[:, 0].cpu()
+        worst = max(worst, float((want - torch.tensor(r.logprobs)).abs().max()))
+    flipped = sum(a.output_ids != b.output_ids for a, b in zip(plain, ngram, strict=True))
+    accept = s_draft.spec_correct / max(s_draft.spec_proposed, 1)
+    ctx.fig(plain_tokens_per_s=plain_rate, ngram_tokens_per_s=ngram_rate, draft_tokens_per_s=draft_rate,
+            ngram_accept=s_ngram.spec_correct / max(s_ngram.spec_proposed, 1), draft_accept=accept,
+            max_logprob_diff=worst, rows_differing=flipped)
+    ctx.expect(worst < 0.05 and accept > 0.9 and flipped < 2, f"log-prob difference {worst:.4f}, draft acceptance "
+                                                              f"{accept:.3f}, {flipped} rows differ")
+
+
 # -- kernels -------------------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ def test_the_dry_run_shows_every_check_and_runs_none(tmp_path):
 
 
 def test_the_checks_that_run_on_a_cpu_pass_here(tmp_path):
-    names = ["environment", "transport", "rl-train", "offload", "throughput"]
+    names = ["environment", "transport", "rl-train", "speculative", "offload", "throughput"]
     r = gpu_check("--out", str(tmp_path), "--cpu", "--only", *names)
     table = (tmp_path / "gpu-check.md").read_text()
     assert r.returncode == 0, table + r.stderr

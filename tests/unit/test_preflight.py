@@ -204,6 +204,36 @@ def test_speculative_drafts_need_their_source_and_the_same_tokenizer(tmp_path, t
     assert "has no multi-token-prediction layers to draft with" in got[f"{p}:3: rollout.engines[0].speculative.method"]
 
 
+def test_what_the_embedded_engine_cannot_draft_with_is_refused_at_preflight(tmp_path, tiny_model_path):
+    """For the embedded engine: MTP layers declared but not stored; MTP drafts beside quantised rollout; a target with
+    linear-attention layers; a draft model with sliding-window layers."""
+    import shutil
+
+    m = model(tmp_path, num_nextn_predict_layers=1)
+    text = f"model: {{path: {m}}}\nrollout:\n  engines: [{{speculative: {{method: mtp}}}}]\n"
+    got, p = problems(tmp_path, text)
+    assert "declares multi-token-prediction layers but its checkpoint stores none (no model.layers.6.*" in got[
+        f"{p}:3: rollout.engines[0].speculative.method"]
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"model.layers.6.eh_proj.weight": torch.zeros(2, 2)}, str(m / "model.safetensors"))
+    assert load_config(_write(tmp_path, text), checks=config_checks(files=True))
+    got, p = problems(tmp_path, text + "  quantization: fp8\n")
+    assert "MTP drafts with rollout.quantization fp8" in got[f"{p}:3: rollout.engines[0].speculative.method"]
+    cfg = json.loads((m / "config.json").read_text())
+    (m / "config.json").write_text(json.dumps({**cfg, "layer_types": ["linear_attention", "full_attention"] * 3}))
+    got, p = problems(tmp_path, text.replace("mtp", "ngram"))
+    assert "has linear-attention layers" in got[f"{p}:3: rollout.engines[0].speculative.method"]
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model_path, draft)
+    dcfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**dcfg, "layer_types": ["sliding_attention", "full_attention"]}))
+    got, p = problems(tmp_path, f"model: {{path: {tiny_model_path}}}\nrollout:\n  engines: [{{speculative: {{method: "
+                                f"draft_model, draft_model: {draft}}}}}]\n")
+    assert "has sliding_attention layers" in got[f"{p}:3: rollout.engines[0].speculative.draft_model"]
+
+
 def _write(tmp_path, text):
     p = tmp_path / "c.yaml"
     p.write_text(text)

@@ -278,8 +278,8 @@ def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
     # sample's ids so far (every rlx generator does) then covers the sample up to its last token.
     if res.routed_experts is not None:
         sample.routed_experts = res.routed_experts
-    if res.spec is not None:  # (verify steps, drafts proposed, drafts accepted), summed over the sample's turns
-        sample.metadata["speculative"] = [a + b for a, b in zip(sample.metadata.get("speculative", (0, 0, 0)),
+    if res.spec is not None:  # (verify steps, drafts proposed, drafts accepted, tokens), over the sample's turns
+        sample.metadata["speculative"] = [a + b for a, b in zip(sample.metadata.get("speculative", (0, 0, 0, 0)),
                                                                 res.spec, strict=True)]
 
 

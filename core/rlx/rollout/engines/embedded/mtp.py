@@ -46,8 +46,9 @@ class MTPDraft:
                 setattr(cfg, k, [*v, v[-1]])
         cfg.num_hidden_layers = n + 1
         like = next(model.parameters())
-        self.layer = type(model.model.layers[-1])(cfg, n).to(device=like.device, dtype=like.dtype).eval()
-        self.layer.requires_grad_(False)
+        with torch.device("meta"):  # (no initialisation: `bind` sets every tensor)
+            layer = type(model.model.layers[-1])(cfg, n)
+        self.layer = layer.to_empty(device=like.device).to(like.dtype).eval().requires_grad_(False)
         for m in self.layer.modules():  # its KV is layer 0 of its own cache
             if hasattr(m, "layer_idx"):
                 m.layer_idx = 0
@@ -101,6 +102,7 @@ class MTPDraft:
 
         cache = DynamicCache() if cache is None else cache
         e = torch.nn.functional.embedding(tokens, self.w["embed_tokens.weight"])
+        hidden = hidden.to(e.dtype)
         x = torch.cat([self._norm(e, "enorm.weight"), self._norm(hidden, "hnorm.weight")], -1) @ self.w["eh_proj.weight"].T
         b, t = tokens.shape
         width = mask.shape[1]

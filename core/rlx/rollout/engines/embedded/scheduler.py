@@ -216,7 +216,8 @@ class Scheduler:
             self.mtp = MTPDraft(model)
         self._dcache: KVCache = None  # the draft model's or MTP layer's KV of the running rows, in the target's columns
         # with MTP drafts: the target's final hidden state at each row's last column (the next draft's input)
-        self._hid = torch.zeros((0, model.config.get_text_config().hidden_size), device=self.device)
+        self._hid = torch.zeros((0, model.config.get_text_config().hidden_size), device=self.device,
+                                dtype=next(model.parameters()).dtype)
         if draft is not None and not self._cacheable(DynamicCache(config=draft.config)):
             raise ValueError(f"speculative decoding: the draft model ({draft.config.model_type}) has layers other "
                              f"than full attention, whose state the engine cannot keep beside the target's")
@@ -495,6 +496,7 @@ class Scheduler:
             # column j holds x_j and the MTP entry of position j - 1: [x_j; h_{j-1}]
             before = torch.nn.functional.pad(hidden[:, :-1], (0, 0, 1, 0))
             _, _, cache = self.mtp(run_ids, before, mtp_mask(mask), run_pos - 1, None)
+            self.model.rlx_final_hidden = None  # (read: not kept alive)
             return cache, hidden[:, -1]
         n, width = mask.shape
         ids = torch.full((n, width), self._pad, dtype=torch.long, device=self.device)
@@ -629,7 +631,8 @@ class Scheduler:
         for j in range(k + 1):
             mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
             out = self.draft(input_ids=token[:, None], attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
-                             position_ids=self._pos[:, None] + j, past_key_values=self._dcache, use_cache=True)
+                             position_ids=self._positions(self._pos[:, None] + j), past_key_values=self._dcache,
+                             use_cache=True)
             self._dcache = out.past_key_values
             if j == k:
                 break
@@ -654,7 +657,7 @@ class Scheduler:
         for j in range(k):
             mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)
             out, logits, self._dcache = self.mtp(token[:, None], hid[:, None], mtp_mask(mask),
-                                                 self._pos[:, None] - 1 + j, self._dcache)
+                                                 self._positions(self._pos[:, None] - 1 + j), self._dcache)
             seeds = {i: (r.params.sampling_seed, len(r.output_ids) + j) for i, r in enumerate(self.rows)
                      if r.params.sampling_seed is not None}
             if j == 0 and self.mtp.trace is not None:
@@ -680,7 +683,7 @@ class Scheduler:
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
         experts = self._routing(self.rows)
         out = self.model(input_ids=torch.cat([self._last[:, None], padded], 1), attention_mask=mask,
-                         position_ids=self._pos[:, None] + torch.arange(k + 1, device=self.device),
+                         position_ids=self._positions(self._pos[:, None] + torch.arange(k + 1, device=self.device)),
                          past_key_values=self._cache, use_cache=True)
         taken = experts.take(b, k + 1) if experts is not None else None
         self._cache = out.past_key_values
@@ -689,7 +692,9 @@ class Scheduler:
             hidden = self.mtp.hidden
             assert hidden is not None
             _, _, self._dcache = self.mtp(padded, hidden[:, :k], mtp_mask(self._mask),
-                                          self._pos[:, None] + torch.arange(k, device=self.device), self._dcache)
+                                          self._positions(self._pos[:, None] + torch.arange(k, device=self.device)),
+                                          self._dcache)
+            self.model.rlx_final_hidden = None  # (read: not kept alive)
         seeds = {i: (r.params.sampling_seed, len(r.output_ids)) for i, r in enumerate(self.rows)
                  if r.params.sampling_seed is not None}
         tokens, logprobs, accepted = verify(out.logits.float(), padded, lengths, [r.params for r in self.rows],
@@ -726,6 +731,12 @@ class Scheduler:
         self._last = tokens[torch.arange(b, device=self.device), n_kept - 1]
         self._keep_columns(k + 1 - n_kept)
         self._retire(done)
+
+    def _positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position ids of a speculative forward: a row's drafts never pass its context (its `room`), but its padding
+        columns may; they are refused whatever they compute, so they take the last position there is (a learned
+        position table has no row past it, and a scaled rotary embedding would rescale the whole batch)."""
+        return pos.clamp(max=self.max_context - 1)
 
     def _keep_columns(self, refused: torch.Tensor) -> None:
         """Drop each row's last `refused[b]` KV columns, shifting the row right by as many (its front becomes
