@@ -84,6 +84,52 @@ def test_greedy_is_the_argmax_and_n_gives_n_samples(fleet, model):
     assert a.output_ids == argmax
 
 
+def test_prompt_log_probs_top_log_probs_and_asked_ids_are_a_forward_pass(fleet, model):
+    """SGLang's return_logprob extras (a teacher's scoring API): ``logprob_start_len`` gives the prompt's tokens from
+    that index with the log-prob their position before gives them (none for the first, as SGLang), ``top_logprobs_num``
+    the top log-probs at each prompt position and at each sampled token (at the sampling temperature, as its log-prob),
+    ``token_ids_logprob`` those ids' log-probs; ``max_new_tokens: 0`` scores a prompt without generating, with SGLang's
+    one entry of output top log-probs (plain, from the last position); a prompt already in the prefix cache is scored
+    whole; per-prompt values in a batch; a start past the prompt is SGLang's 400."""
+    prompt = PROMPTS[2]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+
+    def post(body):
+        return call(fleet.engines[0].url, lambda c: c.request("POST", "/generate", body))
+
+    for _ in range(2):  # the second time from the prefix cache's prompt
+        out = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                    "logprob_start_len": 2, "top_logprobs_num": 3, "token_ids_logprob": [7, 300]})["meta_info"]
+        assert out["input_token_logprobs"][0] == [None, prompt[2], None] and out["completion_tokens"] == 0
+        got = [lp for lp, _, _ in out["input_token_logprobs"][1:]]
+        assert got == pytest.approx([logp[i - 1, prompt[i]].item() for i in range(3, len(prompt))], abs=1e-5)
+        assert out["input_top_logprobs"][0] is None and len(out["input_top_logprobs"]) == len(prompt) - 2
+        for i, top in enumerate(out["input_top_logprobs"][1:], start=2):
+            values, best = logp[i].topk(3)
+            assert [t for _, t, _ in top] == best.tolist() and [v for v, _, _ in top] == pytest.approx(values.tolist())
+        assert [v for x in out["input_token_ids_logprobs"][1:] for v, _, _ in x] == pytest.approx(
+            logp[2:-1][:, [7, 300]].flatten().tolist(), abs=1e-5)
+        assert [t for _, t, _ in out["output_top_logprobs"][0]] == logp[-1].topk(3).indices.tolist()
+    out = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0.5, "ignore_eos": True},
+                "return_logprob": True, "top_logprobs_num": 2})["meta_info"]
+    assert out["input_token_logprobs"] == [] and out["input_top_logprobs"] == []
+    sampled = [t for _, t, _ in out["output_token_logprobs"]]
+    with torch.no_grad():
+        scaled = torch.log_softmax(model(input_ids=torch.tensor([prompt + sampled])).logits[0].float() / 0.5, -1)
+    for j, top in enumerate(out["output_top_logprobs"]):
+        values, best = scaled[len(prompt) - 1 + j].topk(2)
+        assert [t for _, t, _ in top] == best.tolist() and [v for v, _, _ in top] == pytest.approx(values.tolist(),
+                                                                                                   abs=1e-4)
+    both = post({"input_ids": [prompt, PROMPTS[0]], "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                 "logprob_start_len": [5, 0]})
+    assert [len(b["meta_info"]["input_token_logprobs"]) for b in both] == [len(prompt) - 5, len(PROMPTS[0])]
+    with pytest.raises(EngineError, match="logprob_start_len=9 is higher than the number of input tokens"):
+        post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+              "logprob_start_len": 9})
+
+
 def test_stop_token_ids_and_stop_strings(fleet, model):
     (base,), = run(generate_many(fleet.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 12, "temperature": 0})]))
     stop_id = base.output_ids[3]
@@ -260,3 +306,4 @@ def test_a_dead_engine_is_a_clear_error_not_a_hang(tiny_model_path, tmp_path):
             run(generate_many(f.url, [GenerateRequest(PROMPTS[0], {"max_new_tokens": 4})]))
     finally:
         run(f.stop())
+

@@ -27,12 +27,14 @@ REQUESTS = [
     ("POST", "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "rid": "r1"}),
     ("POST", "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 0}}),
     ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "stream": True}),
-    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "top_logprobs_num": 2},
-     "the embedded engine computes the sampled tokens' log-probs only, and refuses (400) top log-probs rather "
-     "than ignore the request; rlx never asks for them"),
-    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "logprob_start_len": 0},
-     "the embedded engine returns no prompt log-probs, and refuses (400) rather than ignore the request; rlx "
-     "never asks for them"),
+    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "top_logprobs_num": 2}),
+    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "logprob_start_len": 0}),
+    ("POST", "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                           "logprob_start_len": 2, "top_logprobs_num": 2, "token_ids_logprob": [5, 9]}),
+    ("POST", "/generate", {"input_ids": [P, P[:3]], **GEN, "return_logprob": True, "logprob_start_len": [1, 0],
+                           "top_logprobs_num": [1, 2]}),
+    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "logprob_start_len": 9}),
+    ("POST", "/generate", {"input_ids": P, **GEN, "return_logprob": True, "token_ids_logprob": [100000]}),
     ("POST", "/generate", {"input_ids": [], **GEN}),
     ("POST", "/generate", GEN),
     ("POST", "/generate", {"input_ids": P * 2000, **GEN}),
@@ -149,3 +151,37 @@ def test_the_embedded_engine_answers_as_live_sglang(sglang_server, embedded):
         assert s_status < 500, f"live SGLang failed {method} {path}: {s_body}"
     print("\n".join(report))
     assert not found, "\n".join(found)
+
+
+
+SCORED = [  # (request, fields whose values must agree): deterministic parts only (no sampled token's neighbours)
+    ({"input_ids": P, "sampling_params": {"max_new_tokens": 0, "temperature": 0.5}, "return_logprob": True,
+      "logprob_start_len": 0, "top_logprobs_num": 3, "token_ids_logprob": [5, 9, 100]},
+     ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs", "output_top_logprobs")),
+    ({"input_ids": P, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True,
+      "logprob_start_len": 4, "top_logprobs_num": 2, "token_ids_logprob": [5]},
+     ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs",
+      "input_token_ids_logprobs", "output_token_ids_logprobs")),
+]
+
+
+def close(a, b, tol=1e-4):
+    """Equal structures, numbers within `tol` (the two engines' fp32 kernels differ in rounding)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and abs(a - b) <= tol
+    return a == b
+
+
+def test_prompt_and_top_log_probs_are_live_sglangs(sglang_server, embedded):
+    """A teacher's scoring requests (prompt log-probs from logprob_start_len, top log-probs, asked ids' log-probs,
+    max_new_tokens 0) and a greedy request with them: the same values from both engines, field by field (the first
+    prompt entry None in both, top ids in the same order)."""
+    for body, fields in SCORED:
+        (s_status, s_body), (e_status, e_body) = (asyncio.run(ask(sglang_server, "POST", "/generate", body)),
+                                                  asyncio.run(ask(embedded, "POST", "/generate", body)))
+        assert s_status == e_status == 200, (s_body, e_body)
+        for f in fields:
+            assert close(s_body["meta_info"][f], e_body["meta_info"][f]), (f, s_body["meta_info"][f],
+                                                                            e_body["meta_info"][f])

@@ -82,10 +82,41 @@ class Request:
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens this request did not prefill (prefix cache or a forked prompt)
     kv_epoch: int = 0  # the prefix cache's epoch when it was prefilled (its KV is from that epoch's weights)
+    # what SGLang's return_logprob adds when asked: the prompt's log-probs from this index (-1: none), the top
+    # log-probs of each position, the log-probs of these ids at each position; and what they came to
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_ids_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # speculative decoding, as SGLang counts it: verify forwards, drafts proposed and drafts taken
     spec_verify_ct: int = 0
     spec_proposed: int = 0
     spec_correct: int = 0
+
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it asks for its prompt's log-probs (which run the whole prompt, from no cached KV)."""
+        return 0 <= self.logprob_start_len < len(self.input_ids)
+
+    @property
+    def per_token_extras(self) -> bool:
+        return self.top_logprobs_num > 0 or self.token_ids_logprob is not None
+
+
+def _topk(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """Per row of `logp`, its `k` largest log-probs with their ids, largest first."""
+    values, ids = logp.topk(k, dim=-1)
+    return [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+
+
+def _of_ids(logp: torch.Tensor, ids: list[int]) -> list[list[tuple[float, int]]]:
+    """Per row of `logp`, the log-probs of `ids`, in their order."""
+    return [list(zip(v, ids, strict=True)) for v in logp[:, ids].tolist()]
 
 
 @dataclass
@@ -99,6 +130,12 @@ class _Prompt:
     @property
     def ids(self) -> list[int]:
         return self.requests[0].input_ids
+
+    @property
+    def start(self) -> int | None:
+        """The first position whose prompt log-probs a request asks for (None: none does)."""
+        starts = [r.logprob_start_len for r in self.requests if r.scores_prompt]
+        return min(starts) if starts else None
 
     @property
     def todo(self) -> int:
@@ -306,7 +343,7 @@ class Scheduler:
         p = req.params
         if len(req.input_ids) + 1 > self.max_context:
             self._finish(req, {"type": "length", "length": len(req.input_ids)})
-        elif p.max_new_tokens <= 0:
+        elif p.max_new_tokens <= 0 and not (req.scores_prompt or req.per_token_extras):
             self._finish(req, {"type": "length", "length": 0})
         else:
             self.waiting.append(req)
@@ -424,19 +461,23 @@ class Scheduler:
         """Prefill new requests in as few forwards as padding allows. Each distinct prompt runs only the ids after
         the longest prefix the cache holds for it, and the n samples of a prompt fork one prompt's KV and logits.
         Prompts whose uncached parts have similar lengths share a forward (`_chunks`)."""
-        by_ids: dict[tuple[int, ...], list[Request]] = {}
+        by_ids: dict[tuple[Any, ...], list[Request]] = {}
         for r in new:
             r.kv_epoch = self.kv_epoch
             self.prompt_tokens += len(r.input_ids)
-            by_ids.setdefault(tuple(r.input_ids), []).append(r)
+            # (requests that only score their prompt, max_new_tokens 0, are not merged into the batch)
+            by_ids.setdefault((r.params.max_new_tokens <= 0, *r.input_ids), []).append(r)
         prompts: list[_Prompt] = []
         for same in by_ids.values():
-            # a request that wants its prompt's routing has the whole prompt run
-            hit = (None if self.prefix is None or any(r.return_routed_experts for r in same)
+            # a request that wants its prompt's routing, or its log-probs, has the whole prompt run
+            hit = (None if self.prefix is None or any(r.return_routed_experts or r.scores_prompt for r in same)
                    else self.prefix.match(same[0].input_ids))
             prompts.append(_Prompt(same, *(hit or (0, []))))
-        for chunk in _chunks(prompts):
+        scoring = [p for p in prompts if p.start is not None or p.requests[0].params.max_new_tokens <= 0]
+        for chunk in _chunks([p for p in prompts if p not in scoring]):
             self._prefill_chunk(chunk)
+        for p in scoring:  # each alone: its forward keeps the logits of the positions it scores
+            self._prefill_chunk([p])
 
     def _prefill_chunk(self, prompts: list[_Prompt]) -> None:
         """One forward over the prompts' last `run` ids each, `run` the longest uncached part among them, from the
@@ -459,8 +500,16 @@ class Scheduler:
                 self.cached_tokens += r.cached_tokens
         cache = self._make_cache(self._left_padded(prompts, past, width) if width else [])
         experts = self._routing([r for p in prompts for r in p.requests])
+        start = prompts[0].start if n == 1 else None  # (a prompt scored runs alone, whole: run = its length)
+        keep: int | torch.Tensor = 1 if start is None else torch.arange(start, run, device=self.device)
         out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
-                         position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        if n == 1 and (start is not None or prompts[0].requests[0].params.max_new_tokens <= 0):
+            self._score_prompt(prompts[0], out.logits[0].float(), run - 1 if start is None else start)
+            if prompts[0].requests[0].params.max_new_tokens <= 0:  # scored only: done, never decoded
+                for r in prompts[0].requests:
+                    self._finish(r, {"type": "length", "length": 0})
+                return
         for i, p in enumerate(prompts):
             self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
@@ -484,6 +533,40 @@ class Scheduler:
         self._merge(every, cache, mask, mask.sum(-1), draft, hid)
         offset = len(self.rows) - len(every)
         self._emit(logits, list(range(offset, len(self.rows))))
+
+    def _score_prompt(self, p: _Prompt, logits: torch.Tensor, first: int) -> None:
+        """SGLang's prompt log-probs for the requests of `p` from the logits of positions `first` on (``[positions,
+        V]``): from each request's start, the token with the log-prob its position before gives it (none for the first,
+        as SGLang), the top log-probs and the asked ids' log-probs there (plain log-softmax, no temperature, as SGLang);
+        and for a request that generates nothing, SGLang's one entry of output top log-probs, from the last position."""
+        logp = torch.log_softmax(logits, -1)  # row j: position first + j
+        ids = p.ids
+        for r in p.requests:
+            s = r.logprob_start_len
+            if r.scores_prompt:
+                rows = logp[s - first:len(ids) - 1 - first]  # the positions before tokens s + 1 ..
+                after = torch.tensor(ids[s + 1:], dtype=torch.long, device=rows.device)
+                taken = rows.gather(1, after[:, None])[:, 0].tolist()
+                r.input_logprobs = [(None, ids[s]), *zip(taken, ids[s + 1:], strict=True)]
+                if r.top_logprobs_num > 0:
+                    r.input_top = [None, *_topk(rows, r.top_logprobs_num)]
+                if r.token_ids_logprob is not None:
+                    r.input_ids_logprobs = [None, *_of_ids(rows, r.token_ids_logprob)]
+            if r.params.max_new_tokens <= 0:
+                if r.top_logprobs_num > 0:
+                    r.output_top = _topk(logp[-1:], r.top_logprobs_num)
+                if r.token_ids_logprob is not None:
+                    r.output_ids_logprobs = _of_ids(logp[-1:], r.token_ids_logprob)
+
+    def _extras(self, r: Request, logits: torch.Tensor) -> None:
+        """The top log-probs and asked ids' log-probs of the distribution a token of `r` was sampled from (`logits`
+        ``[V]``, at the row's temperature, as its log-prob), where the request asks for them."""
+        t = r.params.temperature
+        logp = torch.log_softmax(logits[None].float() / (t if t > 0 else 1.0), -1)
+        if r.top_logprobs_num > 0:
+            r.output_top += _topk(logp, r.top_logprobs_num)
+        if r.token_ids_logprob is not None:
+            r.output_ids_logprobs += _of_ids(logp, r.token_ids_logprob)
 
     def _draft_prefill(self, prompts: list[_Prompt], run_ids: torch.Tensor, run_pos: torch.Tensor,
                        mask: torch.Tensor) -> tuple[KVCache, torch.Tensor | None]:
@@ -704,6 +787,8 @@ class Scheduler:
                                                      accepted.tolist(), strict=True)):
             n = 0
             for tok, lp in zip(toks[:n_ok + 1], lps[:n_ok + 1], strict=True):
+                if r.per_token_extras:
+                    self._extras(r, out.logits[i, n])
                 n += 1
                 reason = self._append(r, tok, lp)
                 if reason is not None:
@@ -778,7 +863,9 @@ class Scheduler:
             tokens, logprobs = sample(logits, [r.params for r in rows], self.generator, seeded)
             self._last.index_copy_(0, torch.tensor(row_idx, device=self.device), tokens)
         done: list[int] = []
-        for i, r, tok, lp in zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        for j, (i, r, tok, lp) in enumerate(zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True)):
+            if r.per_token_extras:
+                self._extras(r, logits[j])
             reason = self._append(r, tok, lp)
             if reason is not None:
                 self._finish(r, reason)

@@ -15,7 +15,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -175,6 +175,32 @@ class EngineServer(WeightRoutes):
                 raise BadRequest(f"input_ids must be lists of ints in [0, {vocab})")
         return batch, single
 
+    def _logprob_extras(self, body: dict[str, Any], prompts: list[list[int]]) -> list[dict[str, Any]]:
+        """What ``return_logprob`` asks beside the sampled tokens' log-probs, per prompt, with SGLang 0.5.23's checks
+        and words: ``logprob_start_len`` (the prompt's log-probs from that index; -1, the default, none),
+        ``top_logprobs_num`` (the top log-probs at each position; 0 or less, none) and ``token_ids_logprob`` (those
+        ids' log-probs at each position); each one value, or a list of one per prompt."""
+        def each(key: str, default: Any, nested: bool = False) -> list[Any]:
+            v = body.get(key)
+            v = default if v is None else v
+            per = isinstance(v, list) and (not nested or (v and isinstance(v[0], list)))
+            return list(v) if per else [v] * len(prompts)
+
+        out = []
+        vocab = self.s.model.config.get_text_config().vocab_size
+        for ids, start, top, wanted in zip(prompts, each("logprob_start_len", -1), each("top_logprobs_num", 0),
+                                           each("token_ids_logprob", None, nested=True), strict=False):
+            if start > len(ids):
+                raise BadRequest(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                                 f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
+            bad = [t for t in wanted or [] if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; valid range is "
+                                 f"[0, {vocab}).")
+            out.append({"logprob_start_len": start, "top_logprobs_num": max(int(top), 0),
+                        "token_ids_logprob": list(wanted) if wanted is not None else None})
+        return out
+
     def _check_length(self, ids: list[int], max_new_tokens: int | None) -> None:
         """SGLang's checks before generation (0.5.23): a prompt that fills the context, or a prompt plus
         ``max_new_tokens`` past it, is a 400 with SGLang's messages."""
@@ -220,9 +246,18 @@ class EngineServer(WeightRoutes):
             rows = torch.cat(r.routed)[r.routed_experts_start_len:]  # [seqlen - 1 - start, layers, top_k]
             meta["routed_experts"] = base64.b64encode(rows.numpy().tobytes()).decode("ascii")
         if return_logprob:
+            def triples(pairs: Sequence[tuple[float | None, int]] | None) -> list[list[Any]] | None:
+                return None if pairs is None else [[lp, t, None] for lp, t in pairs]
+
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = triples(r.input_logprobs)
             meta["output_token_logprobs_length"] = len(r.logprobs)
+            if r.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [triples(x) for x in r.input_top]
+                meta["output_top_logprobs"] = [triples(x) for x in r.output_top]
+            if r.token_ids_logprob is not None:
+                meta["input_token_ids_logprobs"] = [triples(x) for x in r.input_ids_logprobs]
+                meta["output_token_ids_logprobs"] = [triples(x) for x in r.output_ids_logprobs]
         out: dict[str, Any] = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -238,11 +273,7 @@ class EngineServer(WeightRoutes):
             self._check_length(ids, params.max_new_tokens)
         rid = body.get("rid")
         return_logprob = bool(body.get("return_logprob", False))
-        if return_logprob and (body.get("top_logprobs_num") or 0) > 0:
-            raise BadRequest("top_logprobs_num: the embedded engine returns the sampled tokens' log-probs only "
-                             "(SGLang computes top log-probs)")
-        if return_logprob and body.get("logprob_start_len") is not None and body["logprob_start_len"] >= 0:
-            raise BadRequest("logprob_start_len: the embedded engine returns no prompt log-probs (SGLang does)")
+        extras = self._logprob_extras(body, prompts) if return_logprob else [{}] * len(prompts)
         routed, start = bool(body.get("return_routed_experts", False)), body.get("routed_experts_start_len", 0)
         if routed:
             for ids in prompts:  # SGLang's checks (0.5.23)
@@ -261,7 +292,7 @@ class EngineServer(WeightRoutes):
             for _ in range(params.n):
                 fut = loop.create_future()
                 r = Request(list(ids), params, return_routed_experts=routed and self.s.experts is not None,
-                            routed_experts_start_len=start if routed else 0)
+                            routed_experts_start_len=start if routed else 0, **extras[i])
                 # SGLang gives every sample of an n > 1 request a fresh id (so an abort by the request's rid
                 # does not reach them), and keeps the caller's rid otherwise.
                 if params.n > 1:
