@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
-import time
 
 import torch
 
@@ -30,19 +28,9 @@ REPEATS = 5
 
 
 def run(model, tok, prompts: list[list[int]], params, speculative: int, seed: int = 0) -> dict[str, float]:
-    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+    from rlx.testing.runs import decode
 
-    s = Scheduler(model, tok, speculative=speculative, seed=seed, max_running=16, prefix_cache_tokens=0)
-    s.start()
-    done = threading.Semaphore(0)
-    reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
-    t = time.perf_counter()
-    for r in reqs:
-        s.submit(r)
-    for _ in reqs:
-        done.acquire()
-    seconds = time.perf_counter() - t
-    s.shutdown()
+    reqs, s, seconds = decode(model, tok, prompts, params, speculative=speculative, seed=seed, max_running=16)
     tokens = sum(len(r.output_ids) for r in reqs)
     return {"tokens/s": tokens / seconds, "forwards": s.steps + s.prefill_batches,
             "accept": s.spec_correct / s.spec_proposed if s.spec_proposed else 0.0,
@@ -93,7 +81,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = load_lm(path, torch.float32).eval()
     seeds = [tok.encode(f"def f{i}(x):\n    return x * {i} +", add_special_tokens=False) for i in range(16)]
-    files, _ = _outputs(model, tok, seeds, SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True))
+    from rlx.testing.runs import decode
+
+    done, _, _ = decode(model, tok, seeds, SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True),
+                        max_running=16)
+    files = [r.input_ids + r.output_ids for r in done]
     sep = tok.encode("\n---\n", add_special_tokens=False)
     agent = [f + sep + f[:16] for f in files]
     for temperature in (0.0, 0.6):
@@ -112,21 +104,6 @@ def main() -> None:
         prompts.append(list(out["input_ids"] if hasattr(out, "keys") else out))
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
     show("arithmetic (quickstart, t=1)", *point(model, tok, prompts, params, args.draft_tokens))
-
-
-def _outputs(model, tok, prompts, params):
-    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
-
-    s = Scheduler(model, tok, max_running=16)
-    s.start()
-    done = threading.Semaphore(0)
-    reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
-    for r in reqs:
-        s.submit(r)
-    for _ in reqs:
-        done.acquire()
-    s.shutdown()
-    return [r.input_ids + r.output_ids for r in reqs], s
 
 
 if __name__ == "__main__":

@@ -236,7 +236,6 @@ def check_speculative(ctx: Ctx) -> None:
     other kernels, so not always), and the tokens differ from plain decoding's in under a tenth of rows (a bf16
     near-tie can flip under another batch shape). Figures: tokens/s of each, acceptance."""
     import copy
-    import threading
 
     import torch
     from transformers import AutoTokenizer
@@ -244,7 +243,7 @@ def check_speculative(ctx: Ctx) -> None:
     from rlx.models.load import load_lm
     from rlx.models.tiny import resolve_model_path
     from rlx.rollout.engines.embedded.sampling import SamplingParams
-    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+    from rlx.testing.runs import decode
 
     path = resolve_model_path(DENSE)
     dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
@@ -254,17 +253,7 @@ def check_speculative(ctx: Ctx) -> None:
     params = SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True)
 
     def run(**spec: Any) -> tuple[list[Any], Any, float]:
-        s = Scheduler(model, tok, max_running=16, **spec)
-        s.start()
-        done = threading.Semaphore(0)
-        reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
-        t = time.monotonic()
-        for r in reqs:
-            s.submit(r)
-        for _ in reqs:
-            done.acquire()
-        took = time.monotonic() - t
-        s.shutdown()
+        reqs, s, took = decode(model, tok, prompts, params, max_running=16, **spec)
         return reqs, s, sum(len(r.output_ids) for r in reqs) / took
 
     plain, _, plain_rate = run()

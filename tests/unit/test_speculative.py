@@ -3,14 +3,14 @@ the tokens and log-probs of plain decoding (greedy: the same tokens; sampled: th
 forwards."""
 
 import copy
-import threading
 
 import pytest
 import torch
 
 from rlx.rollout.engines.embedded.sampling import SamplingParams
-from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+from rlx.rollout.engines.embedded.scheduler import Scheduler
 from rlx.rollout.engines.embedded.speculative import ngram_draft
+from rlx.testing.runs import decode
 
 
 def test_ngram_drafts_follow_the_latest_longest_match():
@@ -45,18 +45,7 @@ def model(tiny_model_path):
 
 
 def generate(model, prompts, params, speculative, seed=0, draft=None):
-    m, tok = model
-    s = Scheduler(m, tok, speculative=speculative, seed=seed, max_running=64, draft=draft)
-    s.start()
-    done = threading.Semaphore(0)
-    reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
-    try:
-        for r in reqs:
-            s.submit(r)
-        for _ in reqs:
-            assert done.acquire(timeout=300)
-    finally:
-        s.shutdown()
+    reqs, s, _ = decode(*model, prompts, params, speculative=speculative, seed=seed, max_running=64, draft=draft)
     return reqs, s
 
 

@@ -157,15 +157,13 @@ def mtp_draft_errors(folder: str | Path, temperature: float) -> dict[str, Any]:
     drafts' logits, at every step of every row, are from `mtp_reference`'s at that position (``draft``); how far the
     log-probs it returns are from a full forward's (``logprob``); the verify steps it ran; and, greedy, whether its
     tokens are plain decoding's (``same``)."""
-    import threading
-
     import torch
     from transformers import AutoTokenizer
 
     from rlx.models.load import load_lm
     from rlx.rollout.engines.embedded.sampling import SamplingParams
-    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
     from rlx.rollout.engines.embedded.weights import name_as_checkpoint
+    from rlx.testing.runs import decode
 
     model = load_lm(str(folder), torch.float32).eval()
     name_as_checkpoint(model, folder)  # (holds the MTP layer, as the engine does)
@@ -174,23 +172,7 @@ def mtp_draft_errors(folder: str | Path, temperature: float) -> dict[str, Any]:
     base = [[5, 6, 7, 8] * 6, [9, 3] * 3 + [5, 6, 7], [11, 12, 13, 11, 12], [40, 41, 42]]
     prompts = base * 2 + [base[0]] * 3
 
-    def generate(mtp: bool) -> tuple[list[Request], Scheduler]:
-        s = Scheduler(model, tok, speculative=3 if mtp else 0, mtp=mtp)
-        if s.mtp is not None:
-            s.mtp.trace = []
-        s.start()
-        done = threading.Semaphore(0)
-        reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
-        try:
-            for r in reqs:
-                s.submit(r)
-            for _ in reqs:
-                assert done.acquire(timeout=300)
-        finally:
-            s.shutdown()
-        return reqs, s
-
-    spec, s = generate(True)
+    spec, s, _ = decode(model, tok, prompts, params, speculative=3, mtp=True)
     assert s.mtp is not None and s.mtp.trace is not None
     reference = mtp_reference(folder)
     want = {r.rid: reference(r.input_ids + r.output_ids) for r in spec}
@@ -203,7 +185,8 @@ def mtp_draft_errors(folder: str | Path, temperature: float) -> dict[str, Any]:
         logprob = max(logprob, float((torch.tensor(r.logprobs) - target).abs().max()))
     return {"draft": max(float((want[rid][i] - x).abs().max()) for rid, i, x in s.mtp.trace), "logprob": logprob,
             "verify": s.spec_verify_ct, "drafted": len(s.mtp.trace),
-            "same": temperature != 0 or [r.output_ids for r in spec] == [r.output_ids for r in generate(False)[0]]}
+            "same": temperature != 0 or [r.output_ids for r in spec] == [r.output_ids
+                                                                         for r in decode(model, tok, prompts, params)[0]]}
 
 
 _MTP_SCRIPT = """

@@ -90,3 +90,32 @@ def sparse_engine_follows(rows: list[dict[str, Any]]) -> bool:
     mean difference by up to ~1e-3."""
     diffs = sorted(r["train_rollout_logprob_diff"] for r in rows)
     return diffs[len(diffs) // 2] < 1e-4 and diffs[-1] < 1e-2
+
+
+def decode(model: Any, tokenizer: Any, prompts: list[list[int]], params: Any, **scheduler: Any
+           ) -> tuple[list[Any], Any, float]:
+    """Every prompt through the embedded engine's scheduler (`rlx.rollout.engines.embedded.scheduler`, its thread,
+    without HTTP) with `params` (a `SamplingParams`) and the scheduler's `scheduler` arguments: the finished
+    requests in order, the stopped scheduler (its counters) and the seconds from the first submit to the last
+    finish."""
+    import threading
+    import time
+
+    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
+
+    s = Scheduler(model, tokenizer, **scheduler)
+    if s.mtp is not None:  # (the drafts' logits, for a test to compare: `mtp_draft_errors`)
+        s.mtp.trace = []
+    s.start()
+    done = threading.Semaphore(0)
+    reqs = [Request(list(p), params, on_done=lambda r: done.release()) for p in prompts]
+    try:
+        t = time.perf_counter()
+        for r in reqs:
+            s.submit(r)
+        for _ in reqs:
+            if not done.acquire(timeout=600):
+                raise TimeoutError("the scheduler did not finish the requests in 10 minutes")
+        return reqs, s, time.perf_counter() - t
+    finally:
+        s.shutdown()

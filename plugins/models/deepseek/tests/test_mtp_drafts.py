@@ -62,27 +62,15 @@ def test_a_push_of_the_mtp_weights_changes_the_drafts(served):
 
 def test_mtp_drafts_in_bf16_as_on_a_gpu(served):
     """The engine's precision on a GPU: the MTP layer, its held tensors and the hidden states it takes are bf16."""
-    import threading
-
     from rlx.models.load import load_lm
     from rlx.rollout.engines.embedded.sampling import SamplingParams
-    from rlx.rollout.engines.embedded.scheduler import Request, Scheduler
     from rlx.rollout.engines.embedded.weights import name_as_checkpoint
+    from rlx.testing.runs import decode
 
     path, _, tok = served
     model = load_lm(path, torch.bfloat16).eval()
     name_as_checkpoint(model, path)
-    s = Scheduler(model, tok, speculative=3, mtp=True)
-    s.start()
-    done = threading.Semaphore(0)
-    reqs = [Request([5, 6, 7, 8] * 4, SamplingParams(max_new_tokens=12, ignore_eos=True),
-                    on_done=lambda r: done.release()) for _ in range(3)]
-    try:
-        for r in reqs:
-            s.submit(r)
-        for _ in reqs:
-            assert done.acquire(timeout=300)
-    finally:
-        s.shutdown()
+    reqs, s, _ = decode(model, tok, [[5, 6, 7, 8] * 4] * 3, SamplingParams(max_new_tokens=12, ignore_eos=True),
+                        speculative=3, mtp=True)
     assert all(r.finish_reason["type"] == "length" and len(r.output_ids) == 12 for r in reqs), reqs[0].finish_reason
     assert s.spec_verify_ct > 0 and s.mtp.layer.self_attn.o_proj.weight.dtype == torch.bfloat16
