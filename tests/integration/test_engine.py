@@ -99,10 +99,14 @@ def test_prompt_log_probs_top_log_probs_and_asked_ids_are_a_forward_pass(fleet, 
     def post(body):
         return call(fleet.engines[0].url, lambda c: c.request("POST", "/generate", body))
 
-    for _ in range(2):  # the second time from the prefix cache's prompt
-        out = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                    "logprob_start_len": 2, "top_logprobs_num": 3, "token_ids_logprob": [7, 300]})["meta_info"]
+    post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})  # the prompt in this engine's prefix cache
+    for _ in range(2):
+        out = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 0, "temperature": 0.5},
+                    "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 3,
+                    "token_ids_logprob": [7, 300]})["meta_info"]
         assert out["input_token_logprobs"][0] == [None, prompt[2], None] and out["completion_tokens"] == 0
+        assert out["cached_tokens"] == 0  # scored whole, not from the cache
+        # plain log-softmax whatever the temperature, as SGLang's prompt log-probs
         got = [lp for lp, _, _ in out["input_token_logprobs"][1:]]
         assert got == pytest.approx([logp[i - 1, prompt[i]].item() for i in range(3, len(prompt))], abs=1e-5)
         assert out["input_top_logprobs"][0] is None and len(out["input_top_logprobs"]) == len(prompt) - 2
@@ -111,13 +115,16 @@ def test_prompt_log_probs_top_log_probs_and_asked_ids_are_a_forward_pass(fleet, 
             assert [t for _, t, _ in top] == best.tolist() and [v for v, _, _ in top] == pytest.approx(values.tolist())
         assert [v for x in out["input_token_ids_logprobs"][1:] for v, _, _ in x] == pytest.approx(
             logp[2:-1][:, [7, 300]].flatten().tolist(), abs=1e-5)
-        assert [t for _, t, _ in out["output_top_logprobs"][0]] == logp[-1].topk(3).indices.tolist()
+        [last] = out["output_top_logprobs"]  # SGLang's one entry, plain, from the last position
+        assert [t for _, t, _ in last] == logp[-1].topk(3).indices.tolist()
+        assert [v for v, _, _ in last] == pytest.approx(logp[-1].topk(3).values.tolist(), abs=1e-5)
     out = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0.5, "ignore_eos": True},
                 "return_logprob": True, "top_logprobs_num": 2})["meta_info"]
     assert out["input_token_logprobs"] == [] and out["input_top_logprobs"] == []
     sampled = [t for _, t, _ in out["output_token_logprobs"]]
     with torch.no_grad():
         scaled = torch.log_softmax(model(input_ids=torch.tensor([prompt + sampled])).logits[0].float() / 0.5, -1)
+    assert len(out["output_top_logprobs"]) == len(sampled) == 3
     for j, top in enumerate(out["output_top_logprobs"]):
         values, best = scaled[len(prompt) - 1 + j].topk(2)
         assert [t for _, t, _ in top] == best.tolist() and [v for v, _, _ in top] == pytest.approx(values.tolist(),
@@ -128,6 +135,12 @@ def test_prompt_log_probs_top_log_probs_and_asked_ids_are_a_forward_pass(fleet, 
     with pytest.raises(EngineError, match="logprob_start_len=9 is higher than the number of input tokens"):
         post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
               "logprob_start_len": 9})
+    huge = post({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                 "top_logprobs_num": 10**6, "token_ids_logprob": []})["meta_info"]  # the whole vocabulary; [] is none
+    assert len(huge["output_top_logprobs"][0]) == model.config.vocab_size and "output_token_ids_logprobs" not in huge
+    with pytest.raises(EngineError, match="Cannot use list logprob_start_len with parallel_sample_num > 1"):
+        post({"input_ids": [prompt, prompt], "sampling_params": {"max_new_tokens": 1, "n": 2}, "return_logprob": True,
+              "logprob_start_len": [0, 1]})
 
 
 def test_stop_token_ids_and_stop_strings(fleet, model):

@@ -109,8 +109,9 @@ class Request:
 
 
 def _topk(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    """Per row of `logp`, its `k` largest log-probs with their ids, largest first."""
-    values, ids = logp.topk(k, dim=-1)
+    """Per row of `logp`, its `k` largest log-probs with their ids, largest first (all of them, for a `k` past the
+    vocabulary, where SGLang's scheduler would fail)."""
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
     return [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
 
 
@@ -146,6 +147,7 @@ class _Prompt:
 # they need (padding, and cached ids run again) are at most this fraction of those they need, or this many ids:
 # a forward's fixed cost on CPU is about that of a dozen ids of a 135M model.
 PREFILL_SLACK = 0.25
+LOGPROB_CHUNK = 2048  # prompt positions scored at a time (SGLang's SGLANG_LOGPROB_CHUNK_SIZE default)
 PREFILL_SLACK_IDS = 16
 
 
@@ -505,8 +507,10 @@ class Scheduler:
         out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
                          position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         if n == 1 and (start is not None or prompts[0].requests[0].params.max_new_tokens <= 0):
-            self._score_prompt(prompts[0], out.logits[0].float(), run - 1 if start is None else start)
+            self._score_prompt(prompts[0], out.logits[0], run - 1 if start is None else start)
             if prompts[0].requests[0].params.max_new_tokens <= 0:  # scored only: done, never decoded
+                if self.mtp is not None:
+                    self.model.rlx_final_hidden = None
                 for r in prompts[0].requests:
                     self._finish(r, {"type": "length", "length": 0})
                 return
@@ -539,24 +543,33 @@ class Scheduler:
         V]``): from each request's start, the token with the log-prob its position before gives it (none for the first,
         as SGLang), the top log-probs and the asked ids' log-probs there (plain log-softmax, no temperature, as SGLang);
         and for a request that generates nothing, SGLang's one entry of output top log-probs, from the last position."""
-        logp = torch.log_softmax(logits, -1)  # row j: position first + j
         ids = p.ids
         for r in p.requests:
             s = r.logprob_start_len
             if r.scores_prompt:
-                rows = logp[s - first:len(ids) - 1 - first]  # the positions before tokens s + 1 ..
-                after = torch.tensor(ids[s + 1:], dtype=torch.long, device=rows.device)
-                taken = rows.gather(1, after[:, None])[:, 0].tolist()
-                r.input_logprobs = [(None, ids[s]), *zip(taken, ids[s + 1:], strict=True)]
-                if r.top_logprobs_num > 0:
-                    r.input_top = [None, *_topk(rows, r.top_logprobs_num)]
-                if r.token_ids_logprob is not None:
-                    r.input_ids_logprobs = [None, *_of_ids(rows, r.token_ids_logprob)]
+                r.input_logprobs, r.input_top, r.input_ids_logprobs = [(None, ids[s])], [None], [None]
+                # the positions before tokens s + 1 .. (in chunks, as SGLang's: a [positions, V] fp32 copy of a long
+                # prompt's logits would be gigabytes)
+                for c in range(s, len(ids) - 1, LOGPROB_CHUNK):
+                    end = min(c + LOGPROB_CHUNK, len(ids) - 1)
+                    rows = torch.log_softmax(logits[c - first:end - first].float(), -1)
+                    after = torch.tensor(ids[c + 1:end + 1], dtype=torch.long, device=rows.device)
+                    r.input_logprobs += zip(rows.gather(1, after[:, None])[:, 0].tolist(), ids[c + 1:end + 1],
+                                            strict=True)
+                    if r.top_logprobs_num > 0:
+                        r.input_top += _topk(rows, r.top_logprobs_num)
+                    if r.token_ids_logprob is not None:
+                        r.input_ids_logprobs += _of_ids(rows, r.token_ids_logprob)
+                if r.top_logprobs_num <= 0:
+                    r.input_top = []
+                if r.token_ids_logprob is None:
+                    r.input_ids_logprobs = []
             if r.params.max_new_tokens <= 0:
+                last = torch.log_softmax(logits[-1:].float(), -1)
                 if r.top_logprobs_num > 0:
-                    r.output_top = _topk(logp[-1:], r.top_logprobs_num)
+                    r.output_top = _topk(last, r.top_logprobs_num)
                 if r.token_ids_logprob is not None:
-                    r.output_ids_logprobs = _of_ids(logp[-1:], r.token_ids_logprob)
+                    r.output_ids_logprobs = _of_ids(last, r.token_ids_logprob)
 
     def _extras(self, r: Request, logits: torch.Tensor) -> None:
         """The top log-probs and asked ids' log-probs of the distribution a token of `r` was sampled from (`logits`

@@ -180,16 +180,28 @@ class EngineServer(WeightRoutes):
         and words: ``logprob_start_len`` (the prompt's log-probs from that index; -1, the default, none),
         ``top_logprobs_num`` (the top log-probs at each position; 0 or less, none) and ``token_ids_logprob`` (those
         ids' log-probs at each position); each one value, or a list of one per prompt."""
+        n = (body.get("sampling_params") or {}).get("n") or 1
+
         def each(key: str, default: Any, nested: bool = False) -> list[Any]:
             v = body.get(key)
-            v = default if v is None else v
-            per = isinstance(v, list) and (not nested or (v and isinstance(v[0], list)))
+            v = default if v is None or (nested and v == []) else v  # ([] is none, as SGLang reads it)
+            if nested and isinstance(v, int):
+                v = [v]
+            per = isinstance(v, list) and (not nested or (len(prompts) > 1 and bool(v) and isinstance(v[0], list)))
+            if nested and not per and v is not None and not all(isinstance(t, int) for t in v):
+                raise BadRequest("token_ids_logprob must be a flat list of integers.")
+            if per and n > 1:
+                raise BadRequest(f"Cannot use list {key} with parallel_sample_num > 1")
+            if per and len(v) != len(prompts):
+                raise BadRequest(f"{key}: {len(v)} values for {len(prompts)} prompts")
             return list(v) if per else [v] * len(prompts)
 
         out = []
         vocab = self.s.model.config.get_text_config().vocab_size
         for ids, start, top, wanted in zip(prompts, each("logprob_start_len", -1), each("top_logprobs_num", 0),
-                                           each("token_ids_logprob", None, nested=True), strict=False):
+                                           each("token_ids_logprob", None, nested=True), strict=True):
+            if start < -1:
+                raise BadRequest(f"logprob_start_len={start}: -1 (no prompt log-probs) or an index into the prompt")
             if start > len(ids):
                 raise BadRequest(f"req.logprob_start_len={start} is higher than the number of input tokens "
                                  f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
@@ -249,15 +261,20 @@ class EngineServer(WeightRoutes):
             def triples(pairs: Sequence[tuple[float | None, int]] | None) -> list[list[Any]] | None:
                 return None if pairs is None else [[lp, t, None] for lp, t in pairs]
 
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids, strict=True)]
+            # (the scheduler's thread may be appending a token: every per-token list as far as all of them go; a
+            # request that generates nothing has SGLang's one entry of output top log-probs)
+            n = min(len(r.output_ids), len(r.logprobs))
+            cut = n if r.params.max_new_tokens > 0 else None
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs[:n], r.output_ids[:n],
+                                                                            strict=True)]
             meta["input_token_logprobs"] = triples(r.input_logprobs)
-            meta["output_token_logprobs_length"] = len(r.logprobs)
+            meta["output_token_logprobs_length"] = n
             if r.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = [triples(x) for x in r.input_top]
-                meta["output_top_logprobs"] = [triples(x) for x in r.output_top]
+                meta["output_top_logprobs"] = [triples(x) for x in r.output_top[:cut]]
             if r.token_ids_logprob is not None:
                 meta["input_token_ids_logprobs"] = [triples(x) for x in r.input_ids_logprobs]
-                meta["output_token_ids_logprobs"] = [triples(x) for x in r.output_ids_logprobs]
+                meta["output_token_ids_logprobs"] = [triples(x) for x in r.output_ids_logprobs[:cut]]
         out: dict[str, Any] = {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
