@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
+from rlx.rollout.engines.embedded.logprobs import extras, score_prompt
 from rlx.rollout.engines.embedded.mtp import mask as mtp_mask
 from rlx.rollout.engines.embedded.routing import RoutedExperts
 from rlx.rollout.engines.embedded.sampling import (SamplingParams, SamplingTensors, propose, sample, seeded_uniform,
@@ -108,18 +109,6 @@ class Request:
         return self.top_logprobs_num > 0 or self.token_ids_logprob is not None
 
 
-def _topk(logp: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
-    """Per row of `logp`, its `k` largest log-probs with their ids, largest first (all of them, for a `k` past the
-    vocabulary, where SGLang's scheduler would fail)."""
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
-
-
-def _of_ids(logp: torch.Tensor, ids: list[int]) -> list[list[tuple[float, int]]]:
-    """Per row of `logp`, the log-probs of `ids`, in their order."""
-    return [list(zip(v, ids, strict=True)) for v in logp[:, ids].tolist()]
-
-
 @dataclass
 class _Prompt:
     """The requests with one prompt, prefilled together, and the longest prefix of it the cache holds."""
@@ -147,7 +136,6 @@ class _Prompt:
 # they need (padding, and cached ids run again) are at most this fraction of those they need, or this many ids:
 # a forward's fixed cost on CPU is about that of a dozen ids of a 135M model.
 PREFILL_SLACK = 0.25
-LOGPROB_CHUNK = 2048  # prompt positions scored at a time (SGLang's SGLANG_LOGPROB_CHUNK_SIZE default)
 PREFILL_SLACK_IDS = 16
 
 
@@ -507,7 +495,7 @@ class Scheduler:
         out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
                          position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         if n == 1 and (start is not None or prompts[0].requests[0].params.max_new_tokens <= 0):
-            self._score_prompt(prompts[0], out.logits[0], run - 1 if start is None else start)
+            score_prompt(prompts[0].requests, prompts[0].ids, out.logits[0], run - 1 if start is None else start)
             if prompts[0].requests[0].params.max_new_tokens <= 0:  # scored only: done, never decoded
                 if self.mtp is not None:
                     self.model.rlx_final_hidden = None
@@ -537,49 +525,6 @@ class Scheduler:
         self._merge(every, cache, mask, mask.sum(-1), draft, hid)
         offset = len(self.rows) - len(every)
         self._emit(logits, list(range(offset, len(self.rows))))
-
-    def _score_prompt(self, p: _Prompt, logits: torch.Tensor, first: int) -> None:
-        """SGLang's prompt log-probs for the requests of `p` from the logits of positions `first` on (``[positions,
-        V]``): from each request's start, the token with the log-prob its position before gives it (none for the first,
-        as SGLang), the top log-probs and the asked ids' log-probs there (plain log-softmax, no temperature, as SGLang);
-        and for a request that generates nothing, SGLang's one entry of output top log-probs, from the last position."""
-        ids = p.ids
-        for r in p.requests:
-            s = r.logprob_start_len
-            if r.scores_prompt:
-                r.input_logprobs, r.input_top, r.input_ids_logprobs = [(None, ids[s])], [None], [None]
-                # the positions before tokens s + 1 .. (in chunks, as SGLang's: a [positions, V] fp32 copy of a long
-                # prompt's logits would be gigabytes)
-                for c in range(s, len(ids) - 1, LOGPROB_CHUNK):
-                    end = min(c + LOGPROB_CHUNK, len(ids) - 1)
-                    rows = torch.log_softmax(logits[c - first:end - first].float(), -1)
-                    after = torch.tensor(ids[c + 1:end + 1], dtype=torch.long, device=rows.device)
-                    r.input_logprobs += zip(rows.gather(1, after[:, None])[:, 0].tolist(), ids[c + 1:end + 1],
-                                            strict=True)
-                    if r.top_logprobs_num > 0:
-                        r.input_top += _topk(rows, r.top_logprobs_num)
-                    if r.token_ids_logprob is not None:
-                        r.input_ids_logprobs += _of_ids(rows, r.token_ids_logprob)
-                if r.top_logprobs_num <= 0:
-                    r.input_top = []
-                if r.token_ids_logprob is None:
-                    r.input_ids_logprobs = []
-            if r.params.max_new_tokens <= 0:
-                last = torch.log_softmax(logits[-1:].float(), -1)
-                if r.top_logprobs_num > 0:
-                    r.output_top = _topk(last, r.top_logprobs_num)
-                if r.token_ids_logprob is not None:
-                    r.output_ids_logprobs = _of_ids(last, r.token_ids_logprob)
-
-    def _extras(self, r: Request, logits: torch.Tensor) -> None:
-        """The top log-probs and asked ids' log-probs of the distribution a token of `r` was sampled from (`logits`
-        ``[V]``, at the row's temperature, as its log-prob), where the request asks for them."""
-        t = r.params.temperature
-        logp = torch.log_softmax(logits[None].float() / (t if t > 0 else 1.0), -1)
-        if r.top_logprobs_num > 0:
-            r.output_top += _topk(logp, r.top_logprobs_num)
-        if r.token_ids_logprob is not None:
-            r.output_ids_logprobs += _of_ids(logp, r.token_ids_logprob)
 
     def _draft_prefill(self, prompts: list[_Prompt], run_ids: torch.Tensor, run_pos: torch.Tensor,
                        mask: torch.Tensor) -> tuple[KVCache, torch.Tensor | None]:
@@ -801,7 +746,7 @@ class Scheduler:
             n = 0
             for tok, lp in zip(toks[:n_ok + 1], lps[:n_ok + 1], strict=True):
                 if r.per_token_extras:
-                    self._extras(r, out.logits[i, n])
+                    extras(r, out.logits[i, n])
                 n += 1
                 reason = self._append(r, tok, lp)
                 if reason is not None:
@@ -878,7 +823,7 @@ class Scheduler:
         done: list[int] = []
         for j, (i, r, tok, lp) in enumerate(zip(row_idx, rows, tokens.tolist(), logprobs.tolist(), strict=True)):
             if r.per_token_extras:
-                self._extras(r, logits[j])
+                extras(r, logits[j])
             reason = self._append(r, tok, lp)
             if reason is not None:
                 self._finish(r, reason)
