@@ -145,6 +145,11 @@ def check(cfg: Config) -> list[Problem]:
             problems.append((("train", "objective", "mtp_loss_coef"), f"the model in {model_dir} has no multi-token-"
                              f"prediction layers to train (no num_nextn_predict_layers in its config.json); leave it "
                              f"at 0"))
+        elif cfg.rollout.quantization is not None and any(g.backend == "embedded" for g in cfg.rollout.engines):
+            problems.append((("train", "objective", "mtp_loss_coef"), f"trained multi-token-prediction layers are "
+                             f"pushed quantised with rollout.quantization {cfg.rollout.quantization}, and the embedded "
+                             f"engine holds them unquantised (for its drafts): leave them frozen (0) with quantised "
+                             f"rollout"))
         elif cfg.train.parallel.pp > 1:
             problems.append((("train", "objective", "mtp_loss_coef"), f"multi-token-prediction layers train with one "
                              f"pipeline stage (train.parallel.pp is {cfg.train.parallel.pp}): they need the first "

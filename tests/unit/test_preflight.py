@@ -238,3 +238,11 @@ def _write(tmp_path, text):
     p = tmp_path / "c.yaml"
     p.write_text(text)
     return p
+
+
+def test_a_trained_mtp_layer_with_quantised_rollout_is_refused_for_the_embedded_engine(tmp_path):
+    m = model(tmp_path, num_nextn_predict_layers=1)
+    got, p = problems(tmp_path, f"model: {{path: {m}}}\nrollout: {{quantization: int4}}\ntrain:\n"
+                                f"  qat: int4\n  objective: {{mtp_loss_coef: 0.2}}\n")
+    assert "pushed quantised with rollout.quantization int4, and the embedded engine holds them unquantised" in got[
+        f"{p}:5: train.objective.mtp_loss_coef"]

@@ -74,3 +74,23 @@ def test_mtp_drafts_in_bf16_as_on_a_gpu(served):
                         speculative=3, mtp=True)
     assert all(r.finish_reason["type"] == "length" and len(r.output_ids) == 12 for r in reqs), reqs[0].finish_reason
     assert s.spec_verify_ct > 0 and s.mtp.layer.self_attn.o_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quantised_rollout_of_a_checkpoint_with_an_mtp_layer(served, tmp_path, kind):
+    """``--quantization fp8|int4`` on DeepSeek-V3 as published (every release has an MTP layer): the model's weights are
+    served quantised, the MTP layer the engine holds beside it stays dequantised, as its drafts compute with it (a run
+    that trains it with quantised rollout is refused at preflight)."""
+    from rlx.models.fp8 import write_quantized
+    from rlx.models.load import load_lm
+    from rlx.rollout.engines.embedded.weights import name_as_checkpoint, serve_quantized
+
+    path = write_quantized(served[0], tmp_path / "fp8", (16, 16)) if kind == "fp8" else served[0]
+    model = load_lm(str(path), torch.float32).eval()
+    name_as_checkpoint(model, path)
+    serve_quantized(model, kind, path)
+    n = model.config.num_hidden_layers
+    names, _, _ = model.rlx_quantized
+    assert "model.layers.0.self_attn.o_proj.weight" in names and not any(k.startswith(f"model.layers.{n}.")
+                                                                         for k in names)
+    assert model.rlx_held[f"model.layers.{n}.self_attn.o_proj.weight"].dtype == torch.float32

@@ -132,6 +132,9 @@ def serve_quantized(model: Any, kind: str, folder: str | Path) -> None:  # (a tr
     from rlx.models.fp8 import QUANTISED, stored_quantised
 
     state = served_state(model)
+    # the model's own weights: MTP layers the engine holds beside it (`name_as_checkpoint`) stay as it holds them,
+    # dequantised (their drafts compute with them; a run that trains them with quantised rollout is refused)
+    own = served_state(model, held=False).keys()
     held: dict[str, torch.Tensor] = {}
     if kind == "fp8":
         from safetensors import safe_open
@@ -142,6 +145,7 @@ def serve_quantized(model: Any, kind: str, folder: str | Path) -> None:  # (a tr
         unknown = sorted(names - state.keys())
         if unknown:
             raise WeightError(f"{folder}: quantised weight {unknown[0]!r} is none of the model's")
+        names &= own
         for f in sorted(Path(folder).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
                 for key in h.keys():
@@ -152,7 +156,7 @@ def serve_quantized(model: Any, kind: str, folder: str | Path) -> None:  # (a tr
             return dequantize(held[name], held[name + SCALE], block)
     elif kind == "int4":
         SCALE = int4.SCALE
-        names = {n for n, t in state.items() if QUANTISED.match(n) and t.dim() == 2}
+        names = {n for n, t in state.items() if QUANTISED.match(n) and t.dim() == 2 and n in own}
         for name in names:
             held[name], held[name + SCALE] = int4.quantize(state[name].detach())
 
