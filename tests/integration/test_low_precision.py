@@ -64,4 +64,4 @@ def test_speculative_decoding_in_rl_train(tmp_path, method):
     for r in run["rows"]:
         assert r["train_rollout_logprob_diff"] < 1e-5
         assert 0 < r["rollout/spec_accept_rate"] <= 1 and r["rollout/spec_accept_length"] > 1, r
-        assert r["rollout/tokens_per_s"] > 0
+        assert r["time/rollout_tokens_per_s"] > 0

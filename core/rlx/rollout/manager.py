@@ -263,7 +263,7 @@ class RolloutManager:
              "rollout/pending_groups": float(len(self.pending)),
              "rollout/long_prompts_skipped": float(self.long_prompts), "time/rollout_s": seconds,
              # the step's response tokens (an agent's tool outputs too), over its rollout time
-             "rollout/tokens_per_s": sum(len(s.response_ids) for s in samples) / seconds if seconds > 0 else 0.0}
+             "time/rollout_tokens_per_s": sum(len(s.response_ids) for s in samples) / seconds if seconds > 0 else 0.0}
         failed = [s.error for s in samples if s.status == SampleStatus.FAILED and s.error]
         if failed:  # a count alone hides why: say the most common reason
             reasons = Counter(failed)
