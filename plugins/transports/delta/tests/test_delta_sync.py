@@ -124,6 +124,13 @@ def test_fifty_pushes_are_bit_exact_for_what_a_bf16_engine_serves(bf16_engine, m
             v, sums = await served(bf16_engine, names)
             assert v == str(version)
             assert sums == expected(masters), f"version {version} differs from the trainer's"
+        # the agent removes its earlier local copy after the engine serves the new one, then reports: wait for its
+        # report before stopping it (the commit waits for the engine only)
+        [status] = (pub.root / "agents").glob("*.json")
+        for _ in range(600):
+            if json.loads(status.read_text()).get("version") == 50:
+                break
+            await asyncio.sleep(0.05)
         await pub.close()
 
     asyncio.run(run())
