@@ -132,6 +132,7 @@ def check(cfg: Config) -> list[Problem]:
         if g.speculative is not None:
             problems += _speculative(cfg, g, ("rollout", "engines", i, "speculative"),
                                      _model_dir(g.model_path, (), []) if g.model_path else model_dir, problems)
+    _teachers(cfg, model_dir, problems)
     if model_dir is not None:
         problems += _shape(model_dir, ("train", "parallel"), cfg.train.parallel)
     if model_dir is not None and cfg.train.objective.indexer_kl_coef > 0:
@@ -216,19 +217,38 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
         if embedded and kinds:
             out.append(((*at, "draft_model"), f"the draft model in {draft} has {sorted(kinds)[0]} layers: the "
                         f"embedded engine keeps a draft's keys and values beside the target's, full attention only"))
-        if draft is not None and target is not None:
-            from transformers import AutoTokenizer
-
-            a, b = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (target, draft))
-            if a != b:
-                out.append(((*at, "draft_model"), f"the draft model in {draft} has another tokenizer than the model "
-                            f"it drafts for ({target}; {len(a.items() ^ b.items())} vocabulary entries differ): its "
-                            f"draft ids would be other words"))
+        differ = _vocab_differs(target, draft) if draft is not None and target is not None else 0
+        if differ:
+            out.append(((*at, "draft_model"), f"the draft model in {draft} has another tokenizer than the model "
+                        f"it drafts for ({target}; {differ} vocabulary entries differ): its draft ids would be "
+                        f"other words"))
     if g.backend == "sglang" and records_routing(cfg):
         out.append(((*at, "method"), "routing replay (rollout.routed_experts) with SGLang's speculative decoding: "
                     "SGLang 0.5.23 does not count the verify forward's tokens in the routing it records (a FIXME in "
                     "its routed_experts capturer); use the embedded engine, or no speculative decoding"))
     return out
+
+
+def _vocab_differs(a: Path, b: Path) -> int:
+    """How many vocabulary entries (token, id) the tokenizers of two model folders do not share (0: the same)."""
+    from transformers import AutoTokenizer
+
+    va, vb = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (a, b))
+    return len(va.items() ^ vb.items())
+
+
+def _teachers(cfg: Config, student: Path | None, problems: list[Problem]) -> None:
+    """Each teacher's checkpoint exists and has the student's tokenizer: it scores the student's token ids."""
+    if cfg.model.tokenizer and Path(cfg.model.tokenizer).is_dir():
+        student = Path(cfg.model.tokenizer)
+    for i, t in enumerate(cfg.rollout.teachers):
+        at = ("rollout", "teachers", i, "model_path")
+        teacher = _model_dir(t.model_path, at, problems) if t.model_path else None
+        differ = _vocab_differs(student, teacher) if student is not None and teacher is not None else 0
+        if differ:
+            problems.append((at, f"teacher {t.name!r} ({teacher}) has another tokenizer than the student ({student}; "
+                             f"{differ} vocabulary entries differ): it would score other words than the student "
+                             f"wrote. Distil from a teacher of the student's family"))
 
 
 def _tensor_names(folder: Path) -> list[str]:
@@ -253,6 +273,7 @@ def hub_models(cfg: Config, download: bool) -> list[Problem]:
     fields: list[tuple[Any, tuple[Any, ...]]] = [(cfg.model, ("model", "path")), (cfg.model, ("model", "tokenizer")),
                                                 (cfg.train.critic, ("train", "critic", "model_path"))]
     fields += [(g, ("rollout", "engines", i, "model_path")) for i, g in enumerate(cfg.rollout.engines)]
+    fields += [(t, ("rollout", "teachers", i, "model_path")) for i, t in enumerate(cfg.rollout.teachers)]
     problems: list[Problem] = []
     for node, keys in fields:
         value = getattr(node, keys[-1])

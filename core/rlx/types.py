@@ -51,6 +51,25 @@ class RewardResult:
 
 
 @dataclass
+class TeacherScore:
+    """What a teacher said of a sample's response tokens (on-policy distillation), each list one entry per response
+    token, 0 / empty where the loss mask is 0 (tokens the model did not sample are not scored)."""
+
+    name: str  # the teacher (rollout.teachers[*].name)
+    logprobs: list[float]  # the teacher's log-prob of each response token
+    top_ids: list[list[int]] = field(default_factory=list)  # estimator top_k: its top tokens at each position
+    top_logprobs: list[list[float]] = field(default_factory=list)  # and their log-probs
+
+    def reverse_kl(self, sample: Sample) -> tuple[float, int]:
+        """The sampled-token estimate of the reverse KL summed over the model's tokens (the sampler's log-prob
+        minus the teacher's), and their count; (0, 0) without the sampler's log-probs."""
+        if sample.rollout_logprobs is None:
+            return 0.0, 0
+        pairs = [(r - t) for r, t, m in zip(sample.rollout_logprobs, self.logprobs, sample.loss_mask, strict=True) if m]
+        return sum(pairs), len(pairs)
+
+
+@dataclass
 class Sample:
     """One generated response to one prompt, and everything training needs from it."""
 
@@ -80,6 +99,7 @@ class Sample:
     # the experts the engine routed each token to (rollout routing replay): SGLang's base64 int32
     # [rows, layers, top_k] for the first `rows` tokens of prompt + response (rows <= total_len - 1)
     routed_experts: str | None = None
+    teacher: TeacherScore | None = None  # on-policy distillation: its teacher's scores (None: not distilled)
 
     @property
     def total_len(self) -> int:
@@ -95,6 +115,8 @@ class Sample:
         d = dict(d)
         d["status"] = SampleStatus(d.get("status", "pending"))
         d["rewards"] = {k: RewardResult(**v) for k, v in (d.get("rewards") or {}).items()}
+        if d.get("teacher") is not None:
+            d["teacher"] = TeacherScore(**d["teacher"])
         if (d.get("metadata") or {}).pop("no_rollout_logprobs", False):  # saved before None meant "missing"
             d["rollout_logprobs"] = None
         return cls(**d)
@@ -178,6 +200,17 @@ class RolloutBatch:
             verify, proposed, correct, tokens = (sum(c[i] for c in spec) for i in range(4))
             m["rollout/spec_accept_rate"] = correct / proposed if proposed else 0.0
             m["rollout/spec_accept_length"] = tokens / verify if verify else 0.0
+        kl: dict[str, list[float]] = {}  # per teacher: the sum over model tokens of sampler minus teacher, the count
+        for s in trainable:
+            if s.teacher is not None:
+                part = kl.setdefault(s.teacher.name, [0.0, 0.0])
+                for i, v in enumerate(s.teacher.reverse_kl(s)):
+                    part[i] += v
+        for name, (kl_sum, count) in sorted(kl.items()):
+            m[f"distill/{name}/reverse_kl"] = kl_sum / count if count else 0.0
+        if kl:
+            kl_sum, count = (sum(v[i] for v in kl.values()) for i in (0, 1))
+            m["distill/reverse_kl"] = kl_sum / count if count else 0.0
         for name in sorted({name for s in trainable for name in s.rewards}):
             vals = [s.rewards[name].score for s in trainable if name in s.rewards]
             m[f"reward/{name}/mean"] = sum(vals) / len(vals)

@@ -253,3 +253,16 @@ def test_a_critic_with_a_layout_of_its_own_matches_the_critic_beside_the_actor(s
             assert got[step][key] == pytest.approx(single_ppo[step][key], abs=1e-5), (step, key)
     restored, original = got["resumed"]
     assert restored == pytest.approx(original, abs=1e-6)
+
+
+def test_top_k_distillation_at_tp2_matches_one_process(tiny_model_path, tmp_path):
+    """The top-k distillation term reads the student's log-probs at the teacher's ids from a vocabulary split over
+    tensor-parallel ranks (`rlx.train.distill.vocab_logprobs`): the same loss, term and updated weights as one
+    process."""
+    from rlx.testing.parallel import assert_same, run as run_layout
+
+    objective = {"distill": {"estimator": "top_k", "top_k": 6, "coef": 0.5}}
+    single = run_layout(tmp_path, tiny_model_path, 1, objective=objective)
+    assert single["m1"]["distill_topk_kl"] > 0 and single["m2"]["distill_topk_kl"] < single["m1"]["distill_topk_kl"]
+    got = run_layout(tmp_path, tiny_model_path, 2, tp=2, objective=objective)
+    assert_same(got, single, ("loss", "pg_loss", "distill_topk_kl", "entropy", "kl"))

@@ -185,3 +185,35 @@ def test_prompt_and_top_log_probs_are_live_sglangs(sglang_server, embedded):
         for f in fields:
             assert close(s_body["meta_info"][f], e_body["meta_info"][f]), (f, s_body["meta_info"][f],
                                                                             e_body["meta_info"][f])
+
+
+def test_a_teacher_scores_a_sample_through_live_sglang_as_through_the_embedded_engine(sglang_server, embedded,
+                                                                                        tmp_path):
+    """On-policy distillation's teachers attached by address (`rollout.teachers[*].urls`): the same multi-turn
+    sample (a tool's tokens in its response) scored by live SGLang and by the embedded engine, log-probs and top-k,
+    parsed by rlx's client from each server's own answer."""
+    from rlx.config import parse_config
+    from rlx.rollout.teachers import Teachers
+    from rlx.types import Sample, SampleStatus
+
+    cfg = parse_config(json.dumps({
+        "run": {"output_dir": str(tmp_path)}, "model": {"path": "builtin://tiny-qwen3"},
+        "rollout": {"teachers": [{"name": "sglang", "urls": [sglang_server]}, {"name": "embedded", "urls": [embedded]}],
+                    "teacher_field": "teacher"},
+        "train": {"objective": {"distill": {"estimator": "top_k", "top_k": 4}}}}))
+    samples = [Sample(prompt_ids=P, response_ids=[40, 41, 300, 301, 42], loss_mask=[1, 1, 0, 0, 1],
+                      rollout_logprobs=[-1.0] * 5, status=SampleStatus.COMPLETED, sample_id=i,
+                      metadata={"teacher": name}) for i, name in enumerate(("sglang", "embedded"))]
+
+    async def go():
+        teachers = Teachers(cfg)
+        await teachers.start()
+        try:
+            await teachers.score(samples)
+        finally:
+            await teachers.stop()
+
+    asyncio.run(go())
+    live, ours = (s.teacher for s in samples)
+    assert len(live.logprobs) == 5 and close(live.logprobs, ours.logprobs)
+    assert live.top_ids == ours.top_ids and close(live.top_logprobs, ours.top_logprobs)

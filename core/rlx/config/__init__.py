@@ -6,18 +6,18 @@ from rlx.config.loading import Check, apply_override, describe_error, format_pat
 from rlx.config.modes import check_modes
 from rlx.config.schema import (
     COMPONENT_FIELDS, PATH_FIELDS, AsyncConfig, BufferConfig, CheckpointConfig, ComponentSpec, Config, CriticConfig,
-    DataConfig, DataSource, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, ModelConfig,
+    DataConfig, DataSource, DistillConfig, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, ModelConfig,
     ObjectiveConfig, OptimConfig, ParallelConfig, RayConfig, RewardSpec, RolloutConfig, RouterConfig, RunConfig,
-    SamplingConfig, Section, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig,
+    SamplingConfig, Section, TeacherConfig, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig,
     DynamicSamplingConfig, PartialRolloutConfig, component_config, engines_offload, records_routing,
     trainer_offloads)
 
 __all__ = [
     "Check", "apply_override", "describe_error", "format_path", "load_config", "parse_config",
     "COMPONENT_FIELDS", "PATH_FIELDS", "AsyncConfig", "BufferConfig", "CheckpointConfig", "ComponentSpec", "Config",
-    "CriticConfig", "DataConfig", "DataSource", "EngineGroupConfig", "EvalConfig", "EvalDatasetConfig",
+    "CriticConfig", "DataConfig", "DataSource", "DistillConfig", "EngineGroupConfig", "EvalConfig", "EvalDatasetConfig",
     "FaultToleranceConfig",
     "ModelConfig", "ObjectiveConfig", "OptimConfig", "ParallelConfig", "RayConfig", "RewardSpec", "RolloutConfig",
-    "RouterConfig", "RunConfig", "SamplingConfig", "Section", "TrainConfig", "WeightSyncConfig", "CpuConfig", "ScoringConfig", "RequestsConfig", "DynamicSamplingConfig", "PartialRolloutConfig", "check_modes", "component_config",
+    "RouterConfig", "RunConfig", "SamplingConfig", "Section", "TeacherConfig", "TrainConfig", "WeightSyncConfig", "CpuConfig", "ScoringConfig", "RequestsConfig", "DynamicSamplingConfig", "PartialRolloutConfig", "check_modes", "component_config",
     "engines_offload", "records_routing", "trainer_offloads",
 ]

@@ -179,7 +179,7 @@ def resolve_paths(cfg: Config, base: Path) -> None:
     for d in cfg.eval.datasets:
         if "://" not in d.path:
             d.path = str((base / Path(d.path).expanduser()).resolve())
-    for g in cfg.rollout.engines:
+    for g in [*cfg.rollout.engines, *cfg.rollout.teachers]:
         if g.model_path:
             g.model_path = resolve(g.model_path, True)
         if g.speculative is not None and g.speculative.draft_model:

@@ -59,6 +59,15 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
                          "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
     problems += _quantization(cfg)
+    if cfg.rollout.teachers and cfg.train.objective.distill is None:
+        problems.append((("rollout", "teachers"), "teachers score samples for on-policy distillation: set "
+                         "train.objective.distill (its coef and estimator) too"))
+    if cfg.train.objective.distill is not None and not cfg.rollout.teachers and cfg.rollout.source != "replay":
+        problems.append((("train", "objective", "distill"), "distils from rollout.teachers, which lists none (a "
+                         "replay's saved samples carry their teachers' scores)"))
+    if cfg.rollout.teachers and cfg.rollout.source != "generate":
+        problems.append((("rollout", "teachers"), f"teachers score the samples rlx generates; rollout.source "
+                         f"{cfg.rollout.source} takes samples made elsewhere"))
     if cfg.train.mode != "async":
         for key, field in AsyncConfig.model_fields.items():
             if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults

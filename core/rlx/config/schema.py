@@ -159,6 +159,27 @@ class EngineGroupConfig(Section):
         return self
 
 
+class TeacherConfig(EngineGroupConfig):
+    """A teacher of on-policy distillation: another model, served by engines of its own (the same engine stack,
+    launched as a group or attached by address), never trained, that scores the student's own samples token by
+    token (``train.objective.distill``). It must share the student's tokenizer (checked at preflight)."""
+
+    name: str  # names the teacher in metrics (distill/<name>/reverse_kl) and in rows (rollout.teacher_field)
+    urls: list[str] = Field(default_factory=list)  # attach to these engines instead of launching the group
+    update_weights: bool = False  # a teacher is never trained: it gets no weights
+
+    @model_validator(mode="after")
+    def _teacher(self) -> TeacherConfig:
+        if self.update_weights:
+            raise ValueError("update_weights: a teacher is not trained, so it gets no weights")
+        if self.worker_type != "regular" or self.speculative is not None:
+            raise ValueError("worker_type and speculative apply to the engines that generate; a teacher scores "
+                             "(one forward per sample)")
+        if not self.urls and self.model_path is None:
+            raise ValueError("model_path: the teacher's checkpoint (or urls: its engines, to attach to them)")
+        return self
+
+
 class RouterConfig(Section):
     enabled: bool | None = None  # None: use the router when there is more than one engine
     policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
@@ -256,6 +277,9 @@ class RolloutConfig(Section):
     routed_experts: bool = False  # MoE: engines report the experts each token was routed to (SGLang's
     #   --enable-return-routed-experts, set on engines rlx launches), and the trainer logs how often its own
     #   routing agrees (moe/routing_agreement); train.objective.routing_replay implies it
+    teachers: list[TeacherConfig] = Field(default_factory=list)  # on-policy distillation: models scoring the samples
+    teacher_field: str | None = None  # several teachers: the Sample.metadata key (the row's metadata) naming each
+    #   row's teacher; rows without it are not distilled (None: every row, by the one teacher)
     # what the engines that get the trainer's weights serve: None, its weights as they are; fp8, block-quantised FP8
     # (e4m3, 128x128 scales: engines launched from an FP8 copy of the model, or from model.path when it is an FP8
     # checkpoint, and every push quantised on the trainer's side, about half a bf16 push's bytes); int4, weight-only
@@ -285,6 +309,17 @@ class RolloutConfig(Section):
     @classmethod
     def _unique_rewards(cls, v: Raw) -> Raw:
         return unique_rewards(v)
+
+    @model_validator(mode="after")
+    def _teachers(self) -> RolloutConfig:
+        names = [t.name for t in self.teachers]
+        if len(set(names)) < len(names):
+            raise ValueError(f"teachers: names must be unique (they name the metrics and rows' teachers): {names}")
+        if len(self.teachers) > 1 and self.teacher_field is None:
+            raise ValueError("teacher_field: with several teachers, the metadata key naming each row's teacher")
+        if self.teacher_field is not None and not self.teachers:
+            raise ValueError("teacher_field: names rows' teachers, and rollout.teachers lists none")
+        return self
 
     @model_validator(mode="after")
     def _coalesce(self) -> RolloutConfig:
@@ -352,6 +387,18 @@ class CriticConfig(Section):
     #                                                 bundles of its own (ray.cpus/gpus_per_trainer each)
 
 
+class DistillConfig(Section):
+    """On-policy distillation: the per-token reverse KL from the student to its teacher (``rollout.teachers``), on
+    the student's own samples and their model-sampled tokens only, alone or beside the task reward."""
+
+    coef: float = Field(1.0, gt=0)  # weight of the KL beside the task reward's advantage
+    # token: the sampled token's log-prob under the sampler minus under the teacher, subtracted from each token's
+    #   advantage (a per-token reward: slime's OPD, Thinking Machines'); top_k: a loss term, the KL over the
+    #   teacher's top_k tokens and one bucket for the rest, from the student's full distribution (differentiable)
+    estimator: Literal["token", "top_k"] = "token"
+    top_k: int = Field(20, ge=1)  # top_k: the teacher's top log-probs per position, asked of its engines
+
+
 class ObjectiveConfig(Section):
     """What the policy optimises: advantages, the policy loss and the terms added to it."""
 
@@ -380,6 +427,8 @@ class ObjectiveConfig(Section):
     # (cross entropy, this coefficient; the policy's gradient unchanged, though clip_grad's norm counts theirs) and are
     # pushed with the rest
     mtp_loss_coef: float = Field(0.0, ge=0)
+
+    distill: DistillConfig | None = None  # on-policy distillation from rollout.teachers (None: none)
 
     @field_validator("advantage", "loss", mode="before")
     @classmethod

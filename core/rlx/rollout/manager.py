@@ -38,6 +38,7 @@ from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
+    from rlx.rollout.teachers import Teachers
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +48,16 @@ GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_t
 
 class RolloutManager:
     def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset, ctx: GenerateContext,
-                 abort_all: Callable[[], Any] | None = None):
-        """`abort_all`: an async callable that aborts every in-flight request on every engine."""
+                 abort_all: Callable[[], Any] | None = None, teachers: Teachers | None = None):
+        """`abort_all`: an async callable that aborts every in-flight request on every engine. `teachers`: those
+        of on-policy distillation, which score each finished sample (`rlx.rollout.teachers`)."""
         self.cfg = cfg
         self.rc = cfg.rollout
         self.plugins = plugins
         self.dataset = dataset
         self.ctx = ctx
         self.abort_all = abort_all
+        self.teachers = teachers
         self.generator = plugins.build("generators", self.rc.generator)
         self.rewards = Rewards(self.rc.rewards, plugins, self.rc)
         self.sem = asyncio.Semaphore(self.rc.requests.max_concurrency)
@@ -139,6 +142,8 @@ class RolloutManager:
             if len(out) > 1 and s.trajectory_id is None:
                 s.trajectory_id = sample.sample_id
         await self._score_trajectory(out)
+        if self.teachers:
+            await self.teachers.score(out)
         return out
 
     async def _score_trajectory(self, out: list[Sample]) -> None:

@@ -19,6 +19,7 @@ from rlx.models.tiny import resolve_model_path
 from rlx.rollout.context import GenerateContext
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.manager import RolloutManager
+from rlx.rollout.teachers import Teachers
 
 if TYPE_CHECKING:
     from rlx.plugins import Plugins
@@ -62,8 +63,9 @@ class RolloutSession:
         self.plugins = plugins
         self.with_data = with_data
         self.output_dir = Path(cfg.run.output_dir)
-        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn,
-                                 engine_args=functools.partial(family_engine_args, plugins=plugins))
+        engine_args = functools.partial(family_engine_args, plugins=plugins)
+        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn, engine_args=engine_args)
+        self.teachers = Teachers(cfg, spawn, engine_args)  # on-policy distillation's (rollout.teachers)
         self._ctx: GenerateContext | None = None
         self._manager: RolloutManager | None = None
 
@@ -90,6 +92,12 @@ class RolloutSession:
             except RLXError as e:
                 raise RLXError(f"data.{'mix' if self.cfg.data.mix else 'path'}: {e}") from None
         await self.fleet.start()
+        if self.with_data:
+            try:
+                await self.teachers.start()
+            except BaseException:
+                await self.fleet.stop()
+                raise
         if not self.fleet.engines:  # rollout.source: replay: nothing generates
             return self
         ctx = self._ctx = GenerateContext(
@@ -99,7 +107,8 @@ class RolloutSession:
         lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
         ctx.context_length = min(lengths) if lengths else None
         if dataset is not None:
-            self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all)
+            self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all,
+                                           teachers=self.teachers)
         return self
 
     async def abort_all(self) -> None:
@@ -108,6 +117,7 @@ class RolloutSession:
     async def __aexit__(self, *exc: Any) -> None:
         if self._ctx is not None:
             await self._ctx.client.close()
+        await self.teachers.stop()
         await self.fleet.stop()
 
 

@@ -4,9 +4,10 @@ on their tiny models.
 
 `run(folder, model_path, nproc, tp=..., pp=..., ep=..., replay=...)` runs two GRPO steps (two optimizer updates
 each, a reference model for the KL) on fixed samples with ragged lengths and returns ``{"m1", "m2", "weights"}``:
-each step's metrics and the updated weights in HF names, flattened. With ``replay`` ``"off"`` or ``"on"`` the
-samples carry the routing and log-probs of an "engine": the same model with noise added to its router weights
-(``noise`` x their std); ``"on"`` turns on rollout routing replay.
+each step's metrics and the updated weights in HF names, flattened. With a ``distill`` objective the samples carry
+a random teacher's scores (log-probs and top-6 ids). With ``replay`` ``"off"`` or ``"on"`` the samples carry the
+routing and log-probs of an "engine": the same model with noise added to its router weights (``noise`` x their
+std); ``"on"`` turns on rollout routing replay.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ WORKER = textwrap.dedent("""
     cfg = parse_config(json.dumps({
         "run": {"output_dir": out + ".run"}, "ray": {"enabled": False},
         "model": {"path": args["model"]},
+        # distillation's teacher: its scores are made below (the trainer never calls it)
+        "rollout": {"teachers": [{"name": "t", "urls": ["http://127.0.0.1:9"]}] if "distill" in args["objective"]
+                    else []},
         "train": {"parallel": {"tp": tp, "pp": pp, "ep": ep, "world_size": world}, "updates_per_step": 2,
                   "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group",
                                 "routing_replay": replay == "on", **args["objective"]},
@@ -77,6 +81,14 @@ WORKER = textwrap.dedent("""
                     lp = torch.log_softmax(o.logits[0].float(), -1)
                     p0 = len(s.prompt_ids) - 1
                     s.rollout_logprobs = [lp[p0 + j, t].item() for j, t in enumerate(s.response_ids)]
+    if "distill" in args["objective"]:  # a teacher's scores: its log-prob of each token, its top 6 ids at each
+        from rlx.types import TeacherScore
+        for group in groups:
+            for s in group.samples:
+                top = [torch.randperm(500, generator=g)[:6].tolist() for _ in s.response_ids]
+                lps = [torch.log_softmax(torch.randn(7, generator=g), -1)[:6].sort(descending=True).values.tolist()
+                       for _ in s.response_ids]
+                s.teacher = TeacherScore("t", [row[0] for row in lps], top, lps)
     trainer = Trainer(cfg, build_plugins())
     m1 = trainer.train_step(RolloutBatch(1, groups))
     m2 = trainer.train_step(RolloutBatch(2, groups))

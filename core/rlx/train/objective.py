@@ -14,6 +14,7 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 
 from rlx.protocols import LossInputs as LossInputs  # re-exported: defined beside its contract
 from rlx.train.batch import TrainBatch
+from rlx.train.distill import teacher_top, topk_reverse_kl, vocab_logprobs
 from rlx.train.losses import importance_ratio, kl_penalty, tis_weights
 
 if TYPE_CHECKING:
@@ -26,12 +27,13 @@ if TYPE_CHECKING:
 MAX_KEYS = ("train_rollout_logprob_diff_max",)
 
 
-def metric_keys(kl: bool, entropy: bool, mtp: bool = False) -> list[str]:
-    """The metrics `micro_loss` returns, given whether reference log-probs and entropy are passed in and whether
-    multi-token-prediction layers train."""
+def metric_keys(kl: bool, entropy: bool, mtp: bool = False, distill_top_k: bool = False) -> list[str]:
+    """The metrics `micro_loss` returns, given whether reference log-probs and entropy are passed in, whether
+    multi-token-prediction layers train and whether the top-k distillation term is in the loss."""
     return (["pg_loss", "clip_frac", "tis_weight", "tis_masked", "train_rollout_logprob_diff",
              "train_rollout_logprob_diff_over", "train_rollout_logprob_diff_max", "rollout_tokens", "weight", "loss"]
-            + (["kl"] if kl else []) + (["entropy"] if entropy else []) + (["mtp_loss"] if mtp else []))
+            + (["kl"] if kl else []) + (["entropy"] if entropy else []) + (["mtp_loss"] if mtp else [])
+            + (["distill_topk_kl"] if distill_top_k else []))
 
 
 def objective(inp: LossInputs, policy_loss: PolicyLoss, cfg: ObjectiveConfig,
@@ -107,6 +109,13 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
         mtp = -(mb.mtp_logprobs * inp.weights).sum() / mb.mtp_logprobs.shape[0]
         metrics["mtp_loss"] = float(mtp.detach())
         loss = loss + cfg.mtp_loss_coef * mtp
+    if cfg.distill is not None and cfg.distill.estimator == "top_k":  # (`rlx.train.distill`)
+        ids, teacher, scored = teacher_top(s, cfg.distill.top_k)
+        student = vocab_logprobs(mb.at_response(logits).float(), ids.to(dev))
+        kl = (topk_reverse_kl(student, teacher.to(dev)) * inp.weights * scored.to(dev)).sum()
+        metrics["distill_topk_kl"] = float(kl.detach())
+        loss = loss + cfg.distill.coef * kl
+    metrics["loss"] = float(loss.detach())
     return loss, metrics
 
 

@@ -31,6 +31,7 @@ from rlx.errors import RLXError
 from rlx.train.advantages import Norm, token_weights
 from rlx.train.balance import FlopsModel
 from rlx.train.batch import TrainBatch
+from rlx.train.distill import distill_advantages
 from rlx.train.model import ModelRole, ParallelState
 from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logprobs
 from rlx.train.packing import PackedBatch, micro_batches, pack
@@ -203,7 +204,11 @@ class RLStep:
             tb.ref_logprobs = self.logprobs(reference, mine)
         if updates > 1:
             tb.old_logprobs = self.logprobs(actor, mine)
-        keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True, mtp=self.obj.mtp_loss_coef > 0),
+        distill = self.obj.distill
+        if distill is not None and distill.estimator == "token":
+            distill_advantages(tb, distill.coef)
+        keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True, mtp=self.obj.mtp_loss_coef > 0,
+                                         distill_top_k=distill is not None and distill.estimator == "top_k"),
                             "grad_norm") if k not in MAX_KEYS]
         vals = self.update(actor, minis, scales,
                            lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=policy_loss, cfg=self.obj,
@@ -213,7 +218,7 @@ class RLStep:
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
         metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl", "mtp_loss")
                                              if k in vals}
-        for k in ("clip_frac", "tis_weight", "tis_masked", "entropy"):
+        for k in ("clip_frac", "tis_weight", "tis_masked", "entropy", "distill_topk_kl"):
             if k in vals:
                 metrics[k] = vals[k] / w
         # the probes average over tokens that have engine log-probs

@@ -119,6 +119,25 @@ class EngineClient:
         items = out if isinstance(out, list) else [out]
         return [GenerateResult.from_json(o) for o in items]
 
+    async def score(self, input_ids: list[int], start: int, top_k: int = 0, *, retries: int = 0
+                    ) -> tuple[list[float], list[list[tuple[float, int]]]]:
+        """The model's log-prob of each token of `input_ids` from `start` on (``start >= 1``), given those before,
+        and with `top_k` its `top_k` (log-prob, id) pairs at each of those positions: SGLang's prompt log-probs (a
+        request generating nothing, ``logprob_start_len`` one before `start`; no temperature)."""
+        body = {"input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "logprob_start_len": start - 1, **({"top_logprobs_num": top_k} if top_k else {})}
+        out = await self.request("POST", "/generate", body, retries=retries)
+        meta = (out[0] if isinstance(out, list) else out).get("meta_info", {})
+        lps = meta.get("input_token_logprobs") or []
+        n = len(input_ids) - start
+        if len(lps) != n + 1:
+            raise EngineError(f"engine at {self.base_url} scored {len(lps) - 1} tokens of {n} (input_token_logprobs "
+                              f"from logprob_start_len {start - 1})")
+        tops = (meta.get("input_top_logprobs") or [None])[1:] if top_k else []
+        if top_k and len(tops) != n:
+            raise EngineError(f"engine at {self.base_url} gave top log-probs at {len(tops)} positions of {n}")
+        return [float(x[0]) for x in lps[1:]], [[(float(t[0]), int(t[1])) for t in row] for row in tops]
+
     # -- status ----------------------------------------------------------------------------------
 
     async def health(self, timeout_s: float = 5.0) -> bool:
