@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from rlx.config import COMPONENT_FIELDS, CriticConfig, component_config, describe_error
 from rlx.errors import ConfigError, RLXError
+from rlx.models.load import vocab_differs
 
 if TYPE_CHECKING:
     from rlx.config import Config, DataConfig, ParallelConfig
@@ -217,7 +218,7 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
         if embedded and kinds:
             out.append(((*at, "draft_model"), f"the draft model in {draft} has {sorted(kinds)[0]} layers: the "
                         f"embedded engine keeps a draft's keys and values beside the target's, full attention only"))
-        differ = _vocab_differs(target, draft) if draft is not None and target is not None else 0
+        differ = vocab_differs(target, draft) if draft is not None and target is not None else 0
         if differ:
             out.append(((*at, "draft_model"), f"the draft model in {draft} has another tokenizer than the model "
                         f"it drafts for ({target}; {differ} vocabulary entries differ): its draft ids would be "
@@ -229,22 +230,15 @@ def _speculative(cfg: Config, g: Any, at: tuple[Any, ...], target: Path | None, 
     return out
 
 
-def _vocab_differs(a: Path, b: Path) -> int:
-    """How many vocabulary entries (token, id) the tokenizers of two model folders do not share (0: the same)."""
-    from transformers import AutoTokenizer
-
-    va, vb = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (a, b))
-    return len(va.items() ^ vb.items())
-
-
 def _teachers(cfg: Config, student: Path | None, problems: list[Problem]) -> None:
-    """Each teacher's checkpoint exists and has the student's tokenizer: it scores the student's token ids."""
+    """Each teacher's checkpoint exists and has the student's tokenizer: it scores the student's token ids (here
+    where both are folders already; `rlx.rollout.teachers` checks the rest at start)."""
     if cfg.model.tokenizer and Path(cfg.model.tokenizer).is_dir():
         student = Path(cfg.model.tokenizer)
     for i, t in enumerate(cfg.rollout.teachers):
         at = ("rollout", "teachers", i, "model_path")
         teacher = _model_dir(t.model_path, at, problems) if t.model_path else None
-        differ = _vocab_differs(student, teacher) if student is not None and teacher is not None else 0
+        differ = vocab_differs(student, teacher) if student is not None and teacher is not None else 0
         if differ:
             problems.append((at, f"teacher {t.name!r} ({teacher}) has another tokenizer than the student ({student}; "
                              f"{differ} vocabulary entries differ): it would score other words than the student "

@@ -53,7 +53,7 @@ class RewardResult:
 @dataclass
 class TeacherScore:
     """What a teacher said of a sample's response tokens (on-policy distillation), each list one entry per response
-    token, 0 / empty where the loss mask is 0 (tokens the model did not sample are not scored)."""
+    token, tool and user tokens too (the teacher reads the whole sample; the KL counts the loss mask's tokens)."""
 
     name: str  # the teacher (rollout.teachers[*].name)
     logprobs: list[float]  # the teacher's log-prob of each response token
@@ -206,11 +206,12 @@ class RolloutBatch:
                 part = kl.setdefault(s.teacher.name, [0.0, 0.0])
                 for i, v in enumerate(s.teacher.reverse_kl(s)):
                     part[i] += v
-        for name, (kl_sum, count) in sorted(kl.items()):
-            m[f"distill/{name}/reverse_kl"] = kl_sum / count if count else 0.0
-        if kl:
-            kl_sum, count = (sum(v[i] for v in kl.values()) for i in (0, 1))
-            m["distill/reverse_kl"] = kl_sum / count if count else 0.0
+        for name, (kl_sum, count) in sorted(kl.items()):  # (none without the sampler's log-probs)
+            if count:
+                m[f"distill/{name}/reverse_kl"] = kl_sum / count
+        kl_sum, count = (sum(v[i] for v in kl.values()) for i in (0, 1))
+        if count:
+            m["distill/reverse_kl"] = kl_sum / count
         for name in sorted({name for s in trainable for name in s.rewards}):
             vals = [s.rewards[name].score for s in trainable if name in s.rewards]
             m[f"reward/{name}/mean"] = sum(vals) / len(vals)

@@ -56,6 +56,9 @@ def test_teachers_score_the_model_tokens_as_a_forward_pass_and_rows_pick_their_t
                 with pytest.raises(RLXError, match=r"a row's metadata 'teacher' is 'c', which is no teacher of "
                                                    r"rollout.teachers \(\['a', 'b'\]\)"):
                     await both.score([sample(4, [1], [2], [1], teacher="c")])
+                with pytest.raises(RLXError, match=r"teacher 'a': a sample of 2101 tokens is longer than the "
+                                                   r"teacher's context \(2048\)"):
+                    await both.score([sample(5, [1] * 2100, [2], [1], teacher="a")])
                 return plain, turns, none, unfinished
             finally:
                 await both.stop()
@@ -80,6 +83,26 @@ def test_teachers_score_the_model_tokens_as_a_forward_pass_and_rows_pick_their_t
                                                  if m))
     m = RolloutBatch(1, [Group(0, [plain, turns, none])]).sample_metrics()
     assert m["distill/b/reverse_kl"] == pytest.approx(total / 4)
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_at_start_and_its_engines_stop(tiny_model_path, tmp_path):
+    """Preflight compares the folders it finds; a built-in or downloaded teacher is compared once its engines have
+    it: here a copy of the student whose vocabulary swaps two ids."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_path, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    teachers = Teachers(teachers_config(tmp_path, [{"name": "t", "model_path": str(other),
+                                                    "server_args": {"num_threads": 1}}]))
+    with pytest.raises(RLXError, match=r"rollout.teachers\[0\].model_path: teacher 't' .* has another tokenizer than "
+                                       r"the student .*4 vocabulary entries differ"):
+        asyncio.run(teachers.start())
+    assert teachers.fleets["t"].engines == []  # stopped
 
 
 def test_rl_train_distils_with_the_top_k_estimator(tiny_model_path, tmp_path):

@@ -76,6 +76,17 @@ def test_top_k_kl_over_the_teachers_tokens_and_the_rest_by_hand():
     assert topk_reverse_kl(student, full).item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_top_k_ids_the_student_has_not_count_in_the_rest():
+    """A teacher with a larger (padded) vocabulary may name ids past the student's logits: masked out, their
+    teacher mass goes to the rest. p = (.4, .3, .2, .1); the teacher names id 3 (q .4) and id 9 (q .3, the student
+    has none): buckets (.1, rest .9) against (.4, rest .6): .1 ln(.1/.4) + .9 ln(.9/.6) = 0.226294."""
+    p = torch.tensor([[.4, .3, .2, .1]]).log()
+    student = p.gather(-1, torch.tensor([[3, 3]]))  # id 9 clamped to the last column, then masked
+    teacher = torch.tensor([[.4, .3]]).log()
+    kl = topk_reverse_kl(student, teacher, torch.tensor([[True, False]]))
+    assert kl.item() == pytest.approx(.1 * math.log(.1 / .4) + .9 * math.log(.9 / .6), abs=1e-6)
+
+
 def test_top_k_kl_from_logits_moves_the_student_to_the_teacher():
     """The loss is differentiable in the student's logits (`vocab_logprobs` on one rank is log-softmax at the
     ids): gradient steps on it lower the exact KL too."""
@@ -142,6 +153,20 @@ def test_the_config_refuses_teachers_without_distill_and_back_and_what_a_teacher
     assert "rollout.teachers lists none" in errors(teacher_field="x")
     assert "takes samples made elsewhere" in errors(teachers=[TEACHER], source="buffer", objective={"distill": {}})
     assert "greater than 0" in errors(teachers=[TEACHER], objective={"distill": {"coef": 0}})
+    assert "num_engines: says how to launch the teacher's engines, and urls attaches" in errors(
+        teachers=[{"name": "t", "urls": ["http://x"], "num_engines": 2}], objective={"distill": {}})
+    assert config(teachers=[{"name": "t", "urls": ["http://x"], "model_path": "/m"}],
+                  objective={"distill": {}}).rollout.teachers[0].model_path == "/m"  # for the tokenizer check
+    assert "the width of the top_k estimator (estimator is token)" in errors(
+        teachers=[TEACHER], objective={"distill": {"top_k": 5}})
+    with pytest.raises(ConfigError, match="would keep their memory while the trainer trains"):
+        parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "rollout": {"teachers": [TEACHER]},
+                                 "train": {"objective": {"distill": {}}},
+                                 "ray": {"placement": "colocated", "gpus_per_trainer": 1}}))
+    # a dumped config (every key, defaults too) parses again, as workers read it
+    dumped = config(teachers=[TEACHER, {"name": "u", "urls": ["http://x"]}], teacher_field="f",
+                    objective={"distill": {"estimator": "top_k", "top_k": 3}})
+    assert parse_config(dumped.to_json()) == dumped
 
 
 def test_a_teachers_fleet_is_its_own_group_without_what_the_students_engines_are_launched_for():

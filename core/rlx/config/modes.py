@@ -65,6 +65,11 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
     if cfg.train.objective.distill is not None and not cfg.rollout.teachers and cfg.rollout.source != "replay":
         problems.append((("train", "objective", "distill"), "distils from rollout.teachers, which lists none (a "
                          "replay's saved samples carry their teachers' scores)"))
+    if (any(not t.urls for t in cfg.rollout.teachers) and cfg.ray.enabled and cfg.ray.placement == "colocated"
+            and cfg.ray.gpus_per_trainer > 0):
+        problems.append((("rollout", "teachers"), "teachers launched on the trainers' GPUs (ray.placement: "
+                         "colocated) would keep their memory while the trainer trains: place the engines apart "
+                         "(ray.placement: disaggregated) or attach to teachers served elsewhere (urls)"))
     if cfg.rollout.teachers and cfg.rollout.source != "generate":
         problems.append((("rollout", "teachers"), f"teachers score the samples rlx generates; rollout.source "
                          f"{cfg.rollout.source} takes samples made elsewhere"))

@@ -165,7 +165,8 @@ class TeacherConfig(EngineGroupConfig):
     token (``train.objective.distill``). It must share the student's tokenizer (checked at preflight)."""
 
     name: str  # names the teacher in metrics (distill/<name>/reverse_kl) and in rows (rollout.teacher_field)
-    urls: list[str] = Field(default_factory=list)  # attach to these engines instead of launching the group
+    urls: list[str] = Field(default_factory=list)  # attach to these engines instead of launching the group (their
+    #   model_path, if given, is only compared with the student's tokenizer)
     update_weights: bool = False  # a teacher is never trained: it gets no weights
 
     @model_validator(mode="after")
@@ -177,6 +178,13 @@ class TeacherConfig(EngineGroupConfig):
                              "(one forward per sample)")
         if not self.urls and self.model_path is None:
             raise ValueError("model_path: the teacher's checkpoint (or urls: its engines, to attach to them)")
+        launch = ("backend", "python", "num_engines", "tp_size", "mem_fraction_static", "server_args")
+        # (against the defaults, not the keys given: a dumped config has them all)
+        set_ = [k for k in launch if getattr(self, k) != EngineGroupConfig.model_fields[k].get_default(
+            call_default_factory=True)]
+        if self.urls and set_:
+            raise ValueError(f"{set_[0]}: says how to launch the teacher's engines, and urls attaches to running "
+                             f"ones (model_path, beside urls, names its checkpoint for the tokenizer check)")
         return self
 
 
@@ -397,6 +405,12 @@ class DistillConfig(Section):
     #   teacher's top_k tokens and one bucket for the rest, from the student's full distribution (differentiable)
     estimator: Literal["token", "top_k"] = "token"
     top_k: int = Field(20, ge=1)  # top_k: the teacher's top log-probs per position, asked of its engines
+
+    @model_validator(mode="after")
+    def _top_k(self) -> DistillConfig:
+        if self.estimator != "top_k" and self.top_k != 20:
+            raise ValueError("top_k: the width of the top_k estimator (estimator is token)")
+        return self
 
 
 class ObjectiveConfig(Section):
@@ -671,6 +685,15 @@ def engines_offload(cfg: Config) -> bool:
     if offload is None:
         offload = cfg.ray.enabled and cfg.ray.placement == "colocated" and cfg.ray.gpus_per_trainer > 0
     return bool(offload) and not cfg.rollout.external_engines
+
+
+def launched_groups(cfg: Config) -> list[EngineGroupConfig]:
+    """The engine groups the run starts (none when it attaches to engines by address, or replays saved batches):
+    the generating ones, then the teachers' (`rlx.rollout.teachers`, started after them)."""
+    if cfg.rollout.source == "replay":
+        return []
+    return [*([] if cfg.rollout.external_engines else cfg.rollout.engines), *(t for t in cfg.rollout.teachers
+                                                                               if not t.urls)]
 
 
 def trainer_offloads(cfg: Config) -> bool:

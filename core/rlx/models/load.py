@@ -52,3 +52,12 @@ def _stand_in(path: str | Path) -> str | None:
     if raw.get("model_type") in CONFIG_MAPPING:
         return None
     return next((a for a in raw.get("architectures") or [] if hasattr(transformers, a)), None)
+
+
+def vocab_differs(a: str | Path, b: str | Path) -> int:
+    """How many vocabulary entries (token, id) the tokenizers of two model folders do not share (0: the same): a
+    draft model or a teacher reads the ids the model writes."""
+    from transformers import AutoTokenizer
+
+    va, vb = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (a, b))
+    return len(va.items() ^ vb.items())

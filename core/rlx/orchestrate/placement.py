@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import Config, EngineGroupConfig
+from rlx.config import Config, launched_groups
 from rlx.errors import RLXError
 from rlx.net import node_ip
 from rlx.orchestrate.ranks import LocalTrainerGroup, TrainerGroup, ray_trainer_group
@@ -28,15 +28,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from types import ModuleType
     from ray.util.placement_group import PlacementGroup
-
-
-def launched_groups(cfg: Config) -> list[EngineGroupConfig]:
-    """The engine groups the run starts (none when it attaches to engines by address, or replays saved batches):
-    the generating ones, then the teachers' (`rlx.rollout.teachers`, started after them)."""
-    if cfg.rollout.source == "replay":
-        return []
-    return [*([] if cfg.rollout.external_engines else cfg.rollout.engines), *(t for t in cfg.rollout.teachers
-                                                                               if not t.urls)]
 
 
 def launched_engines(cfg: Config) -> int:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import Config, records_routing
+from rlx.config import Config, launched_groups, records_routing
 from rlx.data.datasets import open_dataset
 from rlx.data.replay import batch_records
 from rlx.errors import RLXError
@@ -64,8 +64,9 @@ class RolloutSession:
         self.with_data = with_data
         self.output_dir = Path(cfg.run.output_dir)
         engine_args = functools.partial(family_engine_args, plugins=plugins)
-        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn, engine_args=engine_args)
-        self.teachers = Teachers(cfg, spawn, engine_args)  # on-policy distillation's (rollout.teachers)
+        here = sum(g.num_engines for g in launched_groups(cfg))
+        self.fleet = EngineFleet(cfg, self.output_dir / "logs", spawn, engine_args=engine_args, engines_here=here)
+        self.teachers = Teachers(cfg, spawn, engine_args, here)  # on-policy distillation's (rollout.teachers)
         self._ctx: GenerateContext | None = None
         self._manager: RolloutManager | None = None
 
@@ -92,12 +93,15 @@ class RolloutSession:
             except RLXError as e:
                 raise RLXError(f"data.{'mix' if self.cfg.data.mix else 'path'}: {e}") from None
         await self.fleet.start()
+        try:
+            return await self._enter(tokenizer, dataset)
+        except BaseException:
+            await self.__aexit__()
+            raise
+
+    async def _enter(self, tokenizer: Any, dataset: Any) -> RolloutSession:
         if self.with_data:
-            try:
-                await self.teachers.start()
-            except BaseException:
-                await self.fleet.stop()
-                raise
+            await self.teachers.start()
         if not self.fleet.engines:  # rollout.source: replay: nothing generates
             return self
         ctx = self._ctx = GenerateContext(

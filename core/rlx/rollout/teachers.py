@@ -42,25 +42,49 @@ def teacher_config(cfg: Config, t: TeacherConfig) -> Config:
 class Teachers:
     """The run's teachers, started and stopped with its engines; `score` gives samples their teacher's scores."""
 
-    def __init__(self, cfg: Config, spawn: Any = None, engine_args: Callable[[str], dict[str, Any]] | None = None):
+    def __init__(self, cfg: Config, spawn: Any = None, engine_args: Callable[[str], dict[str, Any]] | None = None,
+                 engines_here: int | None = None):
+        """`spawn`, `engine_args`, `engines_here`: as the run's `EngineFleet` takes them."""
+        self.cfg = cfg
         distill = cfg.train.objective.distill
         self.field = cfg.rollout.teacher_field
         self.top_k = distill.top_k if distill is not None and distill.estimator == "top_k" else 0
         self.retries = cfg.rollout.requests.retries
         logs = Path(cfg.run.output_dir) / "logs"
-        self.fleets = {t.name: EngineFleet(teacher_config(cfg, t), logs / f"teacher-{t.name}", spawn, engine_args)
-                       for t in cfg.rollout.teachers}
+        self.fleets = {t.name: EngineFleet(teacher_config(cfg, t), logs / f"teacher-{t.name}", spawn, engine_args,
+                                           engines_here) for t in cfg.rollout.teachers}
+        self.context: dict[str, int | None] = {}  # each teacher's context length (its engines' least)
 
     def __bool__(self) -> bool:
         return bool(self.fleets)
 
     async def start(self) -> None:
+        """Start (or attach to) every teacher's engines; then a teacher whose checkpoint has another tokenizer than
+        the student's is refused (preflight compares the folders it finds; this, the models rlx built or
+        fetched)."""
         try:
-            for fleet in self.fleets.values():
+            for name, fleet in self.fleets.items():
                 await fleet.start()
+                lengths = [n for n in await fleet.for_each(lambda c: c.context_length()) if n]
+                self.context[name] = min(lengths) if lengths else None
+            self._same_tokenizers()
         except BaseException:
             await self.stop()
             raise
+
+    def _same_tokenizers(self) -> None:
+        from rlx.models.load import vocab_differs
+        from rlx.models.tiny import resolve_model_path
+
+        student = Path(resolve_model_path(self.cfg.model.tokenizer or self.cfg.model.path))
+        for i, t in enumerate(self.cfg.rollout.teachers):
+            folder = Path(resolve_model_path(t.model_path)) if t.model_path else None
+            differ = vocab_differs(student, folder) if folder is not None and folder.is_dir() else 0
+            if differ:
+                raise RLXError(f"rollout.teachers[{i}].model_path: teacher {t.name!r} ({folder}) has another "
+                               f"tokenizer than the student ({student}; {differ} vocabulary entries differ): it would "
+                               f"score other words than the student wrote. Distil from a teacher of the student's "
+                               f"family")
 
     async def stop(self) -> None:
         for fleet in self.fleets.values():
@@ -86,6 +110,11 @@ class Teachers:
         if name is None:
             return
         fleet = self.fleets[name]
+        context = self.context.get(name)
+        if context is not None and s.total_len > context:
+            raise RLXError(f"teacher {name!r}: a sample of {s.total_len} tokens is longer than the teacher's context "
+                           f"({context}); serve the teacher with a longer one, or lower rollout.sampling."
+                           f"max_new_tokens or data.max_prompt_tokens")
         for attempt in itertools.count():
             try:
                 lps, tops = await fleet.client().score(s.prompt_ids + s.response_ids, len(s.prompt_ids), self.top_k,

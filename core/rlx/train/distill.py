@@ -71,11 +71,14 @@ def vocab_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return picked - m - torch.log(z)
 
 
-def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per token, KL(student || teacher) over the buckets {each of the k tokens} and {every other token}, from both
     models' log-probs of the k tokens (``[T, k]``); the rest's probability is what the k leave (floored at
-    `TAIL_FLOOR`)."""
+    `TAIL_FLOOR`). `valid` (``[T, k]`` bool): the ids that count (the others' teacher mass goes to the rest)."""
     s, t = student.exp(), teacher.exp()
+    term = s * (student - teacher)
+    if valid is not None:
+        s, t, term = s * valid, t * valid, torch.where(valid, term, torch.zeros_like(term))
     s_rest = (1 - s.sum(-1)).clamp_min(TAIL_FLOOR)
     t_rest = (1 - t.sum(-1)).clamp_min(TAIL_FLOOR)
-    return (s * (student - teacher)).sum(-1) + s_rest * (s_rest.log() - t_rest.log())
+    return term.sum(-1) + s_rest * (s_rest.log() - t_rest.log())

@@ -88,7 +88,10 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
     """The loss of one packed micro-batch from its logits, with the batch's per-token values; `scale`
     multiplies the normalisation weights (so that one update's mini-batch sums to one)."""
     dev = logits.device
-    logprobs, ent = response_logprobs(mb, logits, entropy=True, entropy_grad=bool(cfg.entropy_coef))
+    top_k = cfg.distill is not None and cfg.distill.estimator == "top_k"
+    resp = mb.at_response(logits).float() if top_k else None  # [T, V/tp], read twice
+    logprobs, ent = response_logprobs(mb, logits, entropy=True, entropy_grad=bool(cfg.entropy_coef),
+                                      resp_logits=resp)
     s = mb.samples
     rollout, has = TrainBatch.rollout_logprobs(s)
     inp = LossInputs(
@@ -109,27 +112,34 @@ def micro_loss(mb: PackedBatch, logits: torch.Tensor, *, tb: TrainBatch, policy_
         mtp = -(mb.mtp_logprobs * inp.weights).sum() / mb.mtp_logprobs.shape[0]
         metrics["mtp_loss"] = float(mtp.detach())
         loss = loss + cfg.mtp_loss_coef * mtp
-    if cfg.distill is not None and cfg.distill.estimator == "top_k":  # (`rlx.train.distill`)
+    if top_k and cfg.distill is not None and resp is not None:  # (`rlx.train.distill`)
         ids, teacher, scored = teacher_top(s, cfg.distill.top_k)
-        student = vocab_logprobs(mb.at_response(logits).float(), ids.to(dev))
-        kl = (topk_reverse_kl(student, teacher.to(dev)) * inp.weights * scored.to(dev)).sum()
+        ids = ids.to(dev)
+        width = resp.shape[-1] * (ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized()
+                                  else 1)
+        ours = ids < width  # a teacher with a larger (padded) vocabulary may name ids the student has not
+        student = vocab_logprobs(resp, ids.clamp(max=width - 1))
+        kl = (topk_reverse_kl(student, teacher.to(dev), ours) * inp.weights * scored.to(dev)).sum()
         metrics["distill_topk_kl"] = float(kl.detach())
         loss = loss + cfg.distill.coef * kl
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 
 
-def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entropy_grad: bool = False):
+def response_logprobs(mb: PackedBatch, logits: torch.Tensor, entropy: bool, entropy_grad: bool = False,
+                      resp_logits: torch.Tensor | None = None):
     """Log-probs of the response tokens (and their entropy) from the last stage's logits, vocab-parallel
     safe, of the distribution each token was sampled from: the logits over its sampling temperature.
 
     The entropy is computed without a graph unless `entropy_grad` (it is a loss term, not only a metric). With the
     vocabulary on one rank, one log-softmax gives both (the [T, V] passes are most of the loss's time on a
     large vocabulary: 49k entries x 470 tokens is 92 MB a pass); split over TP ranks, megatron's cross
-    entropy and `vocab_parallel_entropy` reduce across them."""
+    entropy and `vocab_parallel_entropy` reduce across them. `resp_logits`: the caller's fp32 logits at the response
+    positions, when it has them already (the top-k distillation term reads them too)."""
     dev = logits.device
     pos = mb.response_positions.to(dev)
-    resp_logits = mb.at_response(logits).float()  # [T, V/tp]
+    if resp_logits is None:
+        resp_logits = mb.at_response(logits).float()  # [T, V/tp]
     if not bool((mb.temperatures == 1.0).all()):
         resp_logits = resp_logits / mb.temperatures.to(dev)[:, None]
     targets = mb.targets.to(dev)[pos]

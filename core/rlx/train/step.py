@@ -207,6 +207,11 @@ class RLStep:
         distill = self.obj.distill
         if distill is not None and distill.estimator == "token":
             distill_advantages(tb, distill.coef)
+        if distill is not None and distill.estimator == "top_k" and any(
+                s.teacher is not None and not s.teacher.top_ids for s in tb.samples):
+            raise RLXError(f"step {tb.step}: train.objective.distill.estimator is top_k, and samples carry their "
+                           f"teacher's log-probs without its top-k (scored for the token estimator: a replay of "
+                           f"such a run's batches distils with estimator: token)")
         keys = [k for k in (*metric_keys(kl=reference is not None, entropy=True, mtp=self.obj.mtp_loss_coef > 0,
                                          distill_top_k=distill is not None and distill.estimator == "top_k"),
                             "grad_norm") if k not in MAX_KEYS]

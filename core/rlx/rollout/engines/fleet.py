@@ -93,16 +93,18 @@ class Engine:
 
 class EngineFleet:
     def __init__(self, cfg: Config, log_dir: Path, spawn=None,
-                 engine_args: Callable[[str], dict[str, Any]] | None = None):
+                 engine_args: Callable[[str], dict[str, Any]] | None = None, engines_here: int | None = None):
         """`spawn(command, log_path, env) -> (process, url)` starts an engine process where it is placed: it
         calls ``command(host, port)`` with that host's address and a port free there, and starts it with `env`
         added to the environment (default: a local `ManagedProcess` on 127.0.0.1). `engine_args(model_path) ->
         dict`: SGLang server arguments that model's family needs (from its model spec); a group's own
-        ``server_args`` override them."""
+        ``server_args`` override them. `engines_here`: the engines the run launches in all (its teachers' too), which
+        share this machine's cores when nothing places them (default: this fleet's)."""
         self.spawn = spawn or _spawn_local
         self.cfg = cfg
         self.rc = cfg.rollout
         self.engine_args: Callable[[str], dict[str, Any]] = engine_args or (lambda path: {})
+        self.engines_here = engines_here or sum(g.num_engines for g in self.rc.engines)
         self.log_dir = Path(log_dir)
         self.engines: list[Engine] = []
         self.router: Router | None = None
@@ -176,7 +178,7 @@ class EngineFleet:
             rc = self.rc
             requests = min(rc.requests.max_concurrency, round(rc.n_prompts * rc.n_samples_per_prompt *
                                                                  rc.partial_rollout.over_sampling))
-            n = sum(x.num_engines for x in rc.engines)
+            n = self.engines_here
             for k, v in sglang_cpu_args(path, requests=-(-requests // n), new_tokens=rc.sampling.max_new_tokens,
                                         engines=n).items():
                 args.setdefault(k, v)
@@ -189,8 +191,7 @@ class EngineFleet:
     def _local_threads(self) -> int:
         from rlx.cpu.threads import local_plan
 
-        n = sum(g.num_engines for g in self.rc.engines)
-        return local_plan(self.cfg.train.mode, n, cpus_per_engine=self.cfg.ray.cpus_per_engine,
+        return local_plan(self.cfg.train.mode, self.engines_here, cpus_per_engine=self.cfg.ray.cpus_per_engine,
                           async_cores=self.cfg.cpu.async_cores).engine[0]
 
     def _env(self, g: EngineGroupConfig) -> dict[str, str]:
