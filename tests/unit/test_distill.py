@@ -141,6 +141,8 @@ def test_the_config_refuses_teachers_without_distill_and_back_and_what_a_teacher
         distill.top_k == 5
     assert "set train.objective.distill" in errors(teachers=[TEACHER])
     assert "distils from rollout.teachers, which lists none" in errors(objective={"distill": {}})
+    # a replay's saved samples carry their teachers' scores: distillation without teachers
+    assert config(source="replay", replay="/b", objective={"distill": {}}).train.objective.distill.coef == 1.0
     two = [TEACHER, {**TEACHER, "name": "u"}]
     assert "with several teachers, the metadata key" in errors(teachers=two, objective={"distill": {}})
     assert config(teachers=two, teacher_field="teacher", objective={"distill": {}}).rollout.teacher_field == "teacher"
