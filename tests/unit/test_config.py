@@ -225,6 +225,16 @@ def test_quantisation_aware_training_needs_its_engines_and_int4_needs_the_embedd
     assert where == "<config>:2: train.fp8" and "through Transformer Engine's layers" in msg
 
 
+def test_lora_names_peft_targets_and_refuses_what_it_would_freeze():
+    cfg = parse("model: {path: /m}\ntrain: {lora: {rank: 8}}\n")
+    assert (cfg.train.lora.rank, cfg.train.lora.alpha, cfg.train.lora.target_modules[0]) == (8, 32.0, "q_proj")
+    [(where, msg)] = problems("model: {path: /m}\ntrain: {lora: {target_modules: [qkv_proj]}}\n")
+    assert where.endswith("train.lora.target_modules[0]") and "'q_proj'" in msg
+    for key, value in (("qat", "int4"), ("objective", "{mtp_loss_coef: 0.1}"), ("objective", "{indexer_kl_coef: 1}")):
+        found = problems(f"model: {{path: /m}}\nrollout: {{quantization: int4}}\ntrain: {{lora: {{}}, {key}: {value}}}\n")
+        assert any("with train.lora:" in msg and "leave it off" in msg for _, msg in found), found
+
+
 def test_unknown_key_in_the_async_section_suggests_the_close_one():
     with pytest.raises(ConfigError) as e:
         parse_config("model: {path: /m}\ntrain: {mode: async, async: {max_stalenes: 2}}\n")

@@ -59,6 +59,16 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
                          "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
     problems += _quantization(cfg)
+    if cfg.train.lora is not None:
+        obj = cfg.train.objective
+        for where, on, why in ((("train", "qat"), cfg.train.qat is not None, "quantisation-aware training quantises "
+                              "the weights LoRA freezes, and engines would serve the merged weights quantised"),
+                             (("train", "objective", "mtp_loss_coef"), obj.mtp_loss_coef > 0, "LoRA freezes the "
+                              "multi-token-prediction layers (no adapters on them)"),
+                             (("train", "objective", "indexer_kl_coef"), obj.indexer_kl_coef > 0, "LoRA freezes "
+                              "the sparse-attention indexers (no adapters on them)")):
+            if on:
+                problems.append((where, f"with train.lora: {why}; leave it off"))
     if cfg.rollout.teachers and cfg.train.objective.distill is None:
         problems.append((("rollout", "teachers"), "teachers score samples for on-policy distillation: set "
                          "train.objective.distill (its coef and estimator) too"))

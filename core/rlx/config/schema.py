@@ -477,6 +477,24 @@ class CheckpointConfig(Section):
     #                           cores the run trains on (the training guide has the figures)
 
 
+#: the HF (peft) module names LoRA can target (`rlx.train.lora.PROJECTIONS`: megatron fuses q/k/v and gate/up)
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
+                     "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+#: what LoRA adapts unless told: attention's and the MLPs' projections (peft's usual "all linear" of a decoder)
+LORA_TARGETS: tuple[LoRATarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(Section):
+    """LoRA on the actor (`rlx.train.lora`): adapters on the decoder layers' projections (experts' too), fp32, the
+    rest of the model frozen; the optimizer holds the adapters only. Engines get the merged weights."""
+
+    rank: int = Field(16, ge=1)  # r
+    alpha: float = Field(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, in training forwards (peft's lora_dropout)
+    # peft's names of the projections to adapt (q/k/v, and gate/up, are fused in megatron: all or none of each)
+    target_modules: list[LoRATarget] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+
 class TrainConfig(Section):
     """The Megatron trainer (the actor role), its optimizer and the RL objective.
 
@@ -504,6 +522,7 @@ class TrainConfig(Section):
     qat: Literal["int4"] | None = None
     # FP8 training (megatron's fp8 format, as slime's --fp8-format): refused (it needs Transformer Engine's layers)
     fp8: Literal["e4m3", "hybrid"] | None = None
+    lora: LoRAConfig | None = None  # train low-rank adapters instead of the whole actor (None: the whole actor)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)

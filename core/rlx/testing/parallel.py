@@ -37,7 +37,7 @@ WORKER = textwrap.dedent("""
         "train": {"parallel": {"tp": tp, "pp": pp, "ep": ep, "world_size": world}, "updates_per_step": 2,
                   "objective": {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_norm": "group",
                                 "routing_replay": replay == "on", **args["objective"]},
-                  "optim": {"lr": 1e-2, "adam_eps": 1e-4, **args["optim"]},
+                  "optim": {"lr": 1e-2, "adam_eps": 1e-4, **args["optim"]}, "lora": args["lora"],
                   "max_tokens_per_micro_batch": 40}}))
     g = torch.Generator().manual_seed(0)
 
@@ -96,6 +96,11 @@ WORKER = textwrap.dedent("""
     if trainer.par.gathers:
         named = {k: v.flatten().tolist() for k, v in trainer.hf_tensors()}
         mine = named if trainer.par.sender else {}
+    if args["lora"]:  # and the adapters as peft lays them out (every rank calls it)
+        from rlx.train.lora import adapters
+        for module, a, b in adapters(trainer.actor, cfg.train.lora.target_modules):
+            if trainer.par.sender:
+                mine[module + ".lora_A"], mine[module + ".lora_B"] = a.flatten().tolist(), b.flatten().tolist()
     parts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, mine)
     if torch.distributed.get_rank() == 0:
@@ -109,15 +114,17 @@ WORKER = textwrap.dedent("""
 
 def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
         noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None,
-        objective: dict[str, Any] | None = None, optim: dict[str, Any] | None = None) -> dict[str, Any]:
+        objective: dict[str, Any] | None = None, optim: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None) -> dict[str, Any]:
     """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU); `objective`,
-    `optim`: more ``train.objective`` and ``train.optim`` settings."""
+    `optim`: more ``train.objective`` and ``train.optim`` settings; `lora`: ``train.lora`` (the weights returned are
+    then the merged ones)."""
     from rlx.testing.warm import world
 
     folder = Path(folder)
     script = folder / "parallel_worker.py"
     script.write_text(WORKER)
-    more = {"objective": objective or {}, "optim": optim or {}}
+    more = {"objective": objective or {}, "optim": optim or {}, "lora": lora}
     out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}-{abs(hash(json.dumps(more, sort_keys=True)))}.json"
     args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise, **more)
     r = world(script, [json.dumps(args)], nproc, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout_s)

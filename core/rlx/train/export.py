@@ -22,7 +22,8 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
     """An HF checkpoint transformers loads: the original config and tokenizer, the actor's weights in
     safetensors shards of at most 1 GB written by each stage's sender, what the trainer does not hold copied
     unchanged from the original checkpoint (`ModelSpec.carried`: a wrapper's vision tower, untrained MTP layers), and
-    their index. `folder` must be on storage every trainer host sees (with pipeline stages on several hosts)."""
+    their index. `folder` must be on storage every trainer host sees (with pipeline stages on several hosts). With
+    ``train.lora`` the weights are the merged ones, and `export_adapter` writes the adapters in `folder`/adapter."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -78,3 +79,50 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}, indent=1))
 
     agree(par, index)
+    if trainer.actor.lora:
+        export_adapter(trainer, folder / "adapter")
+
+
+def export_adapter(trainer: Trainer, folder: Path) -> None:
+    """The actor's LoRA adapters (``train.lora``) as peft saves them: ``adapter_config.json`` and
+    ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``, ``lora_B``), for the transformers
+    model of the original checkpoint (``PeftModel.from_pretrained``). Written by rank 0 (adapters are small); not
+    with adapters on experts, whose transformers modules are fused (peft has no adapters per expert there)."""
+    import sys
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from rlx.train.lora import EXPERT, adapters
+
+    lora = trainer.tc.lora
+    assert lora is not None
+    par = trainer.par
+    if any(EXPERT.search(name) for name in trainer.actor.lora):
+        if par.rank == 0:
+            print(f"rlx: warning: no peft adapter in {folder}: the adapters on experts have no peft form for "
+                  f"transformers' fused experts (the merged checkpoint beside it has them)", file=sys.stderr)
+        return
+    mine: dict[str, Any] = {}
+
+    def collect() -> None:
+        for module, a, b in adapters(trainer.actor, lora.target_modules):
+            if par.sender:
+                mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()  # (q, k, v share A)
+                mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()
+
+    collect()
+    parts: list[Any] = [None] * par.world
+    dist.all_gather_object(parts, mine)
+    if par.rank != 0:
+        return
+    tensors = {k: v for p in parts for k, v in p.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(tensors.items())), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(trainer.model_path),
+        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+        "target_modules": sorted({m.rsplit(".", 3)[-3] for m in tensors}), "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "inference_mode": True}, indent=2))
+

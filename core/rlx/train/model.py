@@ -23,6 +23,7 @@ Choices:
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from rlx.config import OptimConfig, ParallelConfig
+    from rlx.config import LoRAConfig, OptimConfig, ParallelConfig
 
 
 @dataclass
@@ -288,12 +289,25 @@ class ModelRole:
             self.router_stats = RouterStats(self.model, spec.num_layers, spec.num_experts, topk)
             self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay, spec.num_experts)
         self.trainable = False
+        self.lora: dict[str, torch.nn.Module] = {}  # the projections with LoRA adapters, by module name
         self.ddp: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
 
-    def start_training(self, optim: OptimConfig, total_updates: int) -> None:
-        """Wrap the loaded model for training with `optim` (an ``OptimConfig``)."""
+    def start_training(self, optim: OptimConfig, total_updates: int, lora: LoRAConfig | None = None,
+                       seed: int = 0) -> None:
+        """Wrap the loaded model for training with `optim` (an ``OptimConfig``); with `lora`, low-rank adapters
+        seeded from `seed` are what trains (`rlx.train.lora`)."""
+        if lora is not None:
+            from rlx.train.lora import attach
+
+            local_experts = (self.spec.num_experts or 0) // self.par.ep
+            self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
+            if self.par.rank == 0:  # (this rank's share: the whole model in one process)
+                adapter = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+                total = sum(p.numel() for p in self.model.parameters())
+                print(f"rlx: LoRA on {len(self.lora)} projections: {adapter:,} adapter parameters trained, "
+                      f"{100 * adapter / total:.2f}% of rank 0's {total:,}", file=sys.stderr, flush=True)
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)
         self.trainable = True
 
@@ -501,6 +515,14 @@ class ModelRole:
         with experts split over ranks its expert-parallel groups: every rank with `ParallelState.gathers`
         must iterate to the end)."""
         state = self._local_state(self.model)
+        if self.lora:  # (`rlx.train.lora`): the weights the adapters make
+            from rlx.train.lora import merged
+
+            state.update({f"{name}.weight": merged(m) for name, m in self.lora.items()})
+        yield from self.hf_of(state)
+
+    def hf_of(self, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`hf_tensors` of the tensors `state` holds under this model's names (its own, some replaced)."""
         par = self.par
 
         def over(t: torch.Tensor, size: int, group: ProcessGroup | None) -> list[torch.Tensor]:

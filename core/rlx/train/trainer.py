@@ -54,7 +54,7 @@ class Trainer:
                                        qat=tc.qat)
             self.reference.load_from(self.actor)
             self.reference.freeze()
-        self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step)
+        self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step, tc.lora, cfg.run.seed)
         self.estimator = plugins.build("advantages", tc.objective.advantage)
         policy_loss = plugins.build("losses", tc.objective.loss)
         self.loss_norm = loss_norm(tc.objective, policy_loss)

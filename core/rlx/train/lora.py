@@ -1,0 +1,199 @@
+"""LoRA on the actor (``train.lora``): low-rank adapters on megatron's linear projections, everything else frozen.
+
+Each targeted projection ``y = W x`` becomes ``y = W x + (alpha / rank) * B A dropout(x)``, with ``A`` ``[rank, in]``
+and ``B`` ``[out, rank]`` in fp32 whatever the model's dtype, ``A`` drawn as peft draws it (Kaiming-uniform, from a
+generator seeded by the run's seed and the projection's global name, so every layout starts from the same adapter)
+and ``B`` zero, so the policy starts as the model. The optimizer holds the adapters only.
+
+Choices:
+
+* Adapters sit on megatron's modules, in megatron's layout, so tensor, pipeline and expert parallelism work as they
+  do for the weights: a column-parallel projection keeps ``A`` whole and ``B`` split by output rows with the weight
+  (its intermediate ``A x`` is copied into the tensor-parallel region, so ``A``'s gradient sums over the ranks); a
+  row-parallel one splits ``A`` by input columns with the weight and keeps ``B`` whole (``A x`` is summed over the
+  ranks first). Checkpoints shard them as the weights they sit on (resuming under another layout works).
+* Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: one adapter on the fused projection,
+  ``A`` shared by its parts and ``B`` over their rows, which is exactly one peft adapter per part with the same
+  ``A``. So targets name HF (peft) modules, and the parts of a fused projection are targeted together.
+* What engines get and ``--save-hf`` writes are the merged weights, ``W + (alpha / rank) B A``, through the model
+  bridge as for full training; pushing the adapters alone is not built yet. ``--save-hf`` writes the adapters in
+  peft's format beside them (`adapters`: the model bridge lays them out as it lays out the weights they sit on).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlx.errors import RLXError
+
+if TYPE_CHECKING:
+    from rlx.config import LoRAConfig
+
+#: megatron's projection (the end of its module name) -> the HF (peft) modules it holds, fused in that order
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "self_attention.linear_proj": ("o_proj",),
+    "self_attention.linear_q_proj": ("q_proj",),  # latent attention without a query down-projection
+    "self_attention.linear_q_down_proj": ("q_a_proj",),
+    "self_attention.linear_q_up_proj": ("q_b_proj",),
+    "self_attention.linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "self_attention.linear_kv_up_proj": ("kv_b_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int, expert_offset: int
+           ) -> dict[str, torch.nn.Module]:
+    """Put an adapter on each targeted projection of `model`'s decoder layers and freeze everything else; returns
+    the projections by module name. `layer_offset`, `expert_offset`: this rank's first decoder layer and first expert
+    (global names seed the adapters)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    targets = set(cfg.target_modules)
+    found: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        key = next((k for k in PROJECTIONS if name.endswith("." + k)), None)
+        if key is None or not LAYER.match(name):
+            continue
+        parts = PROJECTIONS[key]
+        if not targets & set(parts):
+            continue
+        if not targets >= set(parts):
+            raise RLXError(f"train.lora.target_modules: {', '.join(parts)} are one fused projection in megatron "
+                           f"({key}): target all of them or none")
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or getattr(module, "weight", None) is None:
+            raise RLXError(f"train.lora: {name} is a {type(module).__name__}, not a megatron column- or row-parallel "
+                           f"linear layer; LoRA is not built for it (leave {', '.join(parts)} out of target_modules)")
+        column = isinstance(module, ColumnParallelLinear)
+        if (column and module.gather_output) or (not column and not module.input_is_parallel):
+            raise RLXError(f"train.lora: {name} gathers its output or splits its input itself; LoRA is not built for "
+                           f"it")
+        layer = int(LAYER.match(name).group(1)) + layer_offset  # type: ignore[union-attr]
+        global_name = LAYER.sub(f"decoder.layers.{layer}.", name)
+        expert = EXPERT.search(name)
+        if expert:
+            global_name = EXPERT.sub(f".local_experts.{int(expert.group(1)) + expert_offset}.", global_name)
+        gated = key == "linear_fc1" and getattr(module.config, "gated_linear_unit", False)
+        _add_adapter(module, column, cfg, seed, global_name, fused_gate_up=gated)
+        module.lora_column = column
+        # (exact in fp32: `adapters` reads it back after the model bridge moved the rows or columns around)
+        module.lora_key = (layer * 1024 + (int(expert.group(1)) + expert_offset + 1 if expert else 0)) * 16 + list(
+            PROJECTIONS).index(key)
+        found[name] = module
+    if not found:
+        raise RLXError(f"train.lora.target_modules: none of {sorted(targets)} is a projection of this model's decoder "
+                       f"layers on this pipeline stage")
+    for pname, p in model.named_parameters():
+        if not pname.endswith(("lora_A", "lora_B")):
+            p.requires_grad_(False)
+    return found
+
+
+def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_name: str, fused_gate_up: bool) -> None:
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    group = getattr(module, "tp_group", None)
+    tp, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+    out_local, in_local = module.weight.shape
+    fan_in = in_local if column else in_local * tp
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+    a = (torch.rand(cfg.rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)  # peft's
+    if not column:
+        a = a[:, rank * in_local:(rank + 1) * in_local]
+    device = module.weight.device
+    module.lora_A = torch.nn.Parameter(a.to(torch.float32).contiguous().to(device))
+    module.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=torch.float32, device=device))
+    split = module.lora_B if column else module.lora_A  # split over the ranks with the weight
+    set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
+    for p in (module.lora_A, module.lora_B):  # experts' gradients reduce over their own data-parallel ranks
+        setattr(p, "allreduce", getattr(module.weight, "allreduce", True))
+    scale = cfg.alpha / cfg.rank
+    forward = module.forward
+
+    def lora_forward(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        out, bias = forward(input_, *args, **kwargs)
+        x = input_.to(torch.float32)
+        if cfg.dropout and torch.is_grad_enabled() and module.training:  # (log-probs without grad: no dropout)
+            x = torch.nn.functional.dropout(x, cfg.dropout)
+        h = x @ module.lora_A.t()
+        if tp > 1:
+            h = (copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region)(h, group)
+        return out + (scale * (h @ module.lora_B.t())).to(out.dtype), bias
+
+    module.forward = lora_forward
+    sharded = module.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = sharded(prefix, sharded_offsets, metadata)
+        lora = make_sharded_tensors_for_checkpoint(
+            {"lora_A": module.lora_A, "lora_B": module.lora_B}, prefix, {"lora_B": 0} if column else {"lora_A": 1},
+            sharded_offsets, tp_group=group, dp_cp_group=(metadata or {})["dp_cp_group"])
+        if fused_gate_up and column:  # B's rows are [gate; up] on each rank, as the weight's
+            key = f"{prefix}lora_B"
+            lora[key] = apply_swiglu_sharded_factory(lora[key], sharded_offsets,
+                                                     (metadata or {}).get("singleton_local_shards", False))
+        out.update(lora)
+        return out
+
+    module.sharded_state_dict = sharded_state_dict
+    module.lora_scale = scale
+
+
+def merged(module: Any) -> torch.Tensor:
+    """The projection's weight with its adapter merged in (this rank's part, the weight's dtype)."""
+    delta = module.lora_scale * (module.lora_B.detach() @ module.lora_A.detach())
+    return (module.weight.detach().to(torch.float32) + delta).to(module.weight.dtype)
+
+
+#: the HF projections whose adapter's A is split with the weight (row-parallel in megatron): their B is whole
+ROW_PARTS = ("o_proj", "down_proj")
+
+
+def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each adapted HF projection of `role`'s pipeline stage with its peft ``lora_A`` ``[rank, in]`` and ``lora_B``
+    ``[out, rank]`` (without the scale), as peft names and lays them out for the transformers model: the factor
+    split over ranks goes through the model bridge in the weight's place (its rows or columns moved as the weight's,
+    one more row or column carrying the projection's key), the whole one comes from the rank holding it.
+    Collective over the trainer's ranks: every rank calls it, and those with ``gathers`` iterate to the end (as
+    `ModelRole.hf_tensors`)."""
+    import torch.distributed as dist
+
+    state = role._local_state(role.model)
+    whole: dict[int, torch.Tensor] = {}
+    for name, m in role.lora.items():
+        a, b = m.lora_A.detach(), m.lora_B.detach()
+        if m.lora_column:
+            state[f"{name}.weight"] = torch.cat([b, torch.full((b.shape[0], 1), float(m.lora_key))], 1)
+            whole[m.lora_key] = a.cpu()
+        else:
+            state[f"{name}.weight"] = torch.cat([a, torch.full((1, a.shape[1]), float(m.lora_key))], 0)
+            whole[m.lora_key] = b.cpu()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, whole)
+    factors = {k: v for part in everyone for k, v in part.items()}
+    if not role.par.gathers:  # (a data-parallel replica of ranks that gather)
+        return
+    for hf_name, t in role.hf_of(state):
+        module, _, kind = hf_name.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in targets:
+            continue
+        if module.endswith(ROW_PARTS):
+            yield module, t[:-1].float(), factors[int(t[-1, 0])]
+        else:
+            yield module, factors[int(t[0, -1])], t[:, :-1].float()
+

@@ -1,0 +1,94 @@
+"""LoRA on the actor (`rlx.train.lora`) as a run trains it: the same two GRPO steps (two updates each, a reference
+for the KL) at TP=2 and, on a tiny MoE, at EP=2 as in one process; only the adapters move (every other weight as
+loaded, each adapted projection by a matrix of rank r at most); `rl train` pushes the merged weights, every tensor's
+hash checked on the engine. Checkpoints across layouts: tests/integration/test_reshard.py."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlx.testing.parallel import assert_same, run
+
+pytestmark = pytest.mark.integration
+
+LORA = {"rank": 4, "alpha": 8}
+KEYS = ("loss", "pg_loss", "entropy", "kl", "grad_norm")
+
+
+def test_lora_at_tp2_trains_as_one_process_and_moves_adapters_only(tiny_model_path, tmp_path):
+    from safetensors.torch import load_file
+
+    single = run(tmp_path, tiny_model_path, 1, lora=LORA)
+    assert single["m2"]["kl"] > 0 and single["m1"]["loss"] != single["m2"]["loss"]  # the adapters moved
+    assert_same(run(tmp_path, tiny_model_path, 2, tp=2, lora=LORA), single, KEYS)  # peft's adapters too
+    loaded = {}
+    for f in Path(tiny_model_path).glob("*.safetensors"):
+        loaded.update(load_file(f))
+    adapted = 0
+    for name, flat in single["weights"].items():
+        if ".lora_" in name:  # the adapters, as peft lays them out (their export: below)
+            continue
+        was = loaded[name].float()
+        now = torch.tensor(flat).reshape(was.shape)
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                          "up_proj.weight", "down_proj.weight")):
+            delta = now - was
+            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta, atol=1e-6) <= LORA["rank"], name
+            adapted += 1
+        else:  # embeddings, norms: frozen
+            assert torch.equal(now, was), name
+    assert adapted == 2 * 7  # two layers, seven projections each
+
+
+def test_the_parts_of_a_fused_projection_are_targeted_together(tiny_model_path, tmp_path):
+    with pytest.raises(AssertionError, match="q_proj, k_proj, v_proj are one fused projection in megatron "
+                                             r"\(self_attention.linear_qkv\): target all of them or none"):
+        run(tmp_path, tiny_model_path, 1, lora={"target_modules": ["q_proj", "o_proj"]})
+
+
+def test_lora_on_experts_at_ep2_trains_as_one_process(tmp_path):
+    if importlib.util.find_spec("rlx_model_qwen") is None:
+        pytest.skip("the tiny MoE is rlx-model-qwen's (pip install -e plugins/models/qwen)")
+    from rlx.models.tiny import resolve_model_path
+
+    model = resolve_model_path("builtin://tiny-qwen3-moe")
+    single = run(tmp_path, model, 1, lora=LORA)
+    assert_same(run(tmp_path, model, 2, ep=2, lora=LORA), single, KEYS)
+
+
+def test_rl_train_with_lora_pushes_the_merged_weights_and_exports_a_peft_adapter(tiny_model_path, tmp_path):
+    """`rl train` (no Ray): the engine gets W + (alpha / r) B A each step, every tensor's hash compared with the
+    trainer's (weight_sync.verify: full); the trainer's and the engine's log-probs agree. ``--save-hf`` writes the
+    merged checkpoint, which transformers loads as any, and the adapter, which peft loads over the original model:
+    the same logits within 1e-5."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlx.testing.runs import small_run_config
+
+    cfg = small_run_config(tmp_path, "run", train={"num_steps": 3, "lora": {"rank": 8, "alpha": 16}},
+                           weight_sync={"verify": "full", "verify_full_interval": 1}, ray={"enabled": False})
+    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert rows[-1]["train_rollout_logprob_diff"] < 1e-4  # the engine serves what the trainer holds
+    ids = torch.tensor([[1, 264, 263, 201, 284, 324, 5, 17, 42]])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, before = merged(input_ids=ids).logits, base(input_ids=ids).logits
+    adapted = PeftModel.from_pretrained(base, tmp_path / "hf" / "adapter").eval()
+    config = json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (
+        8, 16, sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        got = adapted(input_ids=ids).logits
+    assert (want - before).abs().max() > 1e-3  # the adapters moved the model
+    assert (got - want).abs().max() < 1e-5
