@@ -11,7 +11,9 @@ Choices:
   do for the weights: a column-parallel projection keeps ``A`` whole and ``B`` split by output rows with the weight
   (its intermediate ``A x`` is copied into the tensor-parallel region, so ``A``'s gradient sums over the ranks); a
   row-parallel one splits ``A`` by input columns with the weight and keeps ``B`` whole (``A x`` is summed over the
-  ranks first). Checkpoints shard them as the weights they sit on (resuming under another layout works).
+  ranks first). An expert's projections under expert tensor parallelism leave that to the token dispatcher, as their
+  weights do (`_add_adapter`). Checkpoints shard them as the weights they sit on (resuming under another layout
+  works).
 * Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: one adapter on the fused projection,
   ``A`` shared by its parts and ``B`` over their rows, which is exactly one peft adapter per part with the same
   ``A``. So targets name HF (peft) modules, and the parts of a fused projection are targeted together.
@@ -117,6 +119,11 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
     for p in (module.lora_A, module.lora_B):  # experts' gradients reduce over their own data-parallel ranks
         setattr(p, "allreduce", getattr(module.weight, "allreduce", True))
     scale = cfg.alpha / cfg.rank
+    # experts under expert tensor parallelism (megatron's "explicit expert communication"): the token dispatcher, not
+    # the projection, gathers their input over the group and sums their row-parallel outputs, so a projection's
+    # input gradient and output are partial on each rank; the branch's are left partial alike, and its whole
+    # factor's gradient (computed from this rank's part) is summed over the group instead
+    explicit = bool(getattr(module, "explicit_expert_comm", False))
     forward = module.forward
 
     def lora_forward(input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -127,10 +134,16 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
         x = input_.to(torch.float32)
         if cfg.dropout and torch.is_grad_enabled() and module.training:  # (log-probs without grad: no dropout)
             x = torch.nn.functional.dropout(x, cfg.dropout)
-        h = x @ module.lora_A.t()
-        if tp > 1:
+        a, b = module.lora_A, module.lora_B
+        if tp > 1 and explicit:  # an expert's: partial products, as the weight's
+            if column:
+                a = _SumGradOverGroup.apply(a, group)
+            else:
+                b = _SumGradOverGroup.apply(b, group)
+        h = x @ a.t()
+        if tp > 1 and not explicit:
             h = (copy_to_tensor_model_parallel_region if column else reduce_from_tensor_model_parallel_region)(h, group)
-        return out + (scale * (h @ module.lora_B.t())).to(out.dtype), bias
+        return out + (scale * (h @ b.t())).to(out.dtype), bias
 
     module.forward = lora_forward
     sharded = module.sharded_state_dict
@@ -152,6 +165,23 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
 
     module.sharded_state_dict = sharded_state_dict
     module.lora_scale = scale
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward, the gradient summed over `group`."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def merged(module: Any) -> torch.Tensor:
