@@ -52,7 +52,7 @@ def run(folder: Path, seed: int, lora: dict | None, lr: float, steps: int) -> di
     steps_ = [x for x in rows if "grad_norm" in x]
     evals = [x["pass@1"] for x in map(json.loads, (folder / name / "eval.jsonl").read_text().splitlines())
              if x["dataset"] == "heldout"]
-    trained = re.search(r"rlx: LoRA on \d+ projections: ([\d,]+) adapter parameters", r.stderr)
+    trained = re.search(r"rlx: LoRA on \d+ projections \([^)]*\): ([\d,]+) adapter parameters", r.stderr)
     return {"pass@1 first": evals[0], "pass@1 last": evals[-1],
             "reward last 10": statistics.mean(x["reward/mean"] for x in steps_[-10:]),
             "trained params": float(trained.group(1).replace(",", "")) if trained else float("nan"),

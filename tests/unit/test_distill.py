@@ -1,6 +1,6 @@
 """On-policy distillation's pieces, each against values computed by hand: the token estimator's advantages, the
 top-k estimator's KL and its gradient, the per-teacher metrics, the config's refusals and what a teacher's fleet
-is launched with. Teachers scoring over HTTP and `rl train` with them: tests/integration/test_distill.py."""
+is launched with. Teachers scoring over HTTP and `rl train` with them: tests/integration/test_distill_run.py."""
 
 import json
 import math

@@ -69,6 +69,10 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
                               "the sparse-attention indexers (no adapters on them)")):
             if on:
                 problems.append((where, f"with train.lora: {why}; leave it off"))
+        par = cfg.train.parallel
+        if cfg.train.lora.dropout and (par.tp > 1 or par.ep > 1):
+            problems.append((("train", "lora", "dropout"), f"dropout masks are not drawn alike across tensor- and "
+                             f"expert-parallel ranks (tp {par.tp}, ep {par.ep}): leave it at 0 there"))
     if cfg.rollout.teachers and cfg.train.objective.distill is None:
         problems.append((("rollout", "teachers"), "teachers score samples for on-policy distillation: set "
                          "train.objective.distill (its coef and estimator) too"))

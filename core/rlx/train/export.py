@@ -95,10 +95,14 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
 
     from rlx.train.lora import EXPERT, adapters
 
+    import torch
+
     lora = trainer.tc.lora
     assert lora is not None
     par = trainer.par
-    if any(EXPERT.search(name) for name in trainer.actor.lora):
+    experts = torch.tensor([float(any(EXPERT.search(name) for name in trainer.actor.lora))])
+    dist.all_reduce(experts, op=dist.ReduceOp.MAX)  # (every stage decides alike: a dense first stage too)
+    if experts.item():
         if par.rank == 0:
             print(f"rlx: warning: no peft adapter in {folder}: the adapters on experts have no peft form for "
                   f"transformers' fused experts (the merged checkpoint beside it has them)", file=sys.stderr)
@@ -106,12 +110,16 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
     mine: dict[str, Any] = {}
 
     def collect() -> None:
-        for module, a, b in adapters(trainer.actor, lora.target_modules):
-            if par.sender:
-                mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()  # (q, k, v share A)
-                mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()
+        trainer.memory.hold(actor="weights")  # (colocated offload: the adapters are with the weights)
+        try:
+            for module, a, b in adapters(trainer.actor, lora.target_modules):
+                if par.sender:
+                    mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()  # (q, k, v share A)
+                    mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()
+        finally:
+            trainer.memory.hold()
 
-    collect()
+    agree(par, collect)
     parts: list[Any] = [None] * par.world
     dist.all_gather_object(parts, mine)
     if par.rank != 0:

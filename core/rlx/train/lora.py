@@ -88,12 +88,15 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
         _add_adapter(module, column, cfg, seed, global_name, fused_gate_up=gated)
         module.lora_column = column
         # (exact in fp32: `adapters` reads it back after the model bridge moved the rows or columns around)
-        module.lora_key = (layer * 1024 + (int(expert.group(1)) + expert_offset + 1 if expert else 0)) * 16 + list(
+        module.lora_key = (layer * 4096 + (int(expert.group(1)) + expert_offset + 1 if expert else 0)) * 16 + list(
             PROJECTIONS).index(key)
         found[name] = module
     if not found:
         raise RLXError(f"train.lora.target_modules: none of {sorted(targets)} is a projection of this model's decoder "
                        f"layers on this pipeline stage")
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        config.moe_router_bias_update_rate = 0.0  # the aux-loss-free routing bias is the base's: frozen too
     for pname, p in model.named_parameters():
         if not pname.endswith(("lora_A", "lora_B")):
             p.requires_grad_(False)
@@ -185,9 +188,22 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 
 def merged(module: Any) -> torch.Tensor:
-    """The projection's weight with its adapter merged in (this rank's part, the weight's dtype)."""
+    """The projection's weight with its adapter merged in (this rank's part, the weight's dtype: in bf16 the engine's
+    weight is rounded where the trainer adds the adapter's output in fp32)."""
     delta = module.lora_scale * (module.lora_B.detach() @ module.lora_A.detach())
     return (module.weight.detach().to(torch.float32) + delta).to(module.weight.dtype)
+
+
+class Merged(dict):
+    """A model's local state in which each adapted projection's weight reads merged (`merged`), computed when it is
+    read (a push streams weights one at a time: no second copy of every adapted weight)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], adapted: dict[str, torch.nn.Module]):
+        super().__init__(state)
+        self.adapted = {f"{name}.weight": m for name, m in adapted.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return merged(self.adapted[name]) if name in self.adapted else super().__getitem__(name)
 
 
 #: the HF projections whose adapter's A is split with the weight (row-parallel in megatron): their B is whole
@@ -208,10 +224,10 @@ def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Ten
     for name, m in role.lora.items():
         a, b = m.lora_A.detach(), m.lora_B.detach()
         if m.lora_column:
-            state[f"{name}.weight"] = torch.cat([b, torch.full((b.shape[0], 1), float(m.lora_key))], 1)
+            state[f"{name}.weight"] = torch.cat([b, torch.full((b.shape[0], 1), float(m.lora_key), device=b.device)], 1)
             whole[m.lora_key] = a.cpu()
         else:
-            state[f"{name}.weight"] = torch.cat([a, torch.full((1, a.shape[1]), float(m.lora_key))], 0)
+            state[f"{name}.weight"] = torch.cat([a, torch.full((1, a.shape[1]), float(m.lora_key), device=a.device)], 0)
             whole[m.lora_key] = b.cpu()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, whole)

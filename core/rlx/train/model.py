@@ -306,8 +306,12 @@ class ModelRole:
             if self.par.rank == 0:  # (this rank's share: the whole model in one process)
                 adapter = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
                 total = sum(p.numel() for p in self.model.parameters())
-                print(f"rlx: LoRA on {len(self.lora)} projections: {adapter:,} adapter parameters trained, "
-                      f"{100 * adapter / total:.2f}% of rank 0's {total:,}", file=sys.stderr, flush=True)
+                from rlx.train.lora import PROJECTIONS
+
+                parts = sorted({p for n in self.lora for k, ps in PROJECTIONS.items() if n.endswith("." + k) for p in ps})
+                print(f"rlx: LoRA on {len(self.lora)} projections ({', '.join(parts)}): {adapter:,} adapter "
+                      f"parameters trained, {100 * adapter / total:.2f}% of rank 0's {total:,}", file=sys.stderr,
+                      flush=True)
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)
         self.trainable = True
 
@@ -515,10 +519,10 @@ class ModelRole:
         with experts split over ranks its expert-parallel groups: every rank with `ParallelState.gathers`
         must iterate to the end)."""
         state = self._local_state(self.model)
-        if self.lora:  # (`rlx.train.lora`): the weights the adapters make
-            from rlx.train.lora import merged
+        if self.lora:  # (`rlx.train.lora`): the weights the adapters make, each when it is gathered
+            from rlx.train.lora import Merged
 
-            state.update({f"{name}.weight": merged(m) for name, m in self.lora.items()})
+            state = Merged(state, self.lora)
         yield from self.hf_of(state)
 
     def hf_of(self, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -51,7 +51,9 @@ class RoleMemory:
         if part == "weights":
             if role.ddp is not None:  # parameters are views into megatron's contiguous buffers
                 buffers = role.ddp.buffers + role.ddp.expert_parallel_buffers
-                return [(b.param_data, True) for b in buffers if b.param_data is not None]
+                # and the frozen ones (LoRA's base, `rlx.train.lora`), which megatron's buffers leave out
+                return ([(b.param_data, True) for b in buffers if b.param_data is not None]
+                        + [(p, True) for p in role.model.parameters() if not p.requires_grad])
             return [(p, True) for p in role.model.parameters()]
         out: list[tuple[torch.Tensor, bool]] = []
         if role.ddp is not None:

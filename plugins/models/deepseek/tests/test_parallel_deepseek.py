@@ -33,3 +33,14 @@ def test_lora_on_latent_attention_and_experts_at_tp2_matches_one_process(tmp_pat
                                                       "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]}
     single = run(tmp_path, MODEL, 1, lora=lora)
     assert_same(run(tmp_path, MODEL, 2, tp=2, lora=lora), single, ("loss", "pg_loss", "entropy", "kl", "grad_norm"))
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rlx.models.tiny import resolve_model_path
+
+    loaded = {}
+    for f in Path(resolve_model_path(MODEL)).glob("*.safetensors"):
+        loaded.update(load_file(f))
+    biases = [n for n in single["weights"] if n.endswith("e_score_correction_bias")]
+    assert biases and all(single["weights"][n] == loaded[n].float().tolist() for n in biases)  # the base's: frozen
