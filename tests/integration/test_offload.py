@@ -25,8 +25,9 @@ SCRIPT = textwrap.dedent("""
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
     offload, advantage = sys.argv[1] == "on", sys.argv[2]
+    lora = {"lora": {"rank": 4}} if sys.argv[4:] == ["lora"] else {}
     cfg = parse_config(json.dumps({"model": {"path": "builtin://tiny-qwen3"}, "train": {
-        "offload": offload, "objective": {"advantage": advantage, "kl_coef": 0.1}, "optim": {"lr": 1e-3}}}))
+        "offload": offload, "objective": {"advantage": advantage, "kl_coef": 0.1}, "optim": {"lr": 1e-3}, **lora}}))
     if sys.argv[3] == "move":
         Residency.MOVES = ("cuda", "cpu")  # on a CPU: host memory to host memory, through the GPU's code path
     trainer = Trainer(cfg, build_plugins())
@@ -61,10 +62,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run(tmp_path, offload: str, advantage: str, move: str = "move") -> dict:
+def run(tmp_path, offload: str, advantage: str, move: str = "move", *more: str) -> dict:
     script = tmp_path / "offload.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), offload, advantage, move], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, str(script), offload, advantage, move, *more], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
@@ -91,3 +93,13 @@ def test_grpo_schedule_on_a_cpu_moves_nothing_and_says_so(tiny_model_path, tmp_p
     assert on["history"] == [{}, actor, {}, {"actor": "weights"}, {}, actor, {}, {"actor": "weights"}, {}] + [
         {"actor": "all"}, {}]
     assert on["held_between"][0] == on["held_between"][1] > 2**20
+
+
+def test_lora_offload_moves_the_frozen_weights_too(tiny_model_path, tmp_path):
+    """With LoRA (`rlx.train.lora`) megatron's buffers hold the adapters only: the frozen model goes too, and the
+    run is the same as without offload."""
+    on, _ = run(tmp_path, "on", "grpo", "move", "lora")
+    off, _ = run(tmp_path, "off", "grpo", "move", "lora")
+    assert on["held_between"] == [0, 0] and min(off["held_between"]) > 2**20
+    assert on["steps"] == off["steps"] and on["pushed"] == off["pushed"]
+
