@@ -17,8 +17,6 @@ teachers and do not run on this machine; GRPO on the same task is the baseline h
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,44 +24,23 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _examples import example, rows, train
 
-ROOT = Path(__file__).parents[1]
 MODES = ("grpo", "distill", "grpo+distill")
 
 
-def config(folder: Path, name: str, mode: str, seed: int, steps: int) -> Path:
-    base = "quickstart.yaml" if mode == "grpo" else "distill.yaml"
-    doc = yaml.safe_load((ROOT / "examples" / base).read_text())
-    doc["run"].update(output_dir=str(folder / name), loggers=[], seed=seed)
-    doc["data"]["path"] = str(ROOT / "examples" / doc["data"]["path"])
-    doc["eval"]["datasets"] = [d for d in doc["eval"]["datasets"] if d["name"] == "heldout"]
-    for d in doc["eval"]["datasets"]:
-        d["path"] = str(ROOT / "examples" / d["path"])
-    doc["eval"]["interval"] = steps
-    doc["train"].update(num_steps=steps, checkpoint={"interval": 0})
+def config(folder: Path, name: str, mode: str, seed: int, steps: int) -> dict:
+    doc = example(folder, name, "quickstart.yaml" if mode == "grpo" else "distill.yaml", steps=steps, seed=seed)
     if mode == "grpo+distill":
         doc["rollout"]["rewards"] = ["exact_match"]
-    cfg = folder / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return cfg
-
-
-def rl(*args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", *args], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        sys.exit(f"rl {' '.join(args)} failed:\n{r.stderr[-3000:]}")
-
-
-def rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    return doc
 
 
 def run(folder: Path, mode: str, seed: int, steps: int) -> dict[str, float | None]:
     name = f"{mode}-seed{seed}"
-    rl("train", str(config(folder, name, mode, seed, steps)))
-    metrics = [r for r in rows(folder / name / "metrics.jsonl") if "grad_norm" in r]
-    evals = [r["pass@1"] for r in rows(folder / name / "eval.jsonl") if r["dataset"] == "heldout"]
+    train(folder, name, config(folder, name, mode, seed, steps))
+    metrics = [r for r in rows(folder, name) if "grad_norm" in r]
+    evals = [r["pass@1"] for r in rows(folder, name, "eval.jsonl") if r["dataset"] == "heldout"]
     kl = [r["distill/reverse_kl"] for r in metrics if "distill/reverse_kl" in r]
     return {"pass@1 first": evals[0], "pass@1 last": evals[-1],
             "reward last 10": statistics.mean(r["reward/mean"] for r in metrics[-10:]) if mode != "distill" else None,
@@ -74,10 +51,14 @@ def run(folder: Path, mode: str, seed: int, steps: int) -> dict[str, float | Non
 
 def teacher(folder: Path) -> float:
     """The teacher's held-out greedy pass@1 (`rl eval` with it as the model)."""
-    cfg = config(folder, "teacher", "distill", 1, 1)
-    rl("eval", str(cfg), "--set", "model.path=builtin://tiny-qwen3-arith-teacher", "--set", "rollout.teachers=[]",
-       "--set", "train.objective.distill=null")
-    return [r["pass@1"] for r in rows(folder / "teacher" / "eval.jsonl") if r["dataset"] == "heldout"][-1]
+    cfg = folder / "teacher.yaml"
+    cfg.write_text(yaml.safe_dump(config(folder, "teacher", "distill", 1, 1), sort_keys=False))
+    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "eval", str(cfg), "--set",
+                        "model.path=builtin://tiny-qwen3-arith-teacher", "--set", "rollout.teachers=[]", "--set",
+                        "train.objective.distill=null"], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"rl eval of the teacher failed:\n{r.stderr[-3000:]}")
+    return [r["pass@1"] for r in rows(folder, "teacher", "eval.jsonl") if r["dataset"] == "heldout"][-1]
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ every weight, and training LoRA adapters only (``train.lora``), over several see
     scripts/loopback .venv/bin/python benchmarks/lora.py --seeds 1 --steps 20 --rank 8 --lora-lr 2e-3
 
 Printed per run: held-out greedy pass@1 (40 prompts none of the runs trains on) at the first and last evaluation,
-the mean reward over the last 10 steps, the parameters the optimizer trains (from the run's log line), the bytes of
+the mean reward over the last 10 steps, the parameters the optimizer trains (``lora/params``), the bytes of
 a push (``weight_sync/bytes``: LoRA pushes the merged weights for now, so the same as full) and seconds per step;
 then each mode's means over seeds. LoRA's learning rate is its own (adapters start at zero and take larger steps;
 peft's and TRL's LoRA examples use 10x the full model's). The peers that train LoRA with RL (verl, miles, prime-rl)
@@ -15,47 +15,25 @@ run on GPUs; TRL's GRPOTrainer with peft runs on CPUs, and `benchmarks/vs_trl.py
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
-ROOT = Path(__file__).parents[1]
+from _examples import example, rows, train
 
 
 def run(folder: Path, seed: int, lora: dict | None, lr: float, steps: int) -> dict[str, float]:
-    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     name = f"{'lora' if lora else 'full'}-seed{seed}"
-    doc["run"].update(output_dir=str(folder / name), loggers=[], seed=seed)
-    doc["data"]["path"] = str(ROOT / "examples" / doc["data"]["path"])
-    doc["eval"]["datasets"] = [d for d in doc["eval"]["datasets"] if d["name"] == "heldout"]
-    for d in doc["eval"]["datasets"]:
-        d["path"] = str(ROOT / "examples" / d["path"])
-    doc["eval"]["interval"] = steps
-    doc["train"].update(num_steps=steps, checkpoint={"interval": 0})
+    doc = example(folder, name, "quickstart.yaml", steps=steps, seed=seed)
     doc["train"]["optim"]["lr"] = lr
     if lora:
         doc["train"]["lora"] = lora
-    cfg = folder / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (folder / name / "metrics.jsonl").read_text().splitlines()]
-    steps_ = [x for x in rows if "grad_norm" in x]
-    evals = [x["pass@1"] for x in map(json.loads, (folder / name / "eval.jsonl").read_text().splitlines())
-             if x["dataset"] == "heldout"]
-    trained = re.search(r"rlx: LoRA on \d+ projections \([^)]*\): ([\d,]+) adapter parameters", r.stderr)
+    train(folder, name, doc)
+    steps_ = [x for x in rows(folder, name) if "grad_norm" in x]
+    evals = [x["pass@1"] for x in rows(folder, name, "eval.jsonl") if x["dataset"] == "heldout"]
     return {"pass@1 first": evals[0], "pass@1 last": evals[-1],
             "reward last 10": statistics.mean(x["reward/mean"] for x in steps_[-10:]),
-            "trained params": float(trained.group(1).replace(",", "")) if trained else float("nan"),
+            "trained params": steps_[0].get("lora/params", float("nan")),
             "push bytes": statistics.mean(x["weight_sync/bytes"] for x in steps_),
             "s/step": statistics.median(x["time/step_s"] for x in steps_[1:])}
 

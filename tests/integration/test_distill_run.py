@@ -88,15 +88,9 @@ def test_teachers_score_the_model_tokens_as_a_forward_pass_and_rows_pick_their_t
 def test_a_teacher_with_another_tokenizer_is_refused_at_start_and_its_engines_stop(tiny_model_path, tmp_path):
     """Preflight compares the folders it finds; a built-in or downloaded teacher is compared once its engines have
     it: here a copy of the student whose vocabulary swaps two ids."""
-    import shutil
+    from rlx.testing.models import other_tokenizer
 
-    other = tmp_path / "other"
-    shutil.copytree(tiny_model_path, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    other = other_tokenizer(tiny_model_path, tmp_path / "other")
     teachers = Teachers(teachers_config(tmp_path, [{"name": "t", "model_path": str(other),
                                                     "server_args": {"num_threads": 1}}]))
     with pytest.raises(RLXError, match=r"rollout.teachers\[0\].model_path: teacher 't' .* has another tokenizer than "

@@ -17,7 +17,7 @@ from rlx.testing.parallel import assert_same, run
 pytestmark = pytest.mark.integration
 
 LORA = {"rank": 4, "alpha": 8}
-KEYS = ("loss", "pg_loss", "entropy", "kl", "grad_norm")
+KEYS = ("loss", "pg_loss", "entropy", "kl", "grad_norm", "lora/params")
 
 
 def test_lora_at_tp2_trains_as_one_process_and_moves_adapters_only(tiny_model_path, tmp_path):
@@ -25,6 +25,9 @@ def test_lora_at_tp2_trains_as_one_process_and_moves_adapters_only(tiny_model_pa
 
     single = run(tmp_path, tiny_model_path, 1, lora=LORA)
     assert single["m2"]["kl"] > 0 and single["m1"]["loss"] != single["m2"]["loss"]  # the adapters moved
+    # per layer, rank 4: q/k/v A [4, 64] + B [64 + 32 + 32, 4]; o A [4, 64] + B [64, 4]; gate/up A [4, 64] +
+    # B [2 * 192, 4]; down A [4, 192] + B [64, 4]: 768 + 512 + 1792 + 1024 = 4096; two layers
+    assert single["m1"]["lora/params"] == 8192
     assert_same(run(tmp_path, tiny_model_path, 2, tp=2, lora=LORA), single, KEYS)  # peft's adapters too
     loaded = {}
     for f in Path(tiny_model_path).glob("*.safetensors"):

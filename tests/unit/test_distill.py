@@ -4,7 +4,6 @@ is launched with. Teachers scoring over HTTP and `rl train` with them: tests/int
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -193,13 +192,9 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_model
     from rlx.config import load_config
     from rlx.preflight import config_checks
 
-    other = tmp_path / "other"
-    shutil.copytree(tiny_model_path, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    from rlx.testing.models import other_tokenizer
+
+    other = other_tokenizer(tiny_model_path, tmp_path / "other")
     p = tmp_path / "c.yaml"
     text = (f"model: {{path: {tiny_model_path}}}\nrollout:\n  teachers: [{{name: t, model_path: TEACHER}}]\n"
             f"train: {{objective: {{distill: {{}}}}}}\n")

@@ -184,14 +184,11 @@ def test_speculative_drafts_need_their_source_and_the_same_tokenizer(tmp_path, t
     assert got[f"{p}:3: rollout.engines[0].speculative.method"].endswith(
         "has no multi-token-prediction layers to draft with (no num_nextn_predict_layers in its config.json); use "
         "ngram or draft_model")
-    same, other = tmp_path / "same", tmp_path / "other"
+    from rlx.testing.models import other_tokenizer
+
+    same = tmp_path / "same"
     shutil.copytree(tiny_model_path, same)
-    shutil.copytree(tiny_model_path, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = list(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    other = other_tokenizer(tiny_model_path, tmp_path / "other")
     text = (f"model: {{path: {tiny_model_path}}}\nrollout:\n  engines: [{{backend: sglang, speculative: "
             f"{{method: draft_model, draft_model: DRAFT}}}}]\n")
     assert load_config(_write(tmp_path, text.replace('DRAFT', str(same))), checks=config_checks(files=True))

@@ -9,6 +9,22 @@ if TYPE_CHECKING:
     import torch
 
 
+def other_tokenizer(model_path: str | Path, folder: str | Path) -> Path:
+    """A copy of the model in `folder` whose tokenizer swaps two vocabulary ids (4 entries differ): what a draft model
+    or a teacher with another tokenizer looks like to the checks that refuse them."""
+    import json
+    import shutil
+
+    folder = Path(folder)
+    shutil.copytree(model_path, folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    return folder
+
+
 def spread_weights(model: torch.nn.Module, bias_std: float = 0.2) -> None:
     """Redraw a tiny random model's weights wide enough that expert routing (top-k, groups) is decided well above
     float noise, so megatron and transformers pick the same experts: matrices N(0, 0.3), vectors 1 + N(0, 0.1),

@@ -170,6 +170,26 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
     module.lora_scale = scale
 
 
+def adapter_params(model: torch.nn.Module, world: int, tp: int, dp: int, pp: int, ep: int, etp: int) -> int:
+    """The adapter parameters the run trains, counted once whatever the layout (collective: every rank calls it):
+    each rank's, less the copies tensor- and data-parallel ranks (experts: expert-tensor- and expert-data-parallel
+    ranks) hold of them."""
+    import torch.distributed as dist
+
+    mine = 0.0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        expert = not getattr(p, "allreduce", True)
+        split = getattr(p, "tensor_model_parallel", False)
+        copies = (world // (pp * ep * etp) * (1 if split else etp)) if expert else (dp * (1 if split else tp))
+        mine += p.numel() / copies
+    total = torch.tensor([mine], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return round(total.item())
+
+
 class _SumGradOverGroup(torch.autograd.Function):
     """Identity forward; backward, the gradient summed over `group`."""
 

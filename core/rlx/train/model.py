@@ -290,6 +290,7 @@ class ModelRole:
             self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay, spec.num_experts)
         self.trainable = False
         self.lora: dict[str, torch.nn.Module] = {}  # the projections with LoRA adapters, by module name
+        self.adapter_params = 0  # the adapters' parameters (all ranks', each once)
         self.ddp: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
@@ -303,15 +304,14 @@ class ModelRole:
 
             local_experts = (self.spec.num_experts or 0) // self.par.ep
             self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
-            if self.par.rank == 0:  # (this rank's share: the whole model in one process)
-                adapter = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-                total = sum(p.numel() for p in self.model.parameters())
-                from rlx.train.lora import PROJECTIONS
+            from rlx.train.lora import PROJECTIONS, adapter_params
 
-                parts = sorted({p for n in self.lora for k, ps in PROJECTIONS.items() if n.endswith("." + k) for p in ps})
-                print(f"rlx: LoRA on {len(self.lora)} projections ({', '.join(parts)}): {adapter:,} adapter "
-                      f"parameters trained, {100 * adapter / total:.2f}% of rank 0's {total:,}", file=sys.stderr,
-                      flush=True)
+            p = self.par
+            self.adapter_params = adapter_params(self.model, p.world, p.tp, p.dp, p.pp, p.ep, p.etp)
+            if p.rank == 0:  # (with Ray in the trainer's log; `lora/params` in the metrics)
+                parts = sorted({x for n in self.lora for k, xs in PROJECTIONS.items() if n.endswith("." + k) for x in xs})
+                print(f"rlx: LoRA on {len(self.lora)} projections of rank 0 ({', '.join(parts)}): "
+                      f"{self.adapter_params:,} adapter parameters trained", file=sys.stderr, flush=True)
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)
         self.trainable = True
 

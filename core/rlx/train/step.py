@@ -237,6 +237,8 @@ class RLStep:
         if actor.router_stats is not None:
             metrics.update(actor.router_stats.metrics())
         metrics["lr"] = actor.lr
+        if actor.lora:
+            metrics["lora/params"] = float(actor.adapter_params)  # (`rlx.train.lora`) what the optimizer trains
         metrics["samples"] = float(len(tb.samples))
         metrics["tokens"] = float(sum(s.total_len for s in tb.samples))
         return metrics

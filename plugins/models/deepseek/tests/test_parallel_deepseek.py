@@ -32,7 +32,8 @@ def test_lora_on_latent_attention_and_experts_at_tp2_matches_one_process(tmp_pat
     lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                                       "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]}
     single = run(tmp_path, MODEL, 1, lora=lora)
-    assert_same(run(tmp_path, MODEL, 2, tp=2, lora=lora), single, ("loss", "pg_loss", "entropy", "kl", "grad_norm"))
+    assert_same(run(tmp_path, MODEL, 2, tp=2, lora=lora), single, ("loss", "pg_loss", "entropy", "kl", "grad_norm",
+                                                                  "lora/params"))
     from pathlib import Path
 
     from safetensors.torch import load_file
