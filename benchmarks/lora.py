@@ -1,5 +1,5 @@
 """LoRA against full-parameter training, side by side: GRPO on the quickstart (`examples/quickstart.yaml`) training
-every weight, and training LoRA adapters only (``train.lora``), over several seeds.
+every weight, and training LoRA adapters only (`examples/lora.yaml`, ``train.lora``), over several seeds.
 
     scripts/loopback .venv/bin/python benchmarks/lora.py                   # seeds 1 2 3, 60 steps each
     scripts/loopback .venv/bin/python benchmarks/lora.py --seeds 1 --steps 20 --rank 8 --lora-lr 1e-3
@@ -24,10 +24,12 @@ from _examples import example, rows, train
 
 def run(folder: Path, seed: int, lora: dict | None, lr: float, steps: int) -> dict[str, float]:
     name = f"{'lora' if lora else 'full'}-seed{seed}"
-    doc = example(folder, name, "quickstart.yaml", steps=steps, seed=seed)
+    doc = example(folder, name, "lora.yaml" if lora else "quickstart.yaml", steps=steps, seed=seed)
     doc["train"]["optim"]["lr"] = lr
     if lora:
         doc["train"]["lora"] = lora
+    else:
+        doc["train"].pop("lora", None)
     train(folder, name, doc)
     steps_ = [x for x in rows(folder, name) if "grad_norm" in x]
     evals = [x["pass@1"] for x in rows(folder, name, "eval.jsonl") if x["dataset"] == "heldout"]
