@@ -17,44 +17,25 @@ quantised checkpoints), needs a GPU and does not run on this machine.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from _examples import example, rows, train
 
-ROOT = Path(__file__).parents[1]
 MODES = (None, "fp8", "int4", "int4+qat")
 
 
 def run(folder: Path, seed: int, mode: str | None, steps: int) -> tuple[list[dict], list[dict]]:
     """The run's metrics rows and its held-out greedy evaluations (``eval.jsonl``), in order."""
-    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
     name = f"{mode or 'full'}-seed{seed}"
-    doc["run"].update(output_dir=str(folder / name), loggers=[], seed=seed)
-    doc["data"]["path"] = str(ROOT / "examples" / doc["data"]["path"])
-    for d in doc["eval"]["datasets"]:
-        d["path"] = str(ROOT / "examples" / d["path"])
-    doc["eval"]["interval"] = steps
-    doc["train"].update(num_steps=steps, checkpoint={"interval": 0})
+    doc = example(folder, name, "quickstart.yaml", steps=steps, seed=seed, evals=("heldout", "heldout_sampled"))
     if mode is not None:
         doc["rollout"]["quantization"] = mode.removesuffix("+qat")
     if mode == "int4+qat":
         doc["train"]["qat"] = "int4"
-    cfg = folder / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
-    def rows(file: str) -> list[dict]:
-        return [json.loads(x) for x in (folder / name / file).read_text().splitlines()]
-
-    return rows("metrics.jsonl"), [r for r in rows("eval.jsonl") if r["dataset"] == "heldout"]
+    train(folder, name, doc)
+    return rows(folder, name), [r for r in rows(folder, name, "eval.jsonl") if r["dataset"] == "heldout"]
 
 
 def summary(run: tuple[list[dict], list[dict]]) -> dict[str, float]:

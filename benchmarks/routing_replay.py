@@ -15,35 +15,21 @@ tokens (``train_rollout_logprob_diff``), the reward over the last 5 steps, and s
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from _examples import example, rows, train
 
-ROOT = Path(__file__).parents[1]
 
 
 def run(folder: Path, replay: bool, steps: int, engine_dtype: str) -> list[dict]:
-    doc = yaml.safe_load((ROOT / "examples" / "qwen3-moe.yaml").read_text())
     name = "r3-on" if replay else "r3-off"
-    doc["run"].update(output_dir=str(folder / name), loggers=[])
-    doc["data"]["path"] = str(ROOT / "examples" / doc["data"]["path"])
-    doc.pop("eval", None)
+    doc = example(folder, name, "qwen3-moe.yaml", steps=steps, evals=None)
     doc["rollout"]["routed_experts"] = True
-    doc["rollout"]["engines"][0]["server_args"]["dtype"] = engine_dtype
-    doc["train"].update(num_steps=steps, checkpoint={"interval": 0})
+    doc["rollout"]["engines"][0].setdefault("server_args", {})["dtype"] = engine_dtype
     doc["train"]["objective"]["routing_replay"] = replay
-    cfg = folder / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if r.returncode != 0:
-        sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
-    return [json.loads(x) for x in (folder / name / "metrics.jsonl").read_text().splitlines()]
+    train(folder, name, doc)
+    return rows(folder, name)
 
 
 def main() -> None:
