@@ -108,8 +108,7 @@ class RolloutSession:
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
             health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
             vocab_size=vocab_size(self.cfg.model.path), seed=self.cfg.run.seed if self.cfg.run.deterministic else None)
-        lengths = [n for n in await self.fleet.for_each(lambda c: c.context_length()) if n]
-        ctx.context_length = min(lengths) if lengths else None
+        ctx.context_length = await self.fleet.context_length()
         if dataset is not None:
             self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all,
                                            teachers=self.teachers)

@@ -65,8 +65,7 @@ class Teachers:
         try:
             for name, fleet in self.fleets.items():
                 await fleet.start()
-                lengths = [n for n in await fleet.for_each(lambda c: c.context_length()) if n]
-                self.context[name] = min(lengths) if lengths else None
+                self.context[name] = await fleet.context_length()
             self._same_tokenizers()
         except BaseException:
             await self.stop()

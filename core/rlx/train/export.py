@@ -90,12 +90,11 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
     with adapters on experts, whose transformers modules are fused (peft has no adapters per expert there)."""
     import sys
 
+    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     from rlx.train.lora import EXPERT, adapters
-
-    import torch
 
     lora = trainer.tc.lora
     assert lora is not None

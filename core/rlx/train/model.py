@@ -300,12 +300,10 @@ class ModelRole:
         """Wrap the loaded model for training with `optim` (an ``OptimConfig``); with `lora`, low-rank adapters
         seeded from `seed` are what trains (`rlx.train.lora`)."""
         if lora is not None:
-            from rlx.train.lora import attach
+            from rlx.train.lora import PROJECTIONS, adapter_params, attach
 
             local_experts = (self.spec.num_experts or 0) // self.par.ep
             self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
-            from rlx.train.lora import PROJECTIONS, adapter_params
-
             p = self.par
             self.adapter_params = adapter_params(self.model, p.world, p.tp, p.dp, p.pp, p.ep, p.etp)
             if p.rank == 0:  # (with Ray in the trainer's log; `lora/params` in the metrics)

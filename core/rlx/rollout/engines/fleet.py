@@ -277,6 +277,11 @@ class EngineFleet:
 
         return await asyncio.gather(*(one(e) for e in (self.serving if engines is None else engines)))
 
+    async def context_length(self) -> int | None:
+        """The least context length the serving engines report (None: none reports one)."""
+        lengths = [n for n in await self.for_each(lambda c: c.context_length()) if n]
+        return min(lengths) if lengths else None
+
     def respawn(self, e: Engine) -> None:
         """Start a launched engine again where it was (its old process is gone): a new process and URL."""
         g, log_path = e.launch
