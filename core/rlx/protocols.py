@@ -154,6 +154,21 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A push of a LoRA adapter instead of weights (``train.lora.push: adapter``): the tensors sent are the adapter's,
+    by peft's names (``base_model.model.<module>.lora_A.weight``, ``lora_B``), from one sender, whole; the transport
+    makes the engines serve them beside the base model as `served(version)`, the name requests give as ``lora_path``
+    (an adapter per version: a request in flight keeps the one it started with), then sets the weight version. A
+    transport that can carry adapters says so with a class attribute ``adapters = True``."""
+
+    name: str  # the adapter's name in the run (the actor's: "actor")
+    config: dict[str, Any]  # peft's adapter_config (r, lora_alpha, target_modules, ...)
+
+    def served(self, version: int) -> str:
+        return f"{self.name}-v{version}"
+
+
 @dataclass
 class TransportContext:
     """What a transport instance on one sending rank knows about the push."""
@@ -163,6 +178,7 @@ class TransportContext:
     sender: int = 0  # this sender's index (its pipeline stage)
     senders: int = 1  # how many ranks send parts of each push
     host: str = "127.0.0.1"  # this sender's address, where engines can reach it (rendezvous servers)
+    adapter: Adapter | None = None  # pushes carry this LoRA adapter, not weights (see `Adapter`)
 
 
 @runtime_checkable

@@ -100,6 +100,7 @@ class Sample:
     # [rows, layers, top_k] for the first `rows` tokens of prompt + response (rows <= total_len - 1)
     routed_experts: str | None = None
     teacher: TeacherScore | None = None  # on-policy distillation: its teacher's scores (None: not distilled)
+    adapter: str | None = None  # the LoRA adapter its last model tokens came from, as engines name it ("actor-v3")
 
     @property
     def total_len(self) -> int:
@@ -239,6 +240,7 @@ class GenerateResult:
     # speculative decoding's counts, where the engine reports them (SGLang's meta_info): (verify steps, drafts
     # proposed, drafts accepted, tokens)
     spec: tuple[int, int, int, int] | None = None
+    lora_path: str | None = None  # the LoRA adapter it was generated with (set by the caller; None: the base model)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> GenerateResult:

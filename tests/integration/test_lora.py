@@ -1,7 +1,8 @@
 """LoRA on the actor (`rlx.train.lora`) as a run trains it: the same two GRPO steps (two updates each, a reference
 for the KL) at TP=2 and, on a tiny MoE, at EP=2 as in one process; only the adapters move (every other weight as
-loaded, each adapted projection by a matrix of rank r at most); `rl train` pushes the merged weights, every tensor's
-hash checked on the engine. Checkpoints across layouts: tests/integration/test_reshard.py."""
+loaded, each adapted projection by a matrix of rank r at most); `rl train` pushes the adapters alone (engines serve
+base + adapter), or the merged weights, every tensor's hash checked on the engine. Checkpoints across layouts:
+tests/integration/test_reshard.py; serving adapters: tests/integration/test_lora_serving.py."""
 
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from rlx.testing.parallel import assert_same, run
+from rlx.testing.runs import small_run_config
 
 pytestmark = pytest.mark.integration
 
@@ -64,6 +66,37 @@ def test_lora_on_experts_at_ep2_trains_as_one_process(tmp_path):
     assert_same(run(tmp_path, model, 2, ep=2, lora=LORA), single, KEYS)
 
 
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_rl_train_pushes_only_the_adapters_and_the_engine_serves_them(tiny_model_path, tmp_path, transport):
+    """`rl train` (no Ray) with ``train.lora.push: adapter``: each push moves the adapters' bytes alone, loaded by the
+    engine as the adapter of that version (``actor-vN``), which every later request names and every sample records;
+    the trainer's and the engine's log-probs agree although the policy has moved far from the base model."""
+    from transformers import AutoConfig
+
+    from rlx.data.replay import read_batches
+
+    cfg = small_run_config(tmp_path, "run", train={"num_steps": 3, "lora": {"rank": 8, "alpha": 16},
+                                                   "optim": {"lr": 1e-2}, "objective": {"kl_coef": 0.01}},
+                           weight_sync={"transport": {"name": transport}}, rollout={"save_batches": True},
+                           ray={"enabled": False})
+    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    c = AutoConfig.from_pretrained(tiny_model_path)
+    h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.intermediate_size
+    # per layer, rank 8, in peft's layout (q, k and v each with their copy of the shared A; gate and up too)
+    floats = 8 * (6 * h + i) + 8 * (q + 2 * kv + h + 2 * i + h)
+    assert [r["weight_sync/bytes"] for r in rows] == [4 * floats * c.num_hidden_layers] * 3
+    assert rows[-1]["kl"] > 1e-3  # the policy moved: an engine serving the base model would be far off
+    assert rows[-1]["train_rollout_logprob_diff"] < 1e-4  # the engine serves what the trainer holds
+    for step, groups in read_batches(tmp_path / "run" / "batches").items():
+        samples = [s for g in groups for s in g.samples]
+        assert {s.adapter for s in samples} == ({None} if step == 1 else {f"actor-v{step - 1}"})
+        assert {v for s in samples for v in s.token_versions} == {step - 1}
+
+
 def test_rl_train_with_lora_pushes_the_merged_weights_and_exports_a_peft_adapter(tiny_model_path, tmp_path):
     """`rl train` (no Ray): the engine gets W + (alpha / r) B A each step, every tensor's hash compared with the
     trainer's (weight_sync.verify: full); the trainer's and the engine's log-probs agree. ``--save-hf`` writes the
@@ -72,9 +105,7 @@ def test_rl_train_with_lora_pushes_the_merged_weights_and_exports_a_peft_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlx.testing.runs import small_run_config
-
-    cfg = small_run_config(tmp_path, "run", train={"num_steps": 3, "lora": {"rank": 8, "alpha": 16}},
+    cfg = small_run_config(tmp_path, "run", train={"num_steps": 3, "lora": {"rank": 8, "alpha": 16, "push": "merged"}},
                            weight_sync={"verify": "full", "verify_full_interval": 1}, ray={"enabled": False})
     p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
                        capture_output=True, text=True, timeout=600)

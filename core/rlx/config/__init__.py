@@ -9,7 +9,7 @@ from rlx.config.schema import (
     DataConfig, DataSource, DistillConfig, EngineGroupConfig, EvalConfig, EvalDatasetConfig, FaultToleranceConfig, LoRAConfig, ModelConfig,
     ObjectiveConfig, OptimConfig, ParallelConfig, RayConfig, RewardSpec, RolloutConfig, RouterConfig, RunConfig,
     SamplingConfig, Section, TeacherConfig, TrainConfig, WeightSyncConfig, CpuConfig, ScoringConfig, RequestsConfig,
-    DynamicSamplingConfig, PartialRolloutConfig, component_config, engines_offload, launched_groups, records_routing,
+    DynamicSamplingConfig, PartialRolloutConfig, adapter_pushes, component_config, engines_offload, launched_groups, records_routing,
     trainer_offloads)
 
 __all__ = [
@@ -19,5 +19,5 @@ __all__ = [
     "FaultToleranceConfig", "LoRAConfig",
     "ModelConfig", "ObjectiveConfig", "OptimConfig", "ParallelConfig", "RayConfig", "RewardSpec", "RolloutConfig",
     "RouterConfig", "RunConfig", "SamplingConfig", "Section", "TeacherConfig", "TrainConfig", "WeightSyncConfig", "CpuConfig", "ScoringConfig", "RequestsConfig", "DynamicSamplingConfig", "PartialRolloutConfig", "check_modes", "component_config",
-    "engines_offload", "launched_groups", "records_routing", "trainer_offloads",
+    "adapter_pushes", "engines_offload", "launched_groups", "records_routing", "trainer_offloads",
 ]

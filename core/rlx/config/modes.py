@@ -69,6 +69,17 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
                               "the sparse-attention indexers (no adapters on them)")):
             if on:
                 problems.append((where, f"with train.lora: {why}; leave it off"))
+        if cfg.train.lora.push == "adapter":
+            for where, on, why in (
+                    (("weight_sync", "transport"), cfg.weight_sync.transport.name == "broadcast", "SGLang takes "
+                     "adapters through its LoRA routes (as tensors or from disk), not from a broadcast group: use "
+                     "transport tensor, disk or delta"),
+                    (("rollout", "quantization"), cfg.rollout.quantization is not None, "the engines' quantised "
+                     "weights are the merged model's; use train.lora.push: merged"),
+                    (("rollout", "source"), cfg.rollout.source == "buffer", "trajectories generated outside rlx do "
+                     "not name the adapter their engines serve; use train.lora.push: merged")):
+                if on:
+                    problems.append((where, f"with train.lora.push: adapter: {why}"))
         par = cfg.train.parallel
         if cfg.train.lora.dropout and (par.tp > 1 or par.ep > 1):
             problems.append((("train", "lora", "dropout"), f"dropout masks are not drawn alike across tensor- and "

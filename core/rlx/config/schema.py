@@ -486,13 +486,17 @@ LORA_TARGETS: tuple[LoRATarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", 
 
 class LoRAConfig(Section):
     """LoRA on the actor (`rlx.train.lora`): adapters on the decoder layers' projections (experts' too), fp32, the
-    rest of the model frozen; the optimizer holds the adapters only. Engines get the merged weights."""
+    rest of the model frozen; the optimizer holds the adapters only. Engines get the adapters (``push: adapter``: they
+    serve base + adapter, and only the adapter's bytes travel) or the merged weights (``push: merged``)."""
 
     rank: int = Field(16, ge=1)  # r
     alpha: float = Field(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, in training forwards (peft's lora_dropout)
     # peft's names of the projections to adapt (q/k/v, and gate/up, are fused in megatron: all or none of each)
     target_modules: list[LoRATarget] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    # adapter: engines load each version's adapter (SGLang's LoRA routes, launched with --enable-lora) and requests
+    # name it; merged: engines get W + (alpha / rank) B A as full weights (any transport, quantised rollouts, experts)
+    push: Literal["adapter", "merged"] = "adapter"
 
 
 class TrainConfig(Section):
@@ -695,6 +699,11 @@ def records_routing(cfg: Config) -> bool:
     """Whether engines are asked for the experts they routed each token to (``rollout.routed_experts``, or
     routing replay, which needs them)."""
     return cfg.rollout.routed_experts or cfg.train.objective.routing_replay
+
+
+def adapter_pushes(cfg: Config) -> bool:
+    """Whether weight pushes carry the actor's LoRA adapters instead of weights (``train.lora.push: adapter``)."""
+    return cfg.train.lora is not None and cfg.train.lora.push == "adapter"
 
 
 def engines_offload(cfg: Config) -> bool:

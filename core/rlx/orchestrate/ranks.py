@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from rlx.config import Config
+from rlx.config import Config, adapter_pushes
 from rlx.cpu.threads import process_env
 from rlx.errors import RLXError
 from rlx.net import node_ip, use_interface_of
@@ -82,7 +82,7 @@ class TrainerWorker:
         ws = self.cfg.weight_sync
         self.sender = WeightSender(self.trainer, plugins, ws.transport, ws.verify, ws.verify_full_interval,
                                    engine_for=functools.partial(weight_target, timeout_s=ws.timeout_s),
-                                   quantization=self.cfg.rollout.quantization)
+                                   quantization=self.cfg.rollout.quantization, adapters=adapter_pushes(self.cfg))
 
     def node(self) -> str:
         return self.host

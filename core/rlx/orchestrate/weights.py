@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlx.orchestrate.ranks import TrainerGroup
+    from rlx.rollout.context import ServedAdapter
     from rlx.rollout.engines.fleet import EngineFleet
     from rlx.types import RolloutBatch
 
@@ -19,8 +20,15 @@ class Weights:
     transport follows the serving engines: set up again when one was taken out or came back. A push that
     failed because an engine failed (it fails a health probe now) is done again without that engine."""
 
-    def __init__(self, trainer: TrainerGroup, fleet: EngineFleet, out: Path, version: int = 0):
+    def __init__(self, trainer: TrainerGroup, fleet: EngineFleet, out: Path, version: int = 0,
+                 adapter: ServedAdapter | None = None, keep: int = 1):
+        """`adapter` (``train.lora.push: adapter``): what requests name, moved to each version pushed; the engines keep
+        the adapters of the `keep` newest versions (requests of older ones may be in flight: async mode keeps
+        ``max_staleness + 1``) and unload the others once no request uses them."""
         self.trainer, self.fleet, self.out = trainer, fleet, str(out)
+        self.adapter, self.keep = adapter, keep
+        self.adapters: list[str] = []  # the adapters pushed and not yet unloaded, oldest first
+        self.unloads: set[asyncio.Task] = set()
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
         self.urls: list[str] | None = None  # where the transport points now
@@ -52,7 +60,9 @@ class Weights:
                     await self._point(self.fleet.weight_targets)
                     if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
                         return 0  # back), or none runs (rollout.source: replay)
-                    return await asyncio.to_thread(self.trainer.push_weights, version)
+                    sent = await asyncio.to_thread(self.trainer.push_weights, version)
+                    self._served(version)
+                    return sent
                 except Exception as e:
                     health = self.fleet.health
                     if health is None or attempt == 2:
@@ -64,6 +74,37 @@ class Weights:
                     print(f"rlx: weight push of version {version} failed ({e}); pushing again to the engines "
                           f"that serve", file=sys.stderr, flush=True)
         raise AssertionError("unreachable: the third attempt returns or raises")
+
+    def _served(self, version: int) -> None:
+        """After a push of `version` with adapters: requests name its adapter from now on, and the engines unload the
+        adapters past the `keep` newest (in the background: SGLang answers once the requests using one finish, which
+        a paused engine holds)."""
+        if self.adapter is None:
+            return
+        from rlx.transport import ACTOR_ADAPTER, Adapter
+
+        self.adapter.name, self.adapter.version = Adapter(ACTOR_ADAPTER, {}).served(version), version
+        self.adapters = [a for a in self.adapters if a != self.adapter.name] + [self.adapter.name]
+        old, self.adapters = self.adapters[:-self.keep], self.adapters[-self.keep:]
+        for name in old:
+            task = asyncio.create_task(self._unload(name))
+            self.unloads.add(task)
+            task.add_done_callback(self.unloads.discard)
+
+    async def _unload(self, name: str) -> None:
+        async def one(c):
+            try:
+                await c.unload_lora_adapter(name)
+            except Exception as e:  # noqa: BLE001 - an engine restarted since has not got it: nothing to free
+                print(f"rlx: unloading LoRA adapter {name} from {c.base_url}: {e}", file=sys.stderr, flush=True)
+
+        await self.fleet.for_each(one, self.fleet.weight_targets)
+
+    async def close(self) -> None:
+        """Cancel the adapters' unloads still under way (the engines stop with the run)."""
+        for task in list(self.unloads):
+            task.cancel()
+        await asyncio.gather(*self.unloads, return_exceptions=True)
 
     async def joins(self) -> None:
         """For the run's life: bring each engine the fleet's health has back (restarted or answering again, not

@@ -62,6 +62,16 @@ class RequestGate:
 
 
 @dataclass
+class ServedAdapter:
+    """The LoRA adapter the engines serve the policy with (``train.lora.push: adapter``), set after each push: every
+    request names it (``lora_path``), and its tokens get its version (a request keeps the adapter it started with,
+    whatever pushes come while it runs). One object shared by every copy of a context. None: the base model."""
+
+    name: str | None = None
+    version: int = 0
+
+
+@dataclass
 class GenerateContext:
     client: EngineClient  # the router, or the single engine
     tokenizer: Any
@@ -74,6 +84,7 @@ class GenerateContext:
     coalesce: bool = False  # identical requests issued together go as one with n (rollout.requests.coalesce)
     vocab_size: int | None = None  # the model's embedding rows: an id outside them is never sent (SGLang dies)
     seed: int | None = None  # run.seed under run.deterministic: every request gets a sampling_seed (`request_seed`)
+    adapter: ServedAdapter = field(default_factory=ServedAdapter)  # the LoRA adapter requests name
     _rids: Any = field(default_factory=itertools.count)
     _rid_samples: dict[str, int] = field(default_factory=dict)  # rid -> sample id, until the request is sent
     _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop
@@ -118,18 +129,22 @@ class GenerateContext:
                                       temperature=float(params.get("temperature", 1.0)))
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
-        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts)
+        lora, version = self.adapter.name, self.adapter.version
+        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts, lora)
         if self.coalesce and params.get("n", 1) == 1:
             res = await self._join(req)
         else:
             async with self.gate:
                 res = (await self._send(req))[0]
         res.temperature = float(params.get("temperature", 1.0))
+        if lora is not None:  # every token is the adapter's, whichever version the engine has moved to since
+            res.lora_path, res.weight_version = lora, str(version)
+            res.token_weight_versions = [str(version)] * len(res.output_ids)
         return res
 
     async def _join(self, req: GenerateRequest) -> GenerateResult:
         """`req`'s result, from one request with the identical requests issued in this turn of the event loop."""
-        key = (tuple(req.input_ids), json.dumps(req.sampling_params, sort_keys=True))
+        key = (tuple(req.input_ids), json.dumps(req.sampling_params, sort_keys=True), req.lora_path)
         batch = self._together.get(key)
         if batch is None:
             loop = asyncio.get_running_loop()
@@ -156,7 +171,8 @@ class GenerateContext:
     async def _send_together(self, batch: _Together) -> None:
         reqs = batch.requests
         one = reqs[0] if len(reqs) == 1 else GenerateRequest(
-            reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts)
+            reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts,
+            reqs[0].lora_path)
         try:
             async with self.gate:
                 results = await self._send(one)
@@ -278,6 +294,8 @@ def append_model_tokens(sample: Sample, res: GenerateResult) -> None:
     # sample's ids so far (every rlx generator does) then covers the sample up to its last token.
     if res.routed_experts is not None:
         sample.routed_experts = res.routed_experts
+    if res.lora_path is not None:
+        sample.adapter = res.lora_path
     if res.spec is not None:  # (verify steps, drafts proposed, drafts accepted, tokens), over the sample's turns
         sample.metadata["speculative"] = [a + b for a, b in zip(sample.metadata.get("speculative", (0, 0, 0, 0)),
                                                                 res.spec, strict=True)]

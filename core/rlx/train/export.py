@@ -90,46 +90,16 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
     with adapters on experts, whose transformers modules are fused (peft has no adapters per expert there)."""
     import sys
 
-    import torch
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from rlx.train.lora import EXPERT, adapters
-
-    lora = trainer.tc.lora
-    assert lora is not None
-    par = trainer.par
-    experts = torch.tensor([float(any(EXPERT.search(name) for name in trainer.actor.lora))])
-    dist.all_reduce(experts, op=dist.ReduceOp.MAX)  # (every stage decides alike: a dense first stage too)
-    if experts.item():
-        if par.rank == 0:
+    if trainer.adapts_experts():
+        if trainer.par.rank == 0:
             print(f"rlx: warning: no peft adapter in {folder}: the adapters on experts have no peft form for "
                   f"transformers' fused experts (the merged checkpoint beside it has them)", file=sys.stderr)
         return
-    mine: dict[str, Any] = {}
-
-    def collect() -> None:
-        trainer.memory.hold(actor="weights")  # (colocated offload: the adapters are with the weights)
-        try:
-            for module, a, b in adapters(trainer.actor, lora.target_modules):
-                if par.sender:
-                    mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()  # (q, k, v share A)
-                    mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()
-        finally:
-            trainer.memory.hold()
-
-    agree(par, collect)
-    parts: list[Any] = [None] * par.world
-    dist.all_gather_object(parts, mine)
-    if par.rank != 0:
+    tensors = trainer.adapter_tensors()
+    if tensors is None:  # (rank 0 writes)
         return
-    tensors = {k: v for p in parts for k, v in p.items()}
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(dict(sorted(tensors.items())), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(trainer.model_path),
-        "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted({m.rsplit(".", 3)[-3] for m in tensors}), "bias": "none",
-        "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-        "inference_mode": True}, indent=2))
-
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(trainer.adapter_config(tensors), indent=2))

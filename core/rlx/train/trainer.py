@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -121,6 +121,53 @@ class Trainer:
             yield from self.actor.hf_tensors()
         finally:
             self.memory.hold()
+
+    def adapts_experts(self) -> bool:
+        """Whether ``train.lora`` put adapters on routed experts (on any stage; collective over every rank)."""
+        import torch.distributed as dist
+
+        from rlx.train.lora import EXPERT
+
+        experts = torch.tensor([float(any(EXPERT.search(name) for name in self.actor.lora))])
+        dist.all_reduce(experts, op=dist.ReduceOp.MAX)
+        return bool(experts.item())
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The actor's LoRA adapters whole, by peft's names for the transformers model
+        (``base_model.model.<module>.lora_A.weight``, ``lora_B``; fused parts share their A), on CPU: on rank 0, None
+        elsewhere. What an adapter push sends and ``--save-hf`` writes. Collective over every rank."""
+        import torch.distributed as dist
+
+        from rlx.train.lora import adapters
+        from rlx.transport.sender import agree
+
+        assert self.tc.lora is not None
+        targets, mine = self.tc.lora.target_modules, {}
+
+        def collect() -> None:
+            self.memory.hold(actor="weights")  # (colocated offload: the adapters are with the weights)
+            try:
+                for module, a, b in adapters(self.actor, targets):
+                    if self.par.sender:
+                        mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()
+                        mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()
+            finally:
+                self.memory.hold()
+
+        agree(self.par, collect)
+        parts: list[Any] = [None] * self.par.world if self.par.rank == 0 else []
+        dist.gather_object(mine, parts if self.par.rank == 0 else None, dst=0)
+        return dict(sorted((k, v) for p in parts for k, v in p.items())) if self.par.rank == 0 else None
+
+    def adapter_config(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """peft's ``adapter_config`` of the adapters `tensors` holds (`adapter_tensors`)."""
+        lora = self.tc.lora
+        assert lora is not None
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(self.model_path),
+                "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+                "target_modules": sorted({m.rsplit(".", 3)[-3] for m in tensors}), "bias": "none",
+                "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+                "inference_mode": True}
 
     def save(self, folder: Path, writes: BackgroundWrites | None = None) -> None:
         """Every trained role's checkpoint into `folder` (`ModelRole.save`; with `writes`, written in the

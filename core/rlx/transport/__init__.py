@@ -18,6 +18,9 @@ A push, as the trainer runs it (`sender.WeightSender`):
 
 ``setup(ctx)`` runs once on every sender before the first push (to join a broadcast group, say) and
 ``close()`` once at the end.
+
+With LoRA adapters pushed instead of weights (``ctx.adapter``, `rlx.protocols.Adapter`), sender 0 alone sends the whole
+adapter, and the commit loads it on the engines under its name for the version (`serve_adapter`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import asyncio
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from rlx.protocols import TransportContext as TransportContext  # re-exported: defined beside its contract
+from rlx.protocols import Adapter as Adapter  # re-exported: defined beside its contract
+from rlx.protocols import TransportContext as TransportContext
+
+ACTOR_ADAPTER = "actor"  # the actor's LoRA adapter's name (engines serve version N of it as "actor-vN")
 
 
 def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
@@ -78,3 +84,13 @@ class update_sessions:  # noqa: N801  (used as `async with update_sessions(engin
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
+
+
+async def serve_adapter(engines, version: int, load) -> None:
+    """The commit of an adapter push: each engine loads it (``await load(client, engine)``), then serves `version`."""
+    async def one(e):
+        async with e.client() as c:
+            await load(c, e)
+            await c.update_weight_version(str(version))
+
+    await asyncio.gather(*(one(e) for e in engines))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from rlx.errors import EngineError
 from rlx.hookspecs import RegisterTransports
 from rlx.lazy import lazy_module
 from rlx.net import free_port
-from rlx.transport import buckets, update_sessions
+from rlx.transport import buckets, serve_adapter, update_sessions
 from rlx.transport.group import engine_ranks, open_group
 
 if TYPE_CHECKING:
@@ -72,12 +73,14 @@ class TensorTransport:
     base64 in JSON: slow) for engines elsewhere."""
 
     name = "tensor"
+    adapters = True  # LoRA adapters through /load_lora_adapter_from_tensors, by value, checked by the engine
 
     class Config(_Args):
         shared_memory: bool = True  # CPU tensors to engines on this host through /dev/shm (false: by value)
 
     def __init__(self, config: Config):
         self.config = config
+        self.adapter: dict[str, torch.Tensor] = {}  # an adapter push's tensors, until its commit
         self.segment: Segment | None = None
         self.local: set[str] = set()  # urls of the engines that read the segment
         self.versioned: int | None = None  # the version the last send set on every engine (sole sender)
@@ -98,6 +101,9 @@ class TensorTransport:
     async def send(self, named, version: int, ctx) -> None:
         from rlx.transport.payloads import serialize_named_tensors  # torch: not when the plugins load
 
+        if ctx.adapter is not None:  # (small: loaded whole at the commit)
+            self.adapter = dict(named)
+            return
         # the only sender sets the version with its last bucket, which is then the commit (one call fewer)
         self.versioned = None
         sole = ctx.senders == 1
@@ -132,7 +138,14 @@ class TensorTransport:
         self.versioned = version if sole else None
 
     async def commit(self, version: int, ctx) -> None:
-        if self.versioned != version:
+        if ctx.adapter is not None:
+            from rlx.transport.payloads import serialize_tensor_dict, sha256
+
+            tensors, self.adapter = self.adapter, {}
+            payload, sums = serialize_tensor_dict(tensors), {n: sha256(t) for n, t in tensors.items()}
+            await serve_adapter(ctx.engines, version, lambda c, e: c.load_lora_adapter_from_tensors(
+                ctx.adapter.served(version), ctx.adapter.config, [payload] * getattr(e, "tp_size", 1), sums))
+        elif self.versioned != version:
             await _set_version(ctx.engines, version)
 
     async def close(self) -> None:
@@ -145,6 +158,7 @@ class DiskTransport:
     """An HF safetensors folder per version (each sender writes its own files); engines reload it."""
 
     name = "disk"
+    adapters = True  # LoRA adapters as peft folders, through /load_lora_adapter
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -169,6 +183,11 @@ class DiskTransport:
 
         folder = self.folder(version)
         folder.mkdir(parents=True, exist_ok=True)
+        if ctx.adapter is not None:  # peft's folder, as SGLang loads it
+            tensors = {n: t.detach().contiguous().cpu() for n, t in named}
+            await asyncio.to_thread(save_file, tensors, str(folder / "adapter_model.safetensors"))
+            (folder / "adapter_config.json").write_text(json.dumps(ctx.adapter.config, indent=1))
+            return
         for i, bucket in enumerate(buckets(named, self.config.shard_mb << 20)):
             tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
             await asyncio.to_thread(save_file, tensors, str(folder / f"model-s{ctx.sender:02d}-{i:05d}.safetensors"))
@@ -180,7 +199,11 @@ class DiskTransport:
             async with e.client() as c:
                 await c.update_weights_from_disk(str(folder), weight_version=str(version))
 
-        await asyncio.gather(*(one(e) for e in ctx.engines))
+        if ctx.adapter is not None:
+            await serve_adapter(ctx.engines, version,
+                                lambda c, e: c.load_lora_adapter(ctx.adapter.served(version), str(folder)))
+        else:
+            await asyncio.gather(*(one(e) for e in ctx.engines))
         versions = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for old in versions[: -self.config.keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -105,6 +105,33 @@ def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def serialize_tensor_dict(tensors: dict[str, torch.Tensor]) -> str:
+    """The payload of SGLang's ``/load_lora_adapter_from_tensors``: a LoRA adapter's tensors as a pickled dict by name,
+    base64 for JSON (its loader reads a dict there, where weight updates read (name, tensor) pairs). By value: adapters
+    are small."""
+    return base64.b64encode(pickle.dumps({n: _own_storage(t.detach().cpu()) for n, t in tensors.items()})).decode()
+
+
+def deserialize_tensor_dict(payload: str) -> dict[str, torch.Tensor]:
+    """The engine side of `serialize_tensor_dict`."""
+    import io
+
+    try:
+        tensors = _Unpickler(io.BytesIO(base64.b64decode(payload, validate=True)), Attachments()).load()
+    except (ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise WireError(f"serialized_named_tensors: not a base64 pickle of a dict of tensors: {e}") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise WireError("serialized_named_tensors must decode to a dict of tensors by name (a LoRA adapter's)")
+    return tensors
+
+
+def sha256(t: torch.Tensor) -> str:
+    """SGLang's checksum of an adapter tensor as its engine received it (``expected_checksums``): sha256 of its bytes."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def tensor_hash(t: torch.Tensor, dtype: torch.dtype | None = None) -> str:
     """A hash of a tensor's bytes as `dtype` (default its own): what the trainer sent and what the engine
     holds compare equal exactly when the engine serves those bytes."""

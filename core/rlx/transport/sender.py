@@ -10,13 +10,14 @@ on one rank fails the push everywhere instead of leaving the others in a collect
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlx.errors import RLXError
-from rlx.transport import TransportContext
-from rlx.transport.verify import Fingerprints, served_dtypes, verify
+from rlx.transport import ACTOR_ADAPTER, Adapter, TransportContext
+from rlx.transport.verify import Fingerprints, served_dtypes, verify, verify_adapter
 
 if TYPE_CHECKING:
     from rlx.plugins import ComponentRef, Plugins
@@ -43,12 +44,14 @@ async def _tp_sizes(engines: list[Any]) -> list[int]:
 
 class WeightSender:
     def __init__(self, trainer: Any, plugins: Plugins, transport_spec: ComponentRef, verify_weights: str = "sample",
-                 full_interval: int = 10, *, engine_for: Callable[[str], Any], quantization: str | None = None):
+                 full_interval: int = 10, *, engine_for: Callable[[str], Any], quantization: str | None = None,
+                 adapters: bool = False):
         """`trainer`: this rank's `Trainer` or `CriticTrainer` (Any: those are a layer above; it has ``par``).
         `engine_for(url)`: a handle on the engine at `url` that the transport calls (``url``,
         ``client(timeout_s=...)``, ``tp_size``, ``close_clients()``: `rlx.rollout.engines.fleet.Engine`).
         `quantization` (``rollout.quantization``): pushes quantised as the engines serve them: ``fp8``, as the FP8
-        checkpoint `rlx.models.fp8.served` gives (its block and its quantised weights); ``int4``, `rlx.models.int4`."""
+        checkpoint `rlx.models.fp8.served` gives (its block and its quantised weights); ``int4``, `rlx.models.int4`.
+        `adapters` (``train.lora.push: adapter``): pushes carry the actor's LoRA adapters, not weights (`_push_adapter`)."""
         self.trainer = trainer
         self.par = trainer.par
         self.plugins = plugins
@@ -58,6 +61,7 @@ class WeightSender:
         self.engine_for = engine_for
         self.pushes = 0
         self.quantization = quantization
+        self.adapters = adapters
         self.fp8: tuple[tuple[int, int], set[str]] | None = None  # the served FP8 checkpoint's block and names
         self.transport: Transport | None = None
         self.ctx: TransportContext | None = None
@@ -77,6 +81,10 @@ class WeightSender:
         """Build the transport on each sender and set it up, one stage after another (see `push`). Called
         again when the engines change (one taken out, or back in), it closes the old transport first."""
         before = self.ctx.engines if self.ctx is not None else []
+        if self.adapters and self.ctx is None and self.trainer.adapts_experts():  # (collective: every rank asks)
+            raise RLXError("train.lora.push: adapter: the adapters on routed experts have no peft form for "
+                           "transformers' fused experts, so engines cannot load them; push: merged serves them merged "
+                           "(or leave gate_proj, up_proj and down_proj out of train.lora.target_modules)")
         if self.quantization == "fp8" and self.fp8 is None and self.sending:
             from rlx.models.fp8 import served, stored_quantised
 
@@ -118,6 +126,9 @@ class WeightSender:
             except Exception as e:  # noqa: BLE001 - its engines may be the ones that died
                 print(f"rlx: closing the previous weight transport: {e}", flush=True)
         self.transport = self.plugins.build("transports", self.spec)
+        if self.adapters and not getattr(self.transport, "adapters", False):
+            raise RLXError(f"weight_sync.transport {self.spec.name!r} does not carry LoRA adapters (train.lora.push: "
+                           f"adapter): use tensor, disk or delta, or push: merged")
         transport, ctx = self._ready()
         self.run(transport.setup(ctx))
 
@@ -135,6 +146,8 @@ class WeightSender:
         on any rank fails the push on every rank (never a rank left waiting in a collective).
         """
         assert self.ctx is not None, "setup() first"
+        if self.adapters:
+            return self._push_adapter(version)
         ctx = self.ctx
         full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
         self.pushes += 1
@@ -159,6 +172,28 @@ class WeightSender:
         if self.verify_weights != "off":
             check = verify(self.ctx.engines, prints, version, dtypes, full) if self.sending else None
             self._agree(lambda: self.run(check) if check is not None else None)
+        return sent[0]
+
+    def _push_adapter(self, version: int) -> int:
+        """The actor's LoRA adapters, whole, from rank 0 (they are small): sent and committed as `Adapter` for
+        `version`, which engines serve beside the base model; then each engine is checked to report `version` and
+        serve the adapter (its integrity the engine checks as it loads it, where the transport sends checksums)."""
+        tensors = self.trainer.adapter_tensors()  # (collective)
+        sent = [0]
+
+        def send() -> None:
+            if tensors is None:
+                return
+            transport, ctx = self._ready()
+            ctx = dataclasses.replace(ctx, senders=1, adapter=Adapter(ACTOR_ADAPTER, self.trainer.adapter_config(tensors)))
+            self.run(transport.send(iter(tensors.items()), version, ctx))
+            self.run(transport.commit(version, ctx))
+            sent[0] = sum(t.numel() * t.element_size() for t in tensors.values())
+            if self.verify_weights != "off":
+                self.run(verify_adapter(ctx.engines, ctx.adapter.served(version), version))
+
+        self.pushes += 1
+        self._agree(send)
         return sent[0]
 
     def _commit(self, version: int) -> None:

@@ -186,6 +186,23 @@ async def verify(engines: list[Any], prints: Fingerprints, version: int,
     _check_agreement(checker_sums, prints, version)
 
 
+async def verify_adapter(engines: list[Any], name: str, version: int) -> None:
+    """After an adapter push: every engine reports `version` and lists adapter `name` among its models (SGLang's
+    ``/v1/models`` lists the adapters it serves)."""
+
+    async def one(engine) -> None:
+        async with engine.client(timeout_s=120) as c:
+            got = await c.weight_version()
+            if got != str(version):
+                raise RLXError(f"weight sync: engine {engine.url} reports weight version {got!r}, expected {version}")
+            served = {m.get("id") for m in (await c.request("GET", "/v1/models")).get("data", [])}
+            if name not in served:
+                raise RLXError(f"weight sync: engine {engine.url} does not serve LoRA adapter {name!r} after version "
+                               f"{version} (it serves {sorted(map(str, served))})")
+
+    await asyncio.gather(*(one(e) for e in engines))
+
+
 def _check_agreement(sums: dict[str, tuple[Any, str]], prints: Fingerprints, version: int) -> None:
     """Engines with one layout hold identical weights; and each engine's weights changed when the pushed
     ones did (a push every engine ignored would otherwise pass)."""

@@ -35,6 +35,7 @@ class GenerateRequest:
     rid: str | None = None
     # SGLang >= 0.5.6 launched with --enable-return-routed-experts: report the experts each token was routed to
     return_routed_experts: bool = False
+    lora_path: str | None = None  # the LoRA adapter (by its loaded name) to generate with; None: the base model
 
     def to_json(self) -> dict[str, Any]:
         # not dataclasses.asdict (its generic deep copy cost 0.1 ms a request on the driver); still a copy: the ids,
@@ -46,6 +47,8 @@ class GenerateRequest:
             d["rid"] = self.rid
         if self.return_routed_experts:  # a field older servers do not know
             d["return_routed_experts"] = True
+        if self.lora_path is not None:
+            d["lora_path"] = self.lora_path
         return d
 
 
@@ -277,6 +280,28 @@ class EngineClient:
         return _checked(await self.request("POST", "/update_weight_version", {
             "new_version": version, "abort_all_requests": abort_all_requests}), self.base_url)
 
+    # -- LoRA adapters (SGLang launched with --enable-lora) ------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str) -> Any:
+        """Serve the peft adapter in folder `path` as `name` (requests name it as ``lora_path``)."""
+        return _lora(await self.request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}),
+                     self.base_url)
+
+    async def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], serialized: list[str],
+                                             expected_checksums: dict[str, str] | None = None) -> Any:
+        """Serve a peft adapter sent as tensors: `config` its ``adapter_config``, `serialized` one payload per TP rank
+        (`rlx.transport.payloads.serialize_tensor_dict`); with `expected_checksums` (sha256 of each tensor's bytes,
+        `rlx.transport.payloads.sha256`) the engine refuses an adapter that did not arrive intact."""
+        body = {"lora_name": name, "config_dict": config, "serialized_named_tensors": serialized}
+        if expected_checksums is not None:
+            body["expected_checksums"] = expected_checksums
+        return _lora(await self.request("POST", "/load_lora_adapter_from_tensors", body), self.base_url)
+
+    async def unload_lora_adapter(self, name: str) -> Any:
+        """Stop serving adapter `name`: new requests may no longer name it, and it goes once those that do finish
+        (SGLang answers then)."""
+        return _lora(await self.request("POST", "/unload_lora_adapter", {"lora_name": name}), self.base_url)
+
     async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
         """Per-tensor hashes of the served weights by HF name (rlx's embedded engine; a 404 elsewhere)."""
         return await self.request("POST", "/weights_checksum", {"names": names})
@@ -295,6 +320,12 @@ class EngineClient:
 def _checked(resp: JSON, url: str) -> JSON:
     if isinstance(resp, dict) and resp.get("success") is False:
         raise EngineError(f"engine at {url} refused the weight update: {resp.get('message')}")
+    return resp
+
+
+def _lora(resp: JSON, url: str) -> JSON:
+    if isinstance(resp, dict) and resp.get("success") is False:
+        raise EngineError(f"engine at {url} refused the LoRA adapter update: {resp.get('error_message')}")
     return resp
 
 

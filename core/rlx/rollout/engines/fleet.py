@@ -17,7 +17,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from rlx.config import Config, EngineGroupConfig, engines_offload, records_routing
+from rlx.config import Config, EngineGroupConfig, adapter_pushes, engines_offload, records_routing
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.rollout.engines.client import EngineClient, EngineError
@@ -152,10 +152,10 @@ class EngineFleet:
                 args.setdefault("kernels", json.dumps(self.cfg.model.kernels))
             if quantized:
                 args.setdefault("quantization", self.rc.quantization)
-            args = {**speculative_args(g), **args}
+            args = {**speculative_args(g), **self._lora_args(g), **args}
             return embedded_command(path, port, server_args=args, host=host)
         path = resolve_model_path(path)
-        args = {**self.engine_args(path), **speculative_args(g), **g.server_args}
+        args = {**self.engine_args(path), **speculative_args(g), **self._lora_args(g), **g.server_args}
         if quantized:
             args.setdefault("quantization", self.rc.quantization)
         if records_routing(self.cfg):
@@ -170,6 +170,10 @@ class EngineFleet:
                 raise RLXError(f"engine group {g.name!r}: run.deterministic cannot run on SGLang on a CPU: SGLang's "
                                f"deterministic inference needs a GPU attention backend (fa3, flashinfer or triton); "
                                f"use backend: embedded for a reproducible run on a CPU")
+            if args.get("enable_lora"):
+                raise RLXError(f"engine group {g.name!r}: SGLang 0.5.23 cannot serve LoRA adapters on a CPU (its LoRA "
+                               f"layers pin host memory through CUDA); use backend: embedded there, or "
+                               f"train.lora.push: merged")
             if records_routing(self.cfg):
                 raise RLXError(f"engine group {g.name!r}: routing replay (rollout.routed_experts) cannot run on SGLang "
                                f"on a CPU: SGLang 0.5.23 records routed experts into host memory it pins through "
@@ -187,6 +191,15 @@ class EngineFleet:
             args.setdefault("dtype", dtype)
         return sglang_command(path, port, tp_size=g.tp_size, mem_fraction_static=g.mem_fraction_static,
                               worker_type=g.worker_type, server_args=args, host=host, python=g.python)
+
+    def _lora_args(self, g: EngineGroupConfig) -> dict[str, Any]:
+        """SGLang's LoRA options for engines that get the actor's adapters (``train.lora.push: adapter``): LoRA on, the
+        largest rank and the modules adapters may target (SGLang sizes its adapter memory by them at launch)."""
+        lora = self.cfg.train.lora
+        if not (adapter_pushes(self.cfg) and g.update_weights):
+            return {}
+        assert lora is not None
+        return {"enable_lora": True, "max_lora_rank": lora.rank, "lora_target_modules": list(lora.target_modules)}
 
     def _local_threads(self) -> int:
         from rlx.cpu.threads import local_plan

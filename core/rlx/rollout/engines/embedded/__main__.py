@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", help="STANDALONE: the draft model (the same tokenizer)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=5,
                    help="tokens a verify forward runs per request, as SGLang counts them: the last one and the drafts")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters loaded at run time (/load_lora_adapter, /load_lora_adapter_from_tensors), "
+                        "named per request (lora_path), mixed in one batch (peft's LoRA layers)")
+    p.add_argument("--max-lora-rank", type=int, help="refuse adapters of a larger rank (SGLang's flag)")
+    p.add_argument("--lora-target-modules", nargs="+",
+                   help="refuse adapters on other modules (peft's names; all: any), as SGLang's flag")
     return p.parse_args(argv)
 
 
@@ -107,13 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     # a batch of one. A prefix cache would hand a prompt KV computed within another, longer one: off.
     deterministic = args.enable_deterministic_inference
     no_cache = args.disable_radix_cache or deterministic
+    adapters = None
+    if args.enable_lora:
+        from rlx.rollout.engines.embedded.lora import Adapters
+
+        adapters = Adapters(model, args.max_lora_rank, args.lora_target_modules)
     scheduler = Scheduler(model, tokenizer, max_running=1 if deterministic else args.max_running_requests,
                           seed=args.random_seed, max_context=args.context_length,
                           capture_experts=args.enable_return_routed_experts,
                           prefix_cache_tokens=0 if no_cache else args.prefix_cache_tokens,
                           prefix_cache_bytes=0 if no_cache else int(args.prefix_cache_mb * 2**20),
                           speculative=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
-                          draft=draft, mtp=args.speculative_algorithm in ("EAGLE", "NEXTN"))
+                          draft=draft, mtp=args.speculative_algorithm in ("EAGLE", "NEXTN"), adapters=adapters)
     server = EngineServer(scheduler, model_path=args.model_path, served_model_name=args.served_model_name,
                           server_args={k: v for k, v in vars(args).items()})
     scheduler.start()

@@ -51,6 +51,7 @@ from rlx.rollout.engines.embedded.sampling import (SamplingParams, SamplingTenso
 from rlx.rollout.engines.embedded.speculative import ngram_draft
 
 if TYPE_CHECKING:
+    from rlx.rollout.engines.embedded.lora import Adapters
     from rlx.types import HFModel, KVCache, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class Request:
     spec_verify_ct: int = 0
     spec_proposed: int = 0
     spec_correct: int = 0
+    lora: str | None = None  # the LoRA adapter it is generated with (SGLang's lora_path; None: the base model)
+    lora_held: bool = False  # counted among its adapter's users (`lora.Adapters.hold`) until it finishes
 
 
     @property
@@ -185,16 +188,19 @@ class Scheduler:
 
     def __init__(self, model: HFModel, tokenizer: Tokenizer, *, max_running: int = 64, seed: int = 0,
                  max_context: int | None = None, capture_experts: bool = False, prefix_cache_tokens: int = 0,
-                 prefix_cache_bytes: int = 0, speculative: int = 0, draft: HFModel | None = None, mtp: bool = False):
+                 prefix_cache_bytes: int = 0, speculative: int = 0, draft: HFModel | None = None, mtp: bool = False,
+                 adapters: Adapters | None = None):
         """`speculative`: drafts verified per decode step (0: none; SGLang's ``--speculative-num-draft-tokens`` less
         one), by n-gram lookup, drawn from `draft` (a model with the target's tokenizer), or with `mtp` from the
         model's own multi-token-prediction layer (`mtp.MTPDraft`). `capture_experts`: record the experts each token is routed to (SGLang's
         ``--enable-return-routed-experts``), for requests that ask (`Request.return_routed_experts`).
         The prefix cache's budget (`prefix.PrefixCache`): `prefix_cache_tokens` tokens, or else as many tokens as
-        `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache."""
+        `prefix_cache_bytes` of this model's KV hold (sized at the first entry); neither: no cache. `adapters`: the LoRA
+        adapters requests may name (SGLang's ``--enable-lora``; their prompts skip the prefix cache)."""
         from rlx.rollout.engines.embedded.prefix import PrefixCache
 
         self.model = model
+        self.adapters = adapters
         self.experts = RoutedExperts(model) if capture_experts else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -331,6 +337,10 @@ class Scheduler:
 
     def _admit(self, req: Request) -> None:
         p = req.params
+        if req.lora is not None and not (self.adapters is not None and self.adapters.hold(req.lora)):
+            self._finish(req, abort_reason(f"LoRA adapter {req.lora} is not loaded", 400, "BadRequestError"))
+            return
+        req.lora_held = req.lora is not None
         if len(req.input_ids) + 1 > self.max_context:
             self._finish(req, {"type": "length", "length": len(req.input_ids)})
         elif p.max_new_tokens <= 0 and not (req.scores_prompt or req.per_token_extras):
@@ -456,11 +466,12 @@ class Scheduler:
             r.kv_epoch = self.kv_epoch
             self.prompt_tokens += len(r.input_ids)
             # (requests that only score their prompt, max_new_tokens 0, are not merged into the batch)
-            by_ids.setdefault((r.params.max_new_tokens <= 0, *r.input_ids), []).append(r)
+            by_ids.setdefault((r.params.max_new_tokens <= 0, r.lora, *r.input_ids), []).append(r)
         prompts: list[_Prompt] = []
         for same in by_ids.values():
             # a request that wants its prompt's routing, or its log-probs, has the whole prompt run
-            hit = (None if self.prefix is None or any(r.return_routed_experts or r.scores_prompt for r in same)
+            hit = (None if self.prefix is None or same[0].lora is not None
+                   or any(r.return_routed_experts or r.scores_prompt for r in same)
                    else self.prefix.match(same[0].input_ids))
             prompts.append(_Prompt(same, *(hit or (0, []))))
         scoring = [p for p in prompts if p.start is not None or p.requests[0].params.max_new_tokens <= 0]
@@ -492,8 +503,9 @@ class Scheduler:
         experts = self._routing([r for p in prompts for r in p.requests])
         start = prompts[0].start if n == 1 else None  # (a prompt scored runs alone, whole: run = its length)
         keep: int | torch.Tensor = 1 if start is None else torch.arange(start, run, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=mask if bool((mask[:, 0] == 0).any()) else None,
-                         position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        out = self._forward([p.requests[0].lora for p in prompts], input_ids=ids,
+                            attention_mask=mask if bool((mask[:, 0] == 0).any()) else None, position_ids=pos,
+                            past_key_values=cache, use_cache=True, logits_to_keep=keep)
         if n == 1 and (start is not None or prompts[0].requests[0].params.max_new_tokens <= 0):
             score_prompt(prompts[0].requests, prompts[0].ids, out.logits[0], run - 1 if start is None else start)
             if prompts[0].requests[0].params.max_new_tokens <= 0:  # scored only: done, never decoded
@@ -503,7 +515,8 @@ class Scheduler:
                     self._finish(r, {"type": "length", "length": 0})
                 return
         for i, p in enumerate(prompts):
-            self._remember(p.ids, out.past_key_values, i, len(p.ids))
+            if p.requests[0].lora is None:  # (the prefix cache holds the base model's KV)
+                self._remember(p.ids, out.past_key_values, i, len(p.ids))
         cache, logits = out.past_key_values, out.logits[:, -1].float()
         taken = experts.take(n, run) if experts is not None else None
         draft, hid = self._draft_prefill(prompts, ids, pos, mask) if self._drafts_kv else (None, None)
@@ -645,8 +658,8 @@ class Scheduler:
         # Without padding the model can take its causal fast path; building a mask costs ~30% at batch 1.
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
         experts = self._routing(self.rows)
-        out = self.model(input_ids=self._last[:, None], attention_mask=mask,
-                         position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
+        out = self._forward([r.lora for r in self.rows], input_ids=self._last[:, None], attention_mask=mask,
+                            position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True)
         if experts is not None:
             taken = experts.take(b, 1)
             for i, r in enumerate(self.rows):
@@ -723,9 +736,10 @@ class Scheduler:
         self._mask = torch.cat([self._mask, self._mask.new_ones((b, k + 1))], dim=1)
         mask = self._mask if bool((self._mask[:, 0] == 0).any()) else None
         experts = self._routing(self.rows)
-        out = self.model(input_ids=torch.cat([self._last[:, None], padded], 1), attention_mask=mask,
-                         position_ids=self._positions(self._pos[:, None] + torch.arange(k + 1, device=self.device)),
-                         past_key_values=self._cache, use_cache=True)
+        out = self._forward([r.lora for r in self.rows], input_ids=torch.cat([self._last[:, None], padded], 1),
+                            attention_mask=mask,
+                            position_ids=self._positions(self._pos[:, None] + torch.arange(k + 1, device=self.device)),
+                            past_key_values=self._cache, use_cache=True)
         taken = experts.take(b, k + 1) if experts is not None else None
         self._cache = out.past_key_values
         self.steps += 1
@@ -796,6 +810,13 @@ class Scheduler:
 
         self._set_columns(self._mask.gather(1, src) * valid,
                           *([tuple(shifted(t) for t in state) for state in layers] for layers in self._state()))
+
+    def _forward(self, adapters: list[str | None], **inputs: Any) -> Any:
+        """The model's forward over rows generated with these LoRA adapters (None: the base model)."""
+        if self.adapters is None:
+            return self.model(**inputs)
+        with self.adapters.serving(adapters):
+            return self.model(**inputs)
 
     def _routing(self, rows: list[Request]) -> RoutedExperts | None:
         """The recorder, when this forward records routed experts (some row asked, and the engine captures them)."""
@@ -882,6 +903,9 @@ class Scheduler:
         return text
 
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
+        if r.lora_held and self.adapters is not None and r.lora is not None:
+            r.lora_held = False
+            self.adapters.release(r.lora)
         r.finish_reason = reason
         r.text = self._text(r)
         if r.on_done is not None:

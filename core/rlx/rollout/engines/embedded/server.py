@@ -90,6 +90,9 @@ class EngineServer(WeightRoutes):
         r.add_route("*", "/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/weights_checksum", self.weights_checksum)
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors)
+        r.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/release_memory_occupation", self.release_memory)
         r.add_post("/resume_memory_occupation", self.resume_memory)
 
@@ -301,6 +304,7 @@ class EngineServer(WeightRoutes):
                     raise BadRequest(f"recv_req.routed_experts_start_len={start!r} is higher than the number of "
                                      f"input tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller "
                                      f"routed_experts_start_len.")
+        loras = self._loras(body.get("lora_path"), len(prompts))
         stream = bool(body.get("stream", False))
         loop = asyncio.get_running_loop()
         reqs: list[tuple[Request, asyncio.Future, int]] = []
@@ -309,7 +313,7 @@ class EngineServer(WeightRoutes):
             for _ in range(params.n):
                 fut = loop.create_future()
                 r = Request(list(ids), params, return_routed_experts=routed and self.s.experts is not None,
-                            routed_experts_start_len=start if routed else 0, **extras[i])
+                            routed_experts_start_len=start if routed else 0, lora=loras[i], **extras[i])
                 # SGLang gives every sample of an n > 1 request a fresh id (so an abort by the request's rid
                 # does not reach them), and keeps the caller's rid otherwise.
                 if params.n > 1:
@@ -333,6 +337,20 @@ class EngineServer(WeightRoutes):
             raise
         outs = [self._output(r, return_logprob, n) for r, _, n in reqs]
         return web.json_response(outs[0] if single and params.n == 1 else outs)
+
+    def _loras(self, raw: Any, n: int) -> list[str | None]:
+        """Each prompt's LoRA adapter from SGLang's ``lora_path`` (a name, or one per prompt), loaded ones only."""
+        names = raw if isinstance(raw, list) else [raw] * n
+        if len(names) != n or not all(x is None or isinstance(x, str) for x in names):
+            raise BadRequest(f"lora_path: an adapter's name, or one (or null) per prompt ({n}): {raw!r}")
+        if any(names):
+            if self.s.adapters is None:
+                raise BadRequest("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+            for name in names:
+                if name is not None and name not in self.s.adapters.loaded:
+                    raise BadRequest(f"The following requested LoRA adapters are not loaded: {name}\n"
+                                     f"Loaded adapters: {list(self.s.adapters.loaded)}.")
+        return names
 
     async def _stream(self, request, reqs, updates: asyncio.Queue, return_logprob: bool, indexed: bool
                       ) -> web.StreamResponse:
@@ -417,9 +435,12 @@ class EngineServer(WeightRoutes):
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI's model list as SGLang serves it; ``max_model_len`` is the context length."""
-        return web.json_response({"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
-            "root": self.model_path, "parent": None, "max_model_len": self.s.max_context}]})
+        cards = [{"id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
+                  "root": self.model_path, "parent": None, "max_model_len": self.s.max_context}]
+        for name, source in (dict(self.s.adapters.loaded) if self.s.adapters is not None else {}).items():
+            cards.append({"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang",
+                          "root": source, "parent": self.served_model_name, "max_model_len": None})
+        return web.json_response({"object": "list", "data": cards})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text, as SGLang serves it with ``--enable-metrics`` (its names where it has them), plus the

@@ -160,6 +160,63 @@ class WeightRoutes:
             return result(False, f"Failed to update parameter online: {e}")
         return self._updated("Succeeded to update parameter online.", body)
 
+    # -- LoRA adapters (SGLang's routes with --enable-lora; answers are its LoRAUpdateOutput) ------------------------
+
+    def _lora_answer(self, error: str | None = None) -> web.Response:
+        loaded = dict(self.s.adapters.loaded) if self.s.adapters is not None else {}
+        return web.json_response({"success": error is None, "error_message": error, "loaded_adapters": loaded},
+                                 status=200 if error is None else 400)
+
+    async def _load_adapter(self, name: Any, read: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+                            source: str) -> web.Response:
+        adapters = self.s.adapters
+        if adapters is None:
+            return self._lora_answer("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("lora_name is required")
+        try:
+            config, tensors = await asyncio.to_thread(read)
+            await self._call(lambda: adapters.load(name, config, tensors, source))
+        except W.WireError as e:  # (AdapterError too)
+            return self._lora_answer(str(e))
+        return self._lora_answer()
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """A peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) at ``lora_path``."""
+        body = await self._json(request)
+        path = body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("lora_path is required")
+        return await self._load_adapter(body.get("lora_name"), lambda: W.read_adapter(path), path)
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        """``serialized_named_tensors`` (one payload per TP rank: this engine reads the first) holds a dict of the
+        adapter's tensors; with ``expected_checksums`` (sha256 of each tensor's bytes) an adapter whose tensors differ
+        is refused, as SGLang refuses it."""
+        body = await self._json(request)
+        payloads, config = body.get("serialized_named_tensors"), body.get("config_dict")
+        if not isinstance(payloads, list) or not payloads:
+            raise BadRequest("serialized_named_tensors must be a non-empty list, one payload per TP rank")
+        if not isinstance(config, dict):
+            raise BadRequest("config_dict (the adapter's peft adapter_config) is required")
+        return await self._load_adapter(body.get("lora_name"), lambda: (config, W.adapter_tensors(
+            payloads[0], body.get("expected_checksums"))), "__tensor__")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """New requests may no longer name the adapter; it goes, and the answer comes, once those naming it finish."""
+        body = await self._json(request)
+        name, adapters = body.get("lora_name"), self.s.adapters
+        if adapters is None:
+            return self._lora_answer("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        loop = asyncio.get_running_loop()
+        gone = loop.create_future()
+        try:
+            await self._call(lambda: adapters.unload(name, lambda: loop.call_soon_threadsafe(_done, gone)))
+        except W.WireError as e:
+            return self._lora_answer(str(e))
+        await gone
+        return self._lora_answer()
+
     async def weights_checksum(self, request: web.Request) -> web.Response:
         """rlx's own route (SGLang has none): per-tensor hashes of the served weights by HF name, which a
         trainer can recompute from what it sent, for exact verification."""
@@ -203,3 +260,8 @@ class WeightRoutes:
         except W.WeightError:
             raise BadRequest("Get parameter by name failed") from None
         return web.json_response(values)
+
+
+def _done(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from rlx.transport.payloads import WireError, deserialize_named_tensors
+from rlx.transport.payloads import WireError, deserialize_named_tensors, deserialize_tensor_dict, sha256
 
-__all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "checksums",
+__all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "adapter_tensors", "checksums",
            "deserialize_named_tensors", "load_from_disk", "load_named", "move_held", "name_as_checkpoint",
-           "serve_quantized", "served_state", "weights_by_name"]
+           "read_adapter", "serve_quantized", "served_state", "weights_by_name"]
 
 # SGLang reads dtypes with getattr(torch, name): bare names only ("bfloat16", never "torch.bfloat16").
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -38,7 +38,9 @@ def served_state(model: torch.nn.Module, held: bool = True) -> dict[str, torch.T
     again (`name_as_checkpoint`). With `held`, what the engine holds beside the model under those names (quantised
     weights as pushed, MTP layers) stands in for them (`serve_quantized`, `load_named`).
     """
-    state = model.state_dict(keep_vars=True)
+    # peft's LoRA layers (`lora.Adapters`) hold the weight they adapt as base_layer; their adapters are not weights
+    state = {n.replace(".base_layer.", "."): t for n, t in model.state_dict(keep_vars=True).items()
+             if ".lora_A." not in n and ".lora_B." not in n}
     out: dict[str, torch.Tensor] = {}
 
     def fused(prefix: str) -> bool:  # [E, 2I, H] gate_up beside [E, H, I] down: the layout these views assume
@@ -60,6 +62,36 @@ def served_state(model: torch.nn.Module, held: bool = True) -> dict[str, torch.T
     renamed: dict[str, str] = getattr(model, "rlx_checkpoint_names", {})  # (`name_as_checkpoint`)
     out = {renamed.get(n, n): t for n, t in out.items()} if renamed else out
     return {**out, **getattr(model, "rlx_held", {})} if held else out
+
+
+def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A peft adapter folder: its ``adapter_config.json`` and tensors (``adapter_model.safetensors``)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        return config, load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise WeightError(f"{folder}: not a peft adapter folder (adapter_config.json, adapter_model.safetensors): "
+                          f"{e}") from None
+
+
+def adapter_tensors(payload: str, expected: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """An adapter's tensors from ``/load_lora_adapter_from_tensors``' payload, checked against ``expected_checksums``
+    as SGLang checks them (every tensor listed, none more, sha256 of its bytes equal)."""
+    tensors = deserialize_tensor_dict(payload)
+    if expected is not None:
+        mismatch = [n for n, want in expected.items() if n in tensors and sha256(tensors[n]) != want]
+        missing = [n for n in expected if n not in tensors]
+        extra = [n for n in tensors if n not in expected]
+        if mismatch or missing or extra:
+            raise WeightError(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: "
+                              f"{len(mismatch)} value-diff {mismatch[:5]}, {len(missing)} missing {missing[:5]}, "
+                              f"{len(extra)} extra {extra[:5]}")
+    return tensors
 
 
 _MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # per-expert leaves, Mixtral's checkpoint names
