@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+from pathlib import Path
 import types
 from typing import Any
 
@@ -56,7 +57,11 @@ _INPUTS = {  # endpoint -> the io_struct class SGLang parses its body into
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/weights_checker": "CheckWeightsReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
+_LORA = {"/load_lora_adapter", "/load_lora_adapter_from_tensors", "/unload_lora_adapter"}
 _SUCCESS_MESSAGE = {"/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
                     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weight_version",
                     "/begin_weight_update", "/end_weight_update", "/weights_checker"}
@@ -121,6 +126,15 @@ def check_response(path: str, method: str, body: Any, status: int, response: Any
         except A.JsonContractError as e:
             problems.append(f"{what}: SGLang's {cls.__name__} refuses it: {e}: {json.dumps(value)[:300]}")
 
+    if path in _LORA:  # SGLang's LoRAUpdateOutput, with 200 or 400
+        io = sys.modules["sglang.srt.managers.io_struct"]
+        try:
+            out = io.LoRAUpdateOutput(**response)
+            if out.success != (status == 200):
+                problems.append(f"{path} answers success {out.success} with status {status}")
+        except (TypeError, ValueError) as e:
+            problems.append(f"{path} answers {response!r}; SGLang's LoRAUpdateOutput refuses it: {e}")
+        return
     if status >= 400:
         if isinstance(response, dict) and isinstance(response.get("error"), dict):
             decode(A.ErrorBody, response["error"], f"{path} error")
@@ -228,6 +242,58 @@ def payloads(path: str) -> dict[str, Any]:
     return {"ranks": ranks}
 
 
+# -- LoRA adapters from tensors ------------------------------------------------------------------------
+
+def lora(path: str) -> dict[str, Any]:
+    """What SGLang's TP worker makes of a ``/load_lora_adapter_from_tensors`` body: its own deserialization and
+    checksum check, then the tensors and config it hands its LoRA manager (whose config class reads the config).
+    ``tp_worker.py`` imports the whole scheduler (GPU kernels the stand-ins cannot carry), so its two methods are
+    taken from its source text and run with the names they use."""
+    import ast
+    import importlib.util
+    import logging
+    import types
+
+    import torch
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    source = Path(importlib.util.find_spec("sglang.srt.managers.tp_worker").origin).read_text()
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "BaseTpWorker")
+    names = {"MultiprocessingSerializer": MultiprocessingSerializer, "get_parallel": get_parallel, "torch": torch,
+             "monkey_patch_torch_reductions": monkey_patch_torch_reductions, "logger": logging.getLogger("tp_worker"),
+             "FlattenedTensorBucket": FlattenedTensorBucket}
+    wanted = [f for f in cls.body if isinstance(f, ast.FunctionDef)
+              and f.name in ("deserialize_own_rank", "load_lora_adapter_from_tensors")]
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "tp_worker.py", "exec"), names)
+    BaseTpWorker = types.SimpleNamespace(**{f.name: names[f.name] for f in wanted})  # noqa: N806
+
+    io = sys.modules["sglang.srt.managers.io_struct"]
+    req = io.LoadLoRAAdapterFromTensorsReqInput(**json.loads(open(path).read()))
+    req.serialized_named_tensors = normalize_serialized_named_tensor_payloads(req.serialized_named_tensors)
+    req.lora_id = "id-0"  # (the tokenizer manager's, before it hands the request to the workers)
+    got: dict[str, Any] = {}
+    runner = types.SimpleNamespace(load_lora_adapter_from_tensors=lambda ref, tensors, config, added: got.update(
+        name=ref.lora_name, tensors=tensors, config=config))
+    worker = types.SimpleNamespace(model_runner=runner)
+    worker.deserialize_own_rank = lambda payloads: BaseTpWorker.deserialize_own_rank(worker, payloads)
+    ranks = []
+    for tp_rank in range(len(req.serialized_named_tensors)):  # each TP rank reads its own payload
+        try:
+            with get_parallel().override(tp_rank=tp_rank, tp_size=len(req.serialized_named_tensors)):
+                BaseTpWorker.load_lora_adapter_from_tensors(worker, req)
+        except RuntimeError as e:
+            return {"refused": str(e)}
+        config = LoRAConfig.from_dict(got["config"])
+        ranks.append({"name": got["name"], "hashes": {n: _hash(t) for n, t in got["tensors"].items()},
+                      "r": config.r, "alpha": config.lora_alpha, "targets": sorted(config.target_modules)})
+    return {"ranks": ranks}
+
+
 def main(argv: list[str]) -> None:
     sglang_code.load()
     cmd = argv[0]
@@ -238,6 +304,8 @@ def main(argv: list[str]) -> None:
         out = join(host, int(port), int(offset), int(tp_rank), int(world), group, tensors)
     elif cmd == "payloads":
         out = payloads(argv[1])
+    elif cmd == "lora":
+        out = lora(argv[1])
     else:
         raise SystemExit(f"unknown command {cmd!r}")
     print("RESULT " + json.dumps(out), flush=True)

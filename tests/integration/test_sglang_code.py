@@ -94,7 +94,8 @@ def engine(tmp_path_factory):
     path = resolve_model_path("builtin://tiny-qwen3")
     port = free_port()
     log = tmp_path_factory.mktemp("sglang-engine") / "engine.log"
-    proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": 1, "context_length": 64}), log)
+    proc = ManagedProcess(embedded_command(path, port, server_args={"num_threads": 1, "context_length": 64,
+                                                                    "enable_lora": True}), log)
     proc.start()
     url = f"http://{HOST}:{port}"
     try:
@@ -146,6 +147,27 @@ def exchanges(engine, tmp_path_factory):
             await c.update_weights_from_disk(path, weight_version="8")
             await c.update_weight_version("9")
             await c.weights_checker()
+            # LoRA adapters: from a peft folder and from tensors, named by a request, unloaded; a refused one
+            from peft import LoraConfig, get_peft_model
+            from peft.utils import get_peft_model_state_dict
+            from transformers import AutoModelForCausalLM
+
+            from rlx.transport.payloads import serialize_tensor_dict, sha256
+
+            peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(
+                r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+            folder = tmp_path_factory.mktemp("adapter")
+            peft_model.save_pretrained(folder)
+            await c.load_lora_adapter("d", str(folder))
+            tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(peft_model).items()}
+            config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+            await c.load_lora_adapter_from_tensors("t", config, [serialize_tensor_dict(tensors)],
+                                                   {n: sha256(t) for n, t in tensors.items()})
+            await c.generate(GenerateRequest([5, 6], {"max_new_tokens": 2}, lora_path="t"))
+            await c.unload_lora_adapter("t")
+            await c.unload_lora_adapter("d")
+            with pytest.raises(EngineError):
+                await c.unload_lora_adapter("t")
             await c.release_memory()
             await c.resume_memory()
             return one, many, errors, info
@@ -276,6 +298,52 @@ def test_broadcast_group_with_sglangs_own_engine_side(version, tmp_path):
     want = {n: tensor_hash(t_) for n, t_ in tensors.items()}
     for r in results:
         assert r["hashes"] == want
+
+
+def test_lora_adapter_payloads_load_with_sglangs_tp_worker(tmp_path):
+    """The tensor transport's adapter push, as SGLang 0.5.23's TP worker takes it: its deserialization of rlx's payload,
+    its sha256 check of rlx's ``expected_checksums`` (and its refusal of a wrong one), its LoRA config class on rlx's
+    adapter_config."""
+    from rlx.transport import Adapter, TransportContext
+    from rlx.transport.builtin import TensorTransport
+
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]}
+    bodies = []
+
+    class Client:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            pass
+
+        async def load_lora_adapter_from_tensors(self, name, config, serialized, expected_checksums=None):
+            bodies.append({"lora_name": name, "config_dict": config, "serialized_named_tensors": serialized,
+                           "expected_checksums": expected_checksums})
+
+        async def update_weight_version(self, version):
+            pass
+
+    class Engine:
+        url, tp_size = "http://engine", 2
+
+        def client(self, timeout_s=600):
+            return Client()
+
+    ctx = TransportContext([Engine()], tmp_path, adapter=Adapter("actor", config))
+    transport = TensorTransport(TensorTransport.Config())
+    asyncio.run(transport.send(iter(tensors.items()), 3, ctx))
+    asyncio.run(transport.commit(3, ctx))
+    (body,) = bodies
+    (tmp_path / "good.json").write_text(json.dumps(body))
+    report = sglang_side("0.5.23", "lora", str(tmp_path / "good.json"))
+    assert report["ranks"] == [{"name": "actor-v3", "hashes": {n: tensor_hash(t) for n, t in tensors.items()},
+                                "r": 4, "alpha": 8.0, "targets": ["q_proj"]}] * 2
+    wrong = {**body, "expected_checksums": {**body["expected_checksums"], next(iter(tensors)): "0" * 64}}
+    (tmp_path / "bad.json").write_text(json.dumps(wrong))
+    assert "adapter sync MISMATCH" in sglang_side("0.5.23", "lora", str(tmp_path / "bad.json"))["refused"]
 
 
 # -- tensor payloads -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import Config, adapter_pushes
+from rlx.config import Config
 from rlx.cpu.meter import CoreMeter
 from rlx.data.replay import ReplayBatches, save_batch
 from rlx.errors import Interrupted
@@ -89,7 +89,7 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
             RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate"))
         trainer = await trainers.ready()
         write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
-        weights = Weights(trainer, session.fleet, out, adapter=session.ctx.adapter if adapter_pushes(cfg) and session.fleet.engines else None,
+        weights = Weights(trainer, session.fleet, out, adapter=session.ctx.adapter if session.fleet.engines and session.ctx.adapter.on else None,
                           keep=cfg.train.async_.max_staleness + 1 if cfg.train.mode == "async" else 1)
         stack.push_async_callback(weights.close)
         await weights.setup()

@@ -65,9 +65,10 @@ class RequestGate:
 class ServedAdapter:
     """The LoRA adapter the engines serve the policy with (``train.lora.push: adapter``), set after each push: every
     request names it (``lora_path``), and its tokens get its version (a request keeps the adapter it started with,
-    whatever pushes come while it runs). One object shared by every copy of a context. None: the base model."""
+    whatever pushes come while it runs). One object shared by every copy of a context."""
 
-    name: str | None = None
+    on: bool = False  # pushes are adapters: a request naming none is the base model's, version 0
+    name: str | None = None  # None: the base model (before the first push)
     version: int = 0
 
 
@@ -137,7 +138,7 @@ class GenerateContext:
             async with self.gate:
                 res = (await self._send(req))[0]
         res.temperature = float(params.get("temperature", 1.0))
-        if lora is not None:  # every token is the adapter's, whichever version the engine has moved to since
+        if self.adapter.on:  # every token is the adapter's, whichever version the engine has moved to since
             res.lora_path, res.weight_version = lora, str(version)
             res.token_weight_versions = [str(version)] * len(res.output_ids)
         return res

@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlx.config import Config, launched_groups, records_routing
+from rlx.config import Config, adapter_pushes, launched_groups, records_routing
 from rlx.data.datasets import open_dataset
 from rlx.data.replay import batch_records
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
-from rlx.rollout.context import GenerateContext
+from rlx.rollout.context import GenerateContext, ServedAdapter
 from rlx.rollout.engines.fleet import EngineFleet
 from rlx.rollout.manager import RolloutManager
 from rlx.rollout.teachers import Teachers
@@ -107,7 +107,8 @@ class RolloutSession:
         ctx = self._ctx = GenerateContext(
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
             health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
-            vocab_size=vocab_size(self.cfg.model.path), seed=self.cfg.run.seed if self.cfg.run.deterministic else None)
+            vocab_size=vocab_size(self.cfg.model.path), seed=self.cfg.run.seed if self.cfg.run.deterministic else None,
+            adapter=ServedAdapter(on=adapter_pushes(self.cfg)))
         ctx.context_length = await self.fleet.context_length()
         if dataset is not None:
             self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all,

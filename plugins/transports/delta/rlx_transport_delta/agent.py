@@ -4,7 +4,9 @@ It keeps a host-local checkpoint (``<local>/weight_v{N:06d}/``, safetensors) of 
 serves, pulls the versions it lacks from the shared store (a fresh host, or one whose next delta is gone,
 seeds from the newest full version), applies each delta to its copy, checks every tensor's checksum, writes
 the new local checkpoint (complete or absent: written as ``.tmp``, fsynced, renamed), and only then asks the
-engine to load it with its stock ``/update_weights_from_disk`` and the new weight version. Generation goes
+engine to load it with its stock ``/update_weights_from_disk`` and the new weight version (a version that is a LoRA
+adapter, ``train.lora.push: adapter``, is written as a peft folder and loaded with ``/load_lora_adapter`` under the name
+its manifest gives). Generation goes
 on while it pulls and applies; only the engine's reload pauses it. Any failure (a checksum mismatch, a
 missing version, an unreachable store or engine) is logged loudly and written to ``<local>/status.json``
 (which the trainer's commit reads), and the engine keeps serving the last good version.
@@ -40,6 +42,7 @@ class Agent:
         self.engine_checked = False
         self.tensors: dict[str, Any] = {}  # name -> bytes of the local version (numpy uint8)
         self.meta: dict[str, Any] = {}  # name -> manifest entry of the local version
+        self.adapter: dict[str, Any] | None = None  # the local version's LoRA adapter ({name, config}), if it is one
         self.last_error: str | None = None
         self._load_local()
 
@@ -55,7 +58,7 @@ class Agent:
             return
         m = codec.read_manifest(folder)
         self._read_checkpoint(folder, m)
-        self.version, self.id = v, m.get("id")
+        self.version, self.id, self.adapter = v, m.get("id"), m.get("adapter")
 
     def _read_checkpoint(self, folder: Path, manifest: dict[str, Any]) -> None:
         """Load a full checkpoint's tensors as bytes, each checked against the manifest."""
@@ -88,11 +91,14 @@ class Agent:
         tmp.mkdir(parents=True)
         tensors = {n: codec.from_bytes(raw, self.meta[n]["dtype"], self.meta[n]["shape"], copy=False)
                    for n, raw in self.tensors.items()}
-        _fault("write", tmp / "model.safetensors")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        file = "adapter_model.safetensors" if self.adapter else "model.safetensors"
+        _fault("write", tmp / file)
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        if self.adapter:  # a peft folder, as engines load adapters
+            (tmp / "adapter_config.json").write_text(json.dumps(self.adapter["config"]))
         manifest = {"format": codec.FORMAT, "version": version, "id": self.id, "kind": "full", "base": None,
-                    "tensors": {n: {**m, "encoding": "safetensors", "file": "model.safetensors"}
-                                for n, m in self.meta.items()}}
+                    "adapter": self.adapter,
+                    "tensors": {n: {**m, "encoding": "safetensors", "file": file} for n, m in self.meta.items()}}
         codec.finish_folder(tmp, final, manifest)
         return final
 
@@ -125,7 +131,7 @@ class Agent:
         m = codec.read_manifest(folder)
         if m["kind"] == "full":
             self._read_checkpoint(folder, m)
-            self.version, self.id = version, m.get("id")
+            self.version, self.id, self.adapter = version, m.get("id"), m.get("adapter")
             return
         if m.get("base") != self.version or m.get("base_id") != self.id:
             raise DeltaError(f"version {version} is a delta on version {m.get('base')} (publication "
@@ -144,7 +150,7 @@ class Agent:
             new_tensors[name] = raw
             new_meta[name] = {k: entry[k] for k in ("shape", "dtype", "nbytes", "itemsize", "checksum")}
         self.tensors, self.meta = new_tensors, new_meta
-        self.version, self.id = version, m.get("id")
+        self.version, self.id, self.adapter = version, m.get("id"), m.get("adapter")
 
     async def step(self) -> int | None:
         """Bring the engine to the newest published version; returns the version now served (None: nothing
@@ -154,7 +160,7 @@ class Agent:
         chain = self.plan()
         if not chain:
             return None
-        before = (self.version, self.id, self.tensors, self.meta)
+        before = (self.version, self.id, self.tensors, self.meta, self.adapter)
         try:
             t0 = time.perf_counter()
             for v in chain:
@@ -166,7 +172,7 @@ class Agent:
             await self._reload(folder, target)
             reload_s = time.perf_counter() - t1
         except BaseException:
-            self.version, self.id, self.tensors, self.meta = before
+            self.version, self.id, self.tensors, self.meta, self.adapter = before
             raise
         codec.write_file(self.local / "state.json.tmp", json.dumps({"version": target, "id": self.id}).encode())
         os.replace(self.local / "state.json.tmp", self.local / "state.json")
@@ -193,8 +199,13 @@ class Agent:
     async def _reload(self, folder: Path, version: int) -> None:
         from rlx.rollout.engines.client import EngineClient
 
+        adapter = codec.read_manifest(folder).get("adapter")
         async with EngineClient(self.engine, timeout_s=600) as c:
-            await c.update_weights_from_disk(str(folder), weight_version=str(version))
+            if adapter:
+                await c.load_lora_adapter(adapter["name"], str(folder))
+                await c.update_weight_version(str(version))
+            else:
+                await c.update_weights_from_disk(str(folder), weight_version=str(version))
 
     def _status(self, error: str | None, for_version: int | None, for_id: str | None, **figures: float) -> None:
         """Write what this agent serves and its last error beside its checkpoint and into the store

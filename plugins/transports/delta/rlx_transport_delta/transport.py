@@ -29,6 +29,7 @@ from rlx_transport_delta import codec
 
 class DeltaTransport:
     name = "delta"
+    adapters = True  # a LoRA adapter's versions are published as any (its manifest names it; agents load it as one)
 
     class Config(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -176,7 +177,8 @@ class DeltaTransport:
                            f"starts with a full version)")
         kind = "full" if encodings <= {"safetensors"} else "delta"
         base = None if kind == "full" else self._previous(version)
-        manifest = {"format": codec.FORMAT, "version": version, "id": uuid.uuid4().hex, "kind": kind,
+        adapter = ctx.adapter and {"name": ctx.adapter.served(version), "config": ctx.adapter.config}
+        manifest = {"format": codec.FORMAT, "version": version, "id": uuid.uuid4().hex, "kind": kind, "adapter": adapter,
                     "base": base, "base_id": None if base is None else
                     codec.read_manifest(self.root / codec.folder_name(base)).get("id"), "tensors": tensors}
         final = self.root / codec.folder_name(version)
