@@ -1,13 +1,13 @@
 """LoRA against full-parameter training, side by side: GRPO on the quickstart (`examples/quickstart.yaml`) training
-every weight, and training LoRA adapters only (`examples/lora.yaml`, ``train.lora``), over several seeds.
+every weight, and training LoRA adapters only (`examples/lora.yaml`, ``train.lora``), the engine serving the adapters
+pushed alone (``push: adapter``, the default) or the merged weights (``push: merged``), over several seeds.
 
     scripts/loopback .venv/bin/python benchmarks/lora.py                   # seeds 1 2 3, 60 steps each
     scripts/loopback .venv/bin/python benchmarks/lora.py --seeds 1 --steps 20 --rank 8 --lora-lr 1e-3
 
 Printed per run: held-out greedy pass@1 (40 prompts none of the runs trains on) at the first and last evaluation,
 the mean reward over the last 10 steps, the parameters the optimizer trains (``lora/params``), the bytes of
-a push (``weight_sync/bytes``: LoRA pushes the merged weights for now, so the same as full) and seconds per step;
-then each mode's means over seeds. LoRA's learning rate is its own (adapters start at zero; peft's and TRL's LoRA
+a push (``weight_sync/bytes``), seconds per push and per step; then each mode's means over seeds. LoRA's learning rate is its own (adapters start at zero; peft's and TRL's LoRA
 examples take several times the full model's): 5e-4 here, where 1e-3 and 2e-3 generalised worse (RESULTS.md). The peers that train LoRA with RL (verl, miles, prime-rl)
 run on GPUs; TRL's GRPOTrainer with peft runs on CPUs, and `benchmarks/vs_trl.py` is where rlx meets it.
 """
@@ -22,12 +22,12 @@ from pathlib import Path
 from _examples import example, rows, train
 
 
-def run(folder: Path, seed: int, lora: dict | None, lr: float, steps: int) -> dict[str, float]:
-    name = f"{'lora' if lora else 'full'}-seed{seed}"
+def run(folder: Path, seed: int, mode: str, lora: dict | None, lr: float, steps: int) -> dict[str, float]:
+    name = f"{mode}-seed{seed}"
     doc = example(folder, name, "lora.yaml" if lora else "quickstart.yaml", steps=steps, seed=seed)
     doc["train"]["optim"]["lr"] = lr
     if lora:
-        doc["train"]["lora"] = lora
+        doc["train"]["lora"] = {**lora, "push": "merged" if mode == "lora-merged" else "adapter"}
     else:
         doc["train"].pop("lora", None)
     train(folder, name, doc)
@@ -37,6 +37,7 @@ def run(folder: Path, seed: int, lora: dict | None, lr: float, steps: int) -> di
             "reward last 10": statistics.mean(x["reward/mean"] for x in steps_[-10:]),
             "trained params": steps_[0].get("lora/params", float("nan")),
             "push bytes": statistics.mean(x["weight_sync/bytes"] for x in steps_),
+            "s/push": statistics.median(x["time/weight_sync_s"] for x in steps_[1:]),
             "s/step": statistics.median(x["time/step_s"] for x in steps_[1:])}
 
 
@@ -50,11 +51,12 @@ def main() -> None:
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     args = ap.parse_args()
     lora = {"rank": args.rank, "alpha": args.alpha}
-    table: dict[str, list[dict[str, float]]] = {"full": [], "lora": []}
+    table: dict[str, list[dict[str, float]]] = {"full": [], "lora": [], "lora-merged": []}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            table["full"].append(run(Path(tmp), seed, None, args.full_lr, args.steps))
-            table["lora"].append(run(Path(tmp), seed, lora, args.lora_lr, args.steps))
+            table["full"].append(run(Path(tmp), seed, "full", None, args.full_lr, args.steps))
+            for mode in ("lora", "lora-merged"):
+                table[mode].append(run(Path(tmp), seed, mode, lora, args.lora_lr, args.steps))
     keys = list(table["full"][0])
     print(f"quickstart, {args.steps} steps, seeds {args.seeds}; full lr {args.full_lr:g}; LoRA rank {args.rank}, "
           f"alpha {args.alpha:g}, lr {args.lora_lr:g}")
@@ -71,6 +73,8 @@ def main() -> None:
 def _fmt(key: str, v: float) -> str:
     if key == "push bytes":
         return f"{v / 1024:.0f} KiB"
+    if key == "s/push":
+        return f"{v:.4f}"
     if key == "trained params":
         return "all" if v != v else f"{v:,.0f}"
     return f"{v:.3f}"

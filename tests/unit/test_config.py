@@ -302,3 +302,15 @@ def test_a_problem_is_located_where_it_was_given_and_checks_skip_what_a_refusal_
         load_config(p, checks=config_checks(build_plugins(entry_points=False)))
     (where, why), = e.value.problems
     assert where == f"{p}:3: train.objective" and "set tis_cap too" in why
+
+
+def test_adapter_pushes_refuse_what_cannot_carry_or_serve_adapters():
+    """``train.lora.push: adapter`` (the default): SGLang takes adapters through its LoRA routes, not a broadcast
+    group; quantised rollouts serve the merged model; outside trajectories do not name the adapter."""
+    assert parse("model: {path: /m}\ntrain: {lora: {}}\n").train.lora.push == "adapter"
+    for section, why in (("weight_sync: {transport: broadcast}", "not from a broadcast group"),
+                         ("rollout: {quantization: fp8}", "quantised weights are the merged model's"),
+                         ("rollout: {source: buffer}", "do not name the adapter")):
+        found = problems(f"model: {{path: /m}}\ntrain: {{lora: {{}}}}\n{section}\n")
+        assert any("with train.lora.push: adapter:" in msg and why in msg for _, msg in found), found
+        assert parse(f"model: {{path: /m}}\ntrain: {{lora: {{push: merged}}}}\n{section}\n").train.lora.push == "merged"

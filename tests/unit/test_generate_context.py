@@ -158,3 +158,31 @@ def test_under_run_deterministic_each_request_carries_a_seed_from_its_sample_and
     assert len(set(seeds[:3])) == 3 and run(11) == seeds and run(12)[:3] != seeds[:3]
     assert all(0 <= s < 2**63 for s in seeds[:3])
     assert run(None) == [None] * 3  # and the two samples of one prompt go as one request with n
+
+
+def test_with_adapter_pushes_every_request_names_the_served_adapter_and_its_tokens_get_its_version():
+    """A request names the adapter served when it is sent and keeps it: its tokens are that version's, whatever the
+    engine reports; before any push, the base model's (version 0). Copies of the context share the served adapter."""
+    import dataclasses
+
+    from rlx.rollout.context import ServedAdapter
+
+    c = Client()
+    g = GenerateContext(c, None, SamplingConfig(max_new_tokens=2), adapter=ServedAdapter(on=True))  # type: ignore[arg-type]
+    copy = dataclasses.replace(g)
+
+    async def run():
+        base = await copy.generate([5], dict(P))
+        g.adapter.name, g.adapter.version = "actor-v3", 3
+        c.hold = asyncio.Event()
+        call = asyncio.ensure_future(copy.generate([5], dict(P)))
+        while len(c.requests) < 2:  # (sent)
+            await asyncio.sleep(0)
+        g.adapter.name, g.adapter.version = "actor-v4", 4  # a push while it runs
+        c.hold.set()
+        return base, await call
+
+    base, adapted = asyncio.run(run())
+    assert [r.lora_path for r in c.requests] == [None, "actor-v3"]
+    assert (base.lora_path, base.token_weight_versions) == (None, ["0", "0"])
+    assert (adapted.lora_path, adapted.weight_version, adapted.token_weight_versions) == ("actor-v3", "3", ["3", "3"])

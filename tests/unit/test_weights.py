@@ -169,3 +169,44 @@ def test_an_fp8_engine_holds_what_it_is_pushed_and_computes_with_it_dequantised(
         load_named(model, [(name, w)])
     with pytest.raises(WeightError, match="served as torch.float32, pushed as torch.float8_e4m3fn"):
         load_named(model, [("model.embed_tokens.weight", state["model.embed_tokens.weight"].to(torch.float8_e4m3fn))])
+
+
+def test_after_each_adapter_push_requests_name_it_and_engines_unload_all_but_the_newest_kept():
+    """`Weights` with adapter pushes: the served adapter moves to each version pushed; the engines keep the `keep`
+    newest (async mode: requests of those may be in flight) and are asked to unload the older ones."""
+    import asyncio
+
+    from rlx.orchestrate.weights import Weights
+    from rlx.rollout.context import ServedAdapter
+
+    unloaded: list[str] = []
+
+    class Trainer:
+        def setup_transport(self, urls, out):
+            pass
+
+        def push_weights(self, version):
+            return 100
+
+    class Client:
+        async def unload_lora_adapter(self, name):
+            unloaded.append(name)
+
+    class Fleet:
+        health = None
+        weight_targets = [type("Engine", (), {"url": "http://e"})()]
+
+        async def for_each(self, fn, engines=None):
+            return [await fn(Client()) for _ in engines]
+
+    served = ServedAdapter(on=True)
+    weights = Weights(Trainer(), Fleet(), "out", adapter=served, keep=2)  # type: ignore[arg-type]
+
+    async def run():
+        for v in (1, 2, 3, 4):
+            assert await weights.push(v) == 100
+            assert (served.name, served.version) == (f"actor-v{v}", v)
+        await asyncio.gather(*weights.unloads)
+
+    asyncio.run(run())
+    assert unloaded == ["actor-v1", "actor-v2"] and weights.adapters == ["actor-v3", "actor-v4"]

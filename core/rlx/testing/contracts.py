@@ -355,6 +355,54 @@ class TransportContract(_Contract):
 
         asyncio.run(check())
 
+    def test_an_adapter_push_reaches_the_engine(self, tmp_path: Path, contract_engine: tuple[str, str]) -> None:
+        """A transport that says it carries LoRA adapters (``adapters = True``): an adapter push (`rlx.protocols.
+        Adapter`: one sender, the adapter whole) leaves the engine reporting the version and serving the adapter as
+        ``actor-v<version>``, each tensor exactly as sent."""
+        import json
+
+        import pytest
+        import torch
+
+        from rlx.rollout.engines.fleet import Engine
+        from rlx.transport import Adapter, TransportContext
+        from rlx.transport.payloads import tensor_hash
+
+        transport = self.build()
+        if not getattr(transport, "adapters", False):
+            pytest.skip(f"transport {self.transport_name!r} does not carry LoRA adapters (no `adapters = True`)")
+        url, path = contract_engine
+        c = json.loads((Path(path) / "config.json").read_text())
+        q = c["num_attention_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        g = torch.Generator().manual_seed(0)
+        tensors = {}
+        for layer in range(c["num_hidden_layers"]):
+            key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(4, c["hidden_size"], generator=g)
+            tensors[f"{key}.lora_B.weight"] = torch.randn(q, 4, generator=g)
+        adapter = Adapter("actor", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+        engines = [Engine(url, "target")]
+        ctx = TransportContext(engines, tmp_path, adapter=adapter)
+
+        async def push() -> None:
+            await transport.setup(ctx)
+            await transport.send(iter(tensors.items()), 7, ctx)
+            await transport.commit(7, ctx)
+            await transport.close()
+
+        async def check() -> None:
+            async with engines[0].client() as client:
+                try:
+                    assert await client.weight_version() == "7"
+                    served = await client.request("POST", "/weights_checksum", {"names": list(tensors),
+                                                                                 "lora_name": "actor-v7"})
+                    assert served["checksums"] == {n: tensor_hash(t, torch.float32) for n, t in tensors.items()}
+                finally:
+                    await client.unload_lora_adapter("actor-v7")
+
+        asyncio.run(push())
+        asyncio.run(check())
+
 
 # -- loggers ---------------------------------------------------------------------------------------
 

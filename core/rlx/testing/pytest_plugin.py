@@ -87,13 +87,14 @@ def tiny_model_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def contract_engine(tiny_model_path, tmp_path_factory):
     """An embedded engine on the built-in tiny model, shared by the session's transport contracts (a start costs
-    about 5 s): ``(its URL, the model's folder)``. Each contract test loads the model's own weights back first."""
+    about 5 s): ``(its URL, the model's folder)``. Each contract test loads the model's own weights back first. It serves
+    LoRA adapters (``--enable-lora``), for transports that carry them."""
     import asyncio
 
     from rlx.rollout.engines.launch import HOST, ManagedProcess, embedded_command, free_port, wait_healthy
 
     port = free_port()
-    proc = ManagedProcess(embedded_command(tiny_model_path, port, server_args={"num_threads": 1}),
+    proc = ManagedProcess(embedded_command(tiny_model_path, port, server_args={"num_threads": 1, "enable_lora": True}),
                           tmp_path_factory.mktemp("contract-engine") / "engine.log")
     proc.start()
     try:

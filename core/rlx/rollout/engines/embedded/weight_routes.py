@@ -219,7 +219,8 @@ class WeightRoutes:
 
     async def weights_checksum(self, request: web.Request) -> web.Response:
         """rlx's own route (SGLang has none): per-tensor hashes of the served weights by HF name, which a
-        trainer can recompute from what it sent, for exact verification."""
+        trainer can recompute from what it sent, for exact verification; with ``lora_name``, of that adapter's
+        tensors by peft's names."""
         body = await self._json(request)
         names = body.get("names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
@@ -227,6 +228,12 @@ class WeightRoutes:
         head = body.get("head")
         if head is not None and not (isinstance(head, int) and head > 0):
             raise BadRequest("head: a positive number of leading values, or null for whole tensors")
+        lora, adapters = body.get("lora_name"), self.s.adapters
+        if lora is not None:  # a LoRA adapter's tensors, by peft's names, instead of the weights
+            if adapters is None or lora not in adapters.loaded:
+                raise BadRequest(f"LoRA adapter {lora} is not loaded")
+            return web.json_response(await self._call(lambda: W.checksums(None, names, head,
+                                                                          adapters.tensors(lora))))
         return web.json_response(await self._call(lambda: W.checksums(self.s.model, names, head)))
 
     async def weights_checker(self, request: web.Request) -> web.Response:

@@ -288,13 +288,14 @@ class BroadcastGroup:
         return out
 
 
-def checksums(model: torch.nn.Module, names: list[str] | None, head: int | None = None) -> dict[str, Any]:
+def checksums(model: torch.nn.Module | None, names: list[str] | None, head: int | None = None,
+              state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Per-tensor hashes of the weights as served (all of them when `names` is None; of only the first
     `head` values of each when given), and every tensor's dtype (a model may keep some modules in another
-    dtype than the rest)."""
+    dtype than the rest). `state`: these tensors instead of the model's (a LoRA adapter's)."""
     from rlx.transport.payloads import tensor_hash
 
-    state = served_state(model)
+    state = served_state(model) if state is None else state
     unknown = [n for n in (names or []) if n not in state]
     if unknown:
         raise WeightError(f"unknown weight {unknown[0]!r}")
