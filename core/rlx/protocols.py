@@ -158,15 +158,12 @@ class Transport(Protocol):
 class Adapter:
     """A push of a LoRA adapter instead of weights (``train.lora.push: adapter``): the tensors sent are the adapter's,
     by peft's names (``base_model.model.<module>.lora_A.weight``, ``lora_B``), from one sender, whole; the transport
-    makes the engines serve them beside the base model as `served(version)`, the name requests give as ``lora_path``
-    (an adapter per version: a request in flight keeps the one it started with), then sets the weight version. A
-    transport that can carry adapters says so with a class attribute ``adapters = True``."""
+    makes the engines serve them beside the base model as `name` (the name requests give as ``lora_path``: a new one
+    each push, so a request in flight keeps the adapter it started with), then sets the weight version. A transport
+    that can carry adapters says so with a class attribute ``adapters = True``."""
 
-    name: str  # the adapter's name in the run (the actor's: "actor")
+    name: str  # what the engines serve it as ("actor-v3-9f2c1a")
     config: dict[str, Any]  # peft's adapter_config (r, lora_alpha, target_modules, ...)
-
-    def served(self, version: int) -> str:
-        return f"{self.name}-v{version}"
 
 
 @dataclass

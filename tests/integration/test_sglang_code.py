@@ -326,13 +326,16 @@ def test_lora_adapter_payloads_load_with_sglangs_tp_worker(tmp_path):
         async def update_weight_version(self, version):
             pass
 
+        async def request(self, method, path, body=None):  # /v1/models: no adapter loaded yet
+            return {"data": [{"id": "model", "parent": None}]}
+
     class Engine:
         url, tp_size = "http://engine", 2
 
         def client(self, timeout_s=600):
             return Client()
 
-    ctx = TransportContext([Engine()], tmp_path, adapter=Adapter("actor", config))
+    ctx = TransportContext([Engine()], tmp_path, adapter=Adapter("actor-v3", config))
     transport = TensorTransport(TensorTransport.Config())
     asyncio.run(transport.send(iter(tensors.items()), 3, ctx))
     asyncio.run(transport.commit(3, ctx))

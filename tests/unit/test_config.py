@@ -310,7 +310,8 @@ def test_adapter_pushes_refuse_what_cannot_carry_or_serve_adapters():
     assert parse("model: {path: /m}\ntrain: {lora: {}}\n").train.lora.push == "adapter"
     for section, why in (("weight_sync: {transport: broadcast}", "not from a broadcast group"),
                          ("rollout: {quantization: fp8}", "quantised weights are the merged model's"),
-                         ("rollout: {source: buffer}", "do not name the adapter")):
+                         ("rollout: {source: buffer}", "do not name the adapter"),
+                         ("rollout: {engines: [{update_weights: false}]}", "never get")):
         found = problems(f"model: {{path: /m}}\ntrain: {{lora: {{}}}}\n{section}\n")
         assert any("with train.lora.push: adapter:" in msg and why in msg for _, msg in found), found
         assert parse(f"model: {{path: /m}}\ntrain: {{lora: {{push: merged}}}}\n{section}\n").train.lora.push == "merged"

@@ -285,13 +285,12 @@ def test_engines_that_get_adapters_are_launched_with_lora_and_sglang_on_a_cpu_is
     path = _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=32)
     cfg = parse_config(f"model: {{path: {path}}}\nray: {{enabled: false}}\n"
                        "train: {lora: {rank: 8, target_modules: [q_proj, k_proj, v_proj]}}\n"
-                       "rollout: {engines: [{name: e}, {name: s, backend: sglang}, {name: f, update_weights: false}]}")
+                       "rollout: {engines: [{name: e}, {name: s, backend: sglang}]}")
     fleet = EngineFleet(cfg, tmp_path)
-    embedded, sglang, frozen = cfg.rollout.engines
+    embedded, sglang = cfg.rollout.engines
     cmd = fleet._command(embedded, "127.0.0.1", 1)
     assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "8"
     assert cmd[cmd.index("--lora-target-modules") + 1:][:3] == ["q_proj", "k_proj", "v_proj"]
-    assert "--enable-lora" not in fleet._command(frozen, "127.0.0.1", 1)  # it gets no adapters
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert "--enable-lora" in fleet._command(sglang, "127.0.0.1", 1)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

@@ -171,21 +171,27 @@ def test_an_fp8_engine_holds_what_it_is_pushed_and_computes_with_it_dequantised(
         load_named(model, [("model.embed_tokens.weight", state["model.embed_tokens.weight"].to(torch.float8_e4m3fn))])
 
 
-def test_after_each_adapter_push_requests_name_it_and_engines_unload_all_but_the_newest_kept():
-    """`Weights` with adapter pushes: the served adapter moves to each version pushed; the engines keep the `keep`
-    newest (async mode: requests of those may be in flight) and are asked to unload the older ones."""
+def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_before_once_unused():
+    """`Weights` with adapter pushes: each push loads an adapter of a new name, which requests name from then on; the
+    one before is unloaded once no request in flight names it; a push that failed has its adapter unloaded too."""
     import asyncio
 
     from rlx.orchestrate.weights import Weights
     from rlx.rollout.context import ServedAdapter
 
     unloaded: list[str] = []
+    pushed: list[tuple[int, str]] = []
 
     class Trainer:
+        fail = False
+
         def setup_transport(self, urls, out):
             pass
 
-        def push_weights(self, version):
+        def push_weights(self, version, adapter=None, again=False):
+            pushed.append((version, adapter))
+            if self.fail:
+                raise RuntimeError("engine refused")
             return 100
 
     class Client:
@@ -200,13 +206,28 @@ def test_after_each_adapter_push_requests_name_it_and_engines_unload_all_but_the
             return [await fn(Client()) for _ in engines]
 
     served = ServedAdapter(on=True)
-    weights = Weights(Trainer(), Fleet(), "out", adapter=served, keep=2)  # type: ignore[arg-type]
+    trainer = Trainer()
+    weights = Weights(trainer, Fleet(), "out", adapter=served)  # type: ignore[arg-type]
 
     async def run():
-        for v in (1, 2, 3, 4):
-            assert await weights.push(v) == 100
-            assert (served.name, served.version) == (f"actor-v{v}", v)
+        assert await weights.push(1) == 100 and served.version == 1
+        first = served.name
+        served.hold(first)  # a request in flight with it
+        assert await weights.push(2) == 100 and served.name != first and served.version == 2
+        await asyncio.sleep(0)
+        assert unloaded == []  # still in use
+        served.release(first)
         await asyncio.gather(*weights.unloads)
+        assert unloaded == [first]
+        trainer.fail = True
+        try:
+            await weights.push(3)
+        except RuntimeError:
+            pass
+        await asyncio.gather(*weights.unloads)
+        return first
 
-    asyncio.run(run())
-    assert unloaded == ["actor-v1", "actor-v2"] and weights.adapters == ["actor-v3", "actor-v4"]
+    first = asyncio.run(run())
+    assert [v for v, _ in pushed] == [1, 2, 3] and all(name.startswith(f"actor-v{v}-") for v, name in pushed)
+    assert len({name for _, name in pushed}) == 3 and unloaded == [first, pushed[2][1]]
+    assert served.version == 2  # the failed push changed nothing requests name

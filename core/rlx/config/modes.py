@@ -80,6 +80,11 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
                      "not name the adapter their engines serve; use train.lora.push: merged")):
                 if on:
                     problems.append((where, f"with train.lora.push: adapter: {why}"))
+            for i, g in enumerate(cfg.rollout.engines):
+                if not g.update_weights:
+                    problems.append((("rollout", "engines", i, "update_weights"), "with train.lora.push: adapter: "
+                                     "every request names the adapter pushed last, which engines that take no "
+                                     "weights never get; use train.lora.push: merged"))
         par = cfg.train.parallel
         if cfg.train.lora.dropout and (par.tp > 1 or par.ep > 1):
             problems.append((("train", "lora", "dropout"), f"dropout masks are not drawn alike across tensor- and "

@@ -89,8 +89,7 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
             RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate"))
         trainer = await trainers.ready()
         write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
-        weights = Weights(trainer, session.fleet, out, adapter=session.ctx.adapter if session.fleet.engines and session.ctx.adapter.on else None,
-                          keep=cfg.train.async_.max_staleness + 1 if cfg.train.mode == "async" else 1)
+        weights = Weights(trainer, session.fleet, out, adapter=session.ctx.adapter if session.fleet.engines else None)
         stack.push_async_callback(weights.close)
         await weights.setup()
         if session.fleet.health is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,13 +22,11 @@ class Weights:
     failed because an engine failed (it fails a health probe now) is done again without that engine."""
 
     def __init__(self, trainer: TrainerGroup, fleet: EngineFleet, out: Path, version: int = 0,
-                 adapter: ServedAdapter | None = None, keep: int = 1):
-        """`adapter` (``train.lora.push: adapter``): what requests name, moved to each version pushed; the engines keep
-        the adapters of the `keep` newest versions (requests of older ones may be in flight: async mode keeps
-        ``max_staleness + 1``) and unload the others once no request uses them."""
+                 adapter: ServedAdapter | None = None):
+        """`adapter` (``train.lora.push: adapter``, when its ``on``): what requests name, moved to each adapter pushed;
+        the engines unload the older ones once no request uses them."""
         self.trainer, self.fleet, self.out = trainer, fleet, str(out)
-        self.adapter, self.keep = adapter, keep
-        self.adapters: list[str] = []  # the adapters pushed and not yet unloaded, oldest first
+        self.adapter = adapter if adapter is not None and adapter.on else None
         self.unloads: set[asyncio.Task] = set()
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
@@ -60,8 +59,15 @@ class Weights:
                     await self._point(self.fleet.weight_targets)
                     if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
                         return 0  # back), or none runs (rollout.source: replay)
-                    sent = await asyncio.to_thread(self.trainer.push_weights, version)
-                    self._served(version)
+                    if self.adapter is None:
+                        return await asyncio.to_thread(self.trainer.push_weights, version)
+                    name = f"actor-v{version}-{secrets.token_hex(3)}"  # new each push: never loaded before
+                    try:
+                        sent = await asyncio.to_thread(self.trainer.push_weights, version, name)
+                    except BaseException:
+                        self._unload(name)  # (some engines may have it)
+                        raise
+                    self._serve(name, version)
                     return sent
                 except Exception as e:
                     health = self.fleet.health
@@ -75,30 +81,30 @@ class Weights:
                           f"that serve", file=sys.stderr, flush=True)
         raise AssertionError("unreachable: the third attempt returns or raises")
 
-    def _served(self, version: int) -> None:
-        """After a push of `version` with adapters: requests name its adapter from now on, and the engines unload the
-        adapters past the `keep` newest (in the background: SGLang answers once the requests using one finish, which
-        a paused engine holds)."""
-        if self.adapter is None:
-            return
-        from rlx.transport import ACTOR_ADAPTER, Adapter
+    def _serve(self, name: str, version: int) -> None:
+        """After adapter `name` of `version` was pushed: requests name it from now on, and the engines unload the one
+        before once no request uses it (in the background: a paused engine holds its requests)."""
+        assert self.adapter is not None
+        old, self.adapter.name, self.adapter.version = self.adapter.name, name, version
+        if old is not None and old != name:
+            self._unload(old)
 
-        self.adapter.name, self.adapter.version = Adapter(ACTOR_ADAPTER, {}).served(version), version
-        self.adapters = [a for a in self.adapters if a != self.adapter.name] + [self.adapter.name]
-        old, self.adapters = self.adapters[:-self.keep], self.adapters[-self.keep:]
-        for name in old:
-            task = asyncio.create_task(self._unload(name))
-            self.unloads.add(task)
-            task.add_done_callback(self.unloads.discard)
+    def _unload(self, name: str) -> None:
+        async def unload() -> None:
+            assert self.adapter is not None
+            await self.adapter.unused(name)
 
-    async def _unload(self, name: str) -> None:
-        async def one(c):
-            try:
-                await c.unload_lora_adapter(name)
-            except Exception as e:  # noqa: BLE001 - an engine restarted since has not got it: nothing to free
-                print(f"rlx: unloading LoRA adapter {name} from {c.base_url}: {e}", file=sys.stderr, flush=True)
+            async def one(c):
+                try:
+                    await c.unload_lora_adapter(name)
+                except Exception as e:  # noqa: BLE001 - an engine that has not got it (restarted, or a failed push)
+                    print(f"rlx: unloading LoRA adapter {name} from {c.base_url}: {e}", file=sys.stderr, flush=True)
 
-        await self.fleet.for_each(one, self.fleet.weight_targets)
+            await self.fleet.for_each(one, self.fleet.weight_targets)
+
+        task = asyncio.create_task(unload())
+        self.unloads.add(task)
+        task.add_done_callback(self.unloads.discard)
 
     async def close(self) -> None:
         """Cancel the adapters' unloads still under way (the engines stop with the run)."""
@@ -119,7 +125,11 @@ class Weights:
                 async with self.lock:
                     self.urls = None
                     await self._point([engine])
-                    await asyncio.to_thread(self.trainer.push_weights, self.version)
+                    if self.adapter is None:
+                        await asyncio.to_thread(self.trainer.push_weights, self.version)
+                    elif self.adapter.name is not None:  # the adapter requests name (none yet: the base model)
+                        await asyncio.to_thread(self.trainer.push_weights, self.adapter.version, self.adapter.name,
+                                                True)
                     await health.admit(engine)
             except Exception as e:  # noqa: BLE001 - the engine stays out: its recovery says why
                 if not done.done():

@@ -65,11 +65,33 @@ class RequestGate:
 class ServedAdapter:
     """The LoRA adapter the engines serve the policy with (``train.lora.push: adapter``), set after each push: every
     request names it (``lora_path``), and its tokens get its version (a request keeps the adapter it started with,
-    whatever pushes come while it runs). One object shared by every copy of a context."""
+    whatever pushes come while it runs, unless it is sent again after an engine failed: then with the newest). It
+    counts the requests in flight per adapter, so that an older adapter is unloaded once none uses it (`unused`).
+    One object shared by every copy of a context."""
 
     on: bool = False  # pushes are adapters: a request naming none is the base model's, version 0
     name: str | None = None  # None: the base model (before the first push)
     version: int = 0
+    users: dict[str, int] = field(default_factory=dict)  # requests in flight per adapter
+    _idle: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def hold(self, name: str | None) -> None:
+        if name is not None:
+            self.users[name] = self.users.get(name, 0) + 1
+
+    def release(self, name: str | None) -> None:
+        if name is None:
+            return
+        self.users[name] -= 1
+        if self.users[name] <= 0:
+            del self.users[name]
+            if (idle := self._idle.pop(name, None)) is not None:
+                idle.set()
+
+    async def unused(self, name: str) -> None:
+        """Return once no request in flight names adapter `name`."""
+        if name in self.users:
+            await self._idle.setdefault(name, asyncio.Event()).wait()
 
 
 @dataclass
@@ -130,8 +152,8 @@ class GenerateContext:
                                       temperature=float(params.get("temperature", 1.0)))
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
-        lora, version = self.adapter.name, self.adapter.version
-        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts, lora)
+        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts, self.adapter.name,
+                              self.adapter.version)
         if self.coalesce and params.get("n", 1) == 1:
             res = await self._join(req)
         else:
@@ -139,8 +161,8 @@ class GenerateContext:
                 res = (await self._send(req))[0]
         res.temperature = float(params.get("temperature", 1.0))
         if self.adapter.on:  # every token is the adapter's, whichever version the engine has moved to since
-            res.lora_path, res.weight_version = lora, str(version)
-            res.token_weight_versions = [str(version)] * len(res.output_ids)
+            res.lora_path, res.weight_version = req.lora_path, str(req.lora_version)
+            res.token_weight_versions = [str(req.lora_version)] * len(res.output_ids)
         return res
 
     async def _join(self, req: GenerateRequest) -> GenerateResult:
@@ -173,10 +195,12 @@ class GenerateContext:
         reqs = batch.requests
         one = reqs[0] if len(reqs) == 1 else GenerateRequest(
             reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts,
-            reqs[0].lora_path)
+            reqs[0].lora_path, reqs[0].lora_version)
         try:
             async with self.gate:
                 results = await self._send(one)
+            for r in reqs:  # (the adapter it was last sent with)
+                r.lora_path, r.lora_version = one.lora_path, one.lora_version
             if len(results) != len(reqs):
                 raise EngineError(f"asked for {len(reqs)} samples of one prompt (n), the engine answered "
                                   f"{len(results)}")
@@ -194,7 +218,15 @@ class GenerateContext:
     async def _send(self, req: GenerateRequest) -> list[GenerateResult]:
         """Send `req` (one result per sample); with fault tolerance, send it again (from the same tokens:
         nothing of a failed request is kept) when its engine failed, once an engine serves, at most
-        ``max_resends`` times."""
+        ``max_resends`` times. With LoRA adapters, a request sent again names the adapter served now (the engine it
+        goes to may have only that one: a restarted engine)."""
+        self.adapter.hold(req.lora_path)
+        try:
+            return await self._send_resending(req)
+        finally:
+            self.adapter.release(req.lora_path)
+
+    async def _send_resending(self, req: GenerateRequest) -> list[GenerateResult]:
         if self.health is None:
             return await self.client.generate(req, retries=self.retries)
         resends = 0
@@ -231,6 +263,10 @@ class GenerateContext:
             resends += 1
             self.health.counts["rollout/resent_requests"] += 1
             await self.health.settle()
+            if req.lora_path != self.adapter.name:
+                self.adapter.release(req.lora_path)
+                req.lora_path, req.lora_version = self.adapter.name, self.adapter.version
+                self.adapter.hold(req.lora_path)
 
     async def _abort_everywhere(self, rid: str | None) -> None:
         """Abort `rid` on every serving engine (the one that has it, if any, frees its slot). A joint request

@@ -358,7 +358,7 @@ class TransportContract(_Contract):
     def test_an_adapter_push_reaches_the_engine(self, tmp_path: Path, contract_engine: tuple[str, str]) -> None:
         """A transport that says it carries LoRA adapters (``adapters = True``): an adapter push (`rlx.protocols.
         Adapter`: one sender, the adapter whole) leaves the engine reporting the version and serving the adapter as
-        ``actor-v<version>``, each tensor exactly as sent."""
+        the adapter's name, each tensor exactly as sent."""
         import json
 
         import pytest
@@ -380,7 +380,7 @@ class TransportContract(_Contract):
             key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
             tensors[f"{key}.lora_A.weight"] = torch.randn(4, c["hidden_size"], generator=g)
             tensors[f"{key}.lora_B.weight"] = torch.randn(q, 4, generator=g)
-        adapter = Adapter("actor", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+        adapter = Adapter("actor-v7", {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
         engines = [Engine(url, "target")]
         ctx = TransportContext(engines, tmp_path, adapter=adapter)
 

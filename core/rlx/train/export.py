@@ -90,7 +90,7 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
     with adapters on experts, whose transformers modules are fused (peft has no adapters per expert there)."""
     import sys
 
-    from safetensors.torch import save_file
+    from rlx.transport.payloads import save_peft_adapter
 
     if trainer.adapts_experts():
         if trainer.par.rank == 0:
@@ -100,6 +100,4 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
     tensors = trainer.adapter_tensors()
     if tensors is None:  # (rank 0 writes)
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps(trainer.adapter_config(tensors), indent=2))
+    save_peft_adapter(folder, tensors, trainer.adapter_config(tensors))

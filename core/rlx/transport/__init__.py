@@ -32,8 +32,6 @@ from typing import Any
 from rlx.protocols import Adapter as Adapter  # re-exported: defined beside its contract
 from rlx.protocols import TransportContext as TransportContext
 
-ACTOR_ADAPTER = "actor"  # the actor's LoRA adapter's name (engines serve version N of it as "actor-vN")
-
 
 def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
     """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor goes alone), taken
@@ -86,11 +84,18 @@ class update_sessions:  # noqa: N801  (used as `async with update_sessions(engin
                     raise r
 
 
-async def serve_adapter(engines, version: int, load) -> None:
-    """The commit of an adapter push: each engine loads it (``await load(client, engine)``), then serves `version`."""
+async def serve_adapter(engines, name: str, version: int, load) -> None:
+    """The commit of an adapter push: each engine loads adapter `name` (``await load(client, engine)``) unless it serves
+    it already (an engine that answers again after a failure), then serves `version`."""
     async def one(e):
         async with e.client() as c:
-            await load(c, e)
+            if name not in await served_adapters(c):
+                await load(c, e)
             await c.update_weight_version(str(version))
 
     await asyncio.gather(*(one(e) for e in engines))
+
+
+async def served_adapters(client) -> set[str]:
+    """The LoRA adapters an engine serves, as its ``/v1/models`` lists them beside the base model (SGLang's way)."""
+    return {m.get("id") for m in (await client.request("GET", "/v1/models")).get("data", []) if m.get("parent")}

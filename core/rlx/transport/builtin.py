@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -143,8 +142,8 @@ class TensorTransport:
 
             tensors, self.adapter = self.adapter, {}
             payload, sums = serialize_tensor_dict(tensors), {n: sha256(t) for n, t in tensors.items()}
-            await serve_adapter(ctx.engines, version, lambda c, e: c.load_lora_adapter_from_tensors(
-                ctx.adapter.served(version), ctx.adapter.config, [payload] * getattr(e, "tp_size", 1), sums))
+            await serve_adapter(ctx.engines, ctx.adapter.name, version, lambda c, e: c.load_lora_adapter_from_tensors(
+                ctx.adapter.name, ctx.adapter.config, [payload] * getattr(e, "tp_size", 1), sums))
         elif self.versioned != version:
             await _set_version(ctx.engines, version)
 
@@ -184,9 +183,9 @@ class DiskTransport:
         folder = self.folder(version)
         folder.mkdir(parents=True, exist_ok=True)
         if ctx.adapter is not None:  # peft's folder, as SGLang loads it
-            tensors = {n: t.detach().contiguous().cpu() for n, t in named}
-            await asyncio.to_thread(save_file, tensors, str(folder / "adapter_model.safetensors"))
-            (folder / "adapter_config.json").write_text(json.dumps(ctx.adapter.config, indent=1))
+            from rlx.transport.payloads import save_peft_adapter
+
+            await asyncio.to_thread(save_peft_adapter, folder, dict(named), ctx.adapter.config)
             return
         for i, bucket in enumerate(buckets(named, self.config.shard_mb << 20)):
             tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
@@ -200,8 +199,8 @@ class DiskTransport:
                 await c.update_weights_from_disk(str(folder), weight_version=str(version))
 
         if ctx.adapter is not None:
-            await serve_adapter(ctx.engines, version,
-                                lambda c, e: c.load_lora_adapter(ctx.adapter.served(version), str(folder)))
+            await serve_adapter(ctx.engines, ctx.adapter.name, version,
+                                lambda c, e: c.load_lora_adapter(ctx.adapter.name, str(folder)))
         else:
             await asyncio.gather(*(one(e) for e in ctx.engines))
         versions = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))

@@ -112,6 +112,21 @@ def serialize_tensor_dict(tensors: dict[str, torch.Tensor]) -> str:
     return base64.b64encode(pickle.dumps({n: _own_storage(t.detach().cpu()) for n, t in tensors.items()})).decode()
 
 
+def save_peft_adapter(folder, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """A LoRA adapter as peft saves it and SGLang's ``/load_lora_adapter`` reads it: ``adapter_model.safetensors`` (peft's
+    tensor names) and ``adapter_config.json`` in `folder`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
 def deserialize_tensor_dict(payload: str) -> dict[str, torch.Tensor]:
     """The engine side of `serialize_tensor_dict`."""
     import io

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rlx.errors import RLXError
-from rlx.transport import ACTOR_ADAPTER, Adapter, TransportContext
+from rlx.transport import Adapter, TransportContext
 from rlx.transport.verify import Fingerprints, served_dtypes, verify, verify_adapter
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class WeightSender:
         self.pushes = 0
         self.quantization = quantization
         self.adapters = adapters
+        self.last_adapter: dict[str, Any] | None = None  # rank 0: the adapter it last pushed (`push`'s `again`)
         self.fp8: tuple[tuple[int, int], set[str]] | None = None  # the served FP8 checkpoint's block and names
         self.transport: Transport | None = None
         self.ctx: TransportContext | None = None
@@ -130,6 +131,8 @@ class WeightSender:
             raise RLXError(f"weight_sync.transport {self.spec.name!r} does not carry LoRA adapters (train.lora.push: "
                            f"adapter): use tensor, disk or delta, or push: merged")
         transport, ctx = self._ready()
+        if self.adapters and self.par.rank == 0:
+            self.run(_serve_adapters(ctx.engines, self.trainer.tc.lora.rank))
         self.run(transport.setup(ctx))
 
     def _ready(self) -> tuple[Transport, TransportContext]:
@@ -137,9 +140,9 @@ class WeightSender:
         assert self.transport is not None and self.ctx is not None, "setup() first"
         return self.transport, self.ctx
 
-    def push(self, version: int) -> int:
+    def push(self, version: int, adapter: str | None = None, again: bool = False) -> int:
         """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify. Returns the
-        bytes this rank sent.
+        bytes this rank sent. With adapter pushes, the actor's adapter as `adapter` (`_push_adapter`).
 
         Stages take turns: an engine that serves weight requests one at a time (SGLang) could otherwise
         take two stages' broadcasts in different orders on different engines and wait forever. A failure
@@ -147,7 +150,9 @@ class WeightSender:
         """
         assert self.ctx is not None, "setup() first"
         if self.adapters:
-            return self._push_adapter(version)
+            if adapter is None:
+                raise RLXError("train.lora.push: adapter: a push names the adapter the engines serve it as")
+            return self._push_adapter(version, adapter, again)
         ctx = self.ctx
         full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
         self.pushes += 1
@@ -174,23 +179,27 @@ class WeightSender:
             self._agree(lambda: self.run(check) if check is not None else None)
         return sent[0]
 
-    def _push_adapter(self, version: int) -> int:
-        """The actor's LoRA adapters, whole, from rank 0 (they are small): sent and committed as `Adapter` for
+    def _push_adapter(self, version: int, name: str, again: bool) -> int:
+        """The actor's LoRA adapter, whole, from rank 0 (it is small): sent and committed as `Adapter` `name` for
         `version`, which engines serve beside the base model; then each engine is checked to report `version` and
-        serve the adapter (its integrity the engine checks as it loads it, where the transport sends checksums)."""
-        tensors = self.trainer.adapter_tensors()  # (collective)
+        serve the adapter (its integrity the engine checks as it loads it, where the transport sends checksums).
+        `again`: the adapter rank 0 last pushed, not the trainer's (to an engine back: the one requests name)."""
+        tensors = self.last_adapter if again else self.trainer.adapter_tensors()  # (collective unless again)
         sent = [0]
 
         def send() -> None:
-            if tensors is None:
+            if self.par.rank != 0:
                 return
+            if tensors is None:
+                raise RLXError("no LoRA adapter was pushed by this trainer yet, to push again")
+            self.last_adapter = tensors
             transport, ctx = self._ready()
-            ctx = dataclasses.replace(ctx, senders=1, adapter=Adapter(ACTOR_ADAPTER, self.trainer.adapter_config(tensors)))
+            ctx = dataclasses.replace(ctx, senders=1, adapter=Adapter(name, self.trainer.adapter_config(tensors)))
             self.run(transport.send(iter(tensors.items()), version, ctx))
             self.run(transport.commit(version, ctx))
             sent[0] = sum(t.numel() * t.element_size() for t in tensors.values())
             if self.verify_weights != "off":
-                self.run(verify_adapter(ctx.engines, ctx.adapter.served(version), version))
+                self.run(verify_adapter(ctx.engines, name, version))
 
         self.pushes += 1
         self._agree(send)
@@ -246,6 +255,23 @@ class WeightSender:
 
         if engines:
             self.run(close())
+
+
+async def _serve_adapters(engines: list[Any], rank: int) -> None:
+    """Every engine serves LoRA adapters of rank `rank` (SGLang's server info has its launch options): an engine
+    attached by address may have been launched without them."""
+    async def one(e) -> None:
+        async with e.client(timeout_s=60) as c:
+            info = await c.server_info()
+        if not info.get("enable_lora"):
+            raise RLXError(f"engine {e.url} does not serve LoRA adapters (launched without --enable-lora): "
+                           f"train.lora.push: adapter needs --enable-lora --max-lora-rank {rank} --lora-target-modules "
+                           f"... (rlx launches its own engines so), or use train.lora.push: merged")
+        if (info.get("max_lora_rank") or rank) < rank:
+            raise RLXError(f"engine {e.url} serves LoRA adapters of rank {info['max_lora_rank']} at most "
+                           f"(--max-lora-rank); train.lora.rank is {rank}")
+
+    await asyncio.gather(*(one(e) for e in engines))
 
 
 def agree(par: Ranks, fn: Callable[..., object], *args: Any) -> None:

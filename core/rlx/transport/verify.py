@@ -195,7 +195,9 @@ async def verify_adapter(engines: list[Any], name: str, version: int) -> None:
             got = await c.weight_version()
             if got != str(version):
                 raise RLXError(f"weight sync: engine {engine.url} reports weight version {got!r}, expected {version}")
-            served = {m.get("id") for m in (await c.request("GET", "/v1/models")).get("data", [])}
+            from rlx.transport import served_adapters
+
+            served = await served_adapters(c)
             if name not in served:
                 raise RLXError(f"weight sync: engine {engine.url} does not serve LoRA adapter {name!r} after version "
                                f"{version} (it serves {sorted(map(str, served))})")

@@ -36,6 +36,7 @@ class GenerateRequest:
     # SGLang >= 0.5.6 launched with --enable-return-routed-experts: report the experts each token was routed to
     return_routed_experts: bool = False
     lora_path: str | None = None  # the LoRA adapter (by its loaded name) to generate with; None: the base model
+    lora_version: int = 0  # the policy version of that adapter (rlx's; not sent)
 
     def to_json(self) -> dict[str, Any]:
         # not dataclasses.asdict (its generic deep copy cost 0.1 ms a request on the driver); still a copy: the ids,

@@ -162,6 +162,10 @@ class EngineFleet:
             args.setdefault("enable_return_routed_experts", True)
         if engines_offload(self.cfg):  # without it SGLang's release_memory_occupation frees nothing
             args.setdefault("enable_memory_saver", True)
+            if args.get("enable_lora"):  # the base weights come back from host memory: adapter pushes never resend
+                args.setdefault("enable_weights_cpu_backup", True)  # them (SGLang's released weights are garbage)
+        if args.get("enable_lora") and self.cfg.train.mode == "async":  # versions in flight at once, and the base
+            args.setdefault("max_loras_per_batch", max(8, self.cfg.train.async_.max_staleness + 2))
         dtype = self.cfg.model.dtype
         if self.cfg.run.deterministic:
             args.setdefault("enable_deterministic_inference", True)

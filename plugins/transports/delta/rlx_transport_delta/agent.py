@@ -93,9 +93,12 @@ class Agent:
                    for n, raw in self.tensors.items()}
         file = "adapter_model.safetensors" if self.adapter else "model.safetensors"
         _fault("write", tmp / file)
-        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         if self.adapter:  # a peft folder, as engines load adapters
-            (tmp / "adapter_config.json").write_text(json.dumps(self.adapter["config"]))
+            from rlx.transport.payloads import save_peft_adapter
+
+            save_peft_adapter(tmp, tensors, self.adapter["config"])
+        else:
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         manifest = {"format": codec.FORMAT, "version": version, "id": self.id, "kind": "full", "base": None,
                     "adapter": self.adapter,
                     "tensors": {n: {**m, "encoding": "safetensors", "file": file} for n, m in self.meta.items()}}
@@ -202,7 +205,10 @@ class Agent:
         adapter = codec.read_manifest(folder).get("adapter")
         async with EngineClient(self.engine, timeout_s=600) as c:
             if adapter:
-                await c.load_lora_adapter(adapter["name"], str(folder))
+                from rlx.transport import served_adapters
+
+                if adapter["name"] not in await served_adapters(c):  # (an engine checked again may have it)
+                    await c.load_lora_adapter(adapter["name"], str(folder))
                 await c.update_weight_version(str(version))
             else:
                 await c.update_weights_from_disk(str(folder), weight_version=str(version))

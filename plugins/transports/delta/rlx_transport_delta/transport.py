@@ -177,7 +177,7 @@ class DeltaTransport:
                            f"starts with a full version)")
         kind = "full" if encodings <= {"safetensors"} else "delta"
         base = None if kind == "full" else self._previous(version)
-        adapter = ctx.adapter and {"name": ctx.adapter.served(version), "config": ctx.adapter.config}
+        adapter = ctx.adapter and {"name": ctx.adapter.name, "config": ctx.adapter.config}
         manifest = {"format": codec.FORMAT, "version": version, "id": uuid.uuid4().hex, "kind": kind, "adapter": adapter,
                     "base": base, "base_id": None if base is None else
                     codec.read_manifest(self.root / codec.folder_name(base)).get("id"), "tensors": tensors}

@@ -73,7 +73,9 @@ class Adapters:
                                f"--lora-target-modules {sorted(self.targets)}")
         fields = {f.name for f in dataclasses.fields(LoraConfig)}
         options = {k: v for k, v in config.items() if k in fields and k not in ("target_modules", "peft_type")}
-        peft_config = LoraConfig(**{**options, "target_modules": sorted(modules), "inference_mode": True})
+        # (no dropout when serving: peft's new dropout modules would be in training mode)
+        peft_config = LoraConfig(**{**options, "target_modules": sorted(modules), "inference_mode": True,
+                                    "lora_dropout": 0.0})
         try:
             inject_adapter_in_model(peft_config, self.model, adapter_name=name)
             for module_name, module in self._layers():
@@ -136,6 +138,7 @@ class Adapters:
         for _, module in self._layers():
             if name in module.lora_A:
                 module.delete_adapter(name)
+        getattr(self.model, "peft_config", {}).pop(name, None)  # (what inject_adapter_in_model records)
 
     def _layers(self) -> Iterator[tuple[str, Any]]:
         from peft.tuners.lora import LoraLayer

@@ -869,7 +869,7 @@ class Scheduler:
             return
         for i in done:  # the KV of everything fed so far: the prompt and all but the last output token
             r = self.rows[i]
-            if not r.aborted and r.kv_epoch == self.kv_epoch:
+            if not r.aborted and r.kv_epoch == self.kv_epoch and r.lora is None:  # (the cache holds the base's KV)
                 seq = (r.input_ids + r.output_ids)[:-1]
                 self._remember(seq, self._cache, i, len(seq))
         self._select([i for i in range(len(self.rows)) if i not in set(done)])

@@ -199,7 +199,7 @@ class WeightRoutes:
             raise BadRequest("serialized_named_tensors must be a non-empty list, one payload per TP rank")
         if not isinstance(config, dict):
             raise BadRequest("config_dict (the adapter's peft adapter_config) is required")
-        return await self._load_adapter(body.get("lora_name"), lambda: (config, W.adapter_tensors(
+        return await self._load_adapter(body.get("lora_name"), lambda: (config, W.received_adapter(
             payloads[0], body.get("expected_checksums"))), "__tensor__")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:

@@ -14,7 +14,7 @@ import torch
 
 from rlx.transport.payloads import WireError, deserialize_named_tensors, deserialize_tensor_dict, sha256
 
-__all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "adapter_tensors", "checksums",
+__all__ = ["BY_NAME_ARCHITECTURES", "BroadcastGroup", "WeightError", "WireError", "received_adapter", "checksums",
            "deserialize_named_tensors", "load_from_disk", "load_named", "move_held", "name_as_checkpoint",
            "read_adapter", "serve_quantized", "served_state", "weights_by_name"]
 
@@ -79,7 +79,7 @@ def read_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
                           f"{e}") from None
 
 
-def adapter_tensors(payload: str, expected: dict[str, str] | None) -> dict[str, torch.Tensor]:
+def received_adapter(payload: str, expected: dict[str, str] | None) -> dict[str, torch.Tensor]:
     """An adapter's tensors from ``/load_lora_adapter_from_tensors``' payload, checked against ``expected_checksums``
     as SGLang checks them (every tensor listed, none more, sha256 of its bytes equal)."""
     tensors = deserialize_tensor_dict(payload)
