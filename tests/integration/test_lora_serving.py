@@ -1,6 +1,7 @@
 """The embedded engine serves LoRA adapters as SGLang does with ``--enable-lora``: loaded at run time from a peft
 folder or from tensors (checked against the sender's checksums), named per request, several in one batch beside the
-base model, each request's log-probs those of peft's model with its adapter; unloaded once the requests using it end.
+base model (or all of one adapter, or none), each request's log-probs those of peft's model with its adapter;
+unloaded once the requests using it end.
 (SGLang's request and answer types check these exchanges: tests/integration/test_sglang_code.py.)"""
 
 import asyncio
@@ -85,6 +86,9 @@ def test_adapters_from_disk_and_tensors_serve_mixed_batches_as_peft(lora_engine,
             body = {"input_ids": [prompt] * 3, "lora_path": [None, "a", "b"], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
             out = await c.request("POST", "/generate", body)
+            # batches of one adapter (peft's plain path, that adapter active), of the base model (adapters off), mixed
+            for lora_path in ("b", None, "a", [None, "a", "b"]):
+                out += await c.request("POST", "/generate", {**body, "lora_path": lora_path})
             with pytest.raises(EngineError, match="requested LoRA adapters are not loaded: c"):
                 await c.generate(GenerateRequest(prompt, {"max_new_tokens": 2}, lora_path="c"))
             return out
@@ -93,7 +97,8 @@ def test_adapters_from_disk_and_tensors_serve_mixed_batches_as_peft(lora_engine,
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    for res, model in zip(out, [base, a.eval(), b.eval()], strict=True):
+    a, b = a.eval(), b.eval()
+    for res, model in zip(out, [base, a, b] + [b] * 3 + [base] * 3 + [a] * 3 + [base, a, b], strict=True):
         got = torch.tensor([t[0] for t in res["meta_info"]["output_token_logprobs"]])
         assert (got - logprobs_of(model, prompt, res["output_ids"])).abs().max() < 1e-4
     assert len({tuple(r["output_ids"]) for r in out}) > 1  # the adapters change what is generated

@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent("""
     trainer = Trainer(cfg, build_plugins())
 
     def held_bytes():
-        roles = [r for r in (trainer.actor, trainer.reference, trainer.critic) if r is not None]
+        roles = [r for r in (trainer.actor, trainer.reference, trainer.critic) if hasattr(r, "model")]  # (LoRA's
+        # reference is the actor with its adapters off)
         stores = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                   for r in roles for t in [*r.model.parameters(), *(b.grad_data for b in (r.ddp.buffers if r.ddp else []))]}
         for r in roles:
@@ -100,6 +101,8 @@ def test_lora_offload_moves_the_frozen_weights_too(tiny_model_path, tmp_path):
     run is the same as without offload."""
     on, _ = run(tmp_path, "on", "grpo", "move", "lora")
     off, _ = run(tmp_path, "off", "grpo", "move", "lora")
-    assert on["held_between"] == [0, 0] and min(off["held_between"]) > 2**20
+    # without offload the actor stays (514 KiB of weights, its adapters and their Adam state): one model, no reference
+    # copy beside it (LoRA's reference is the actor with its adapters off)
+    assert on["held_between"] == [0, 0] and 2**19 < min(off["held_between"]) < 2**20
     assert on["steps"] == off["steps"] and on["pushed"] == off["pushed"]
 

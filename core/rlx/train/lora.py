@@ -24,6 +24,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -134,6 +135,8 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
                                                             reduce_from_tensor_model_parallel_region)
 
         out, bias = forward(input_, *args, **kwargs)
+        if module.lora_off:  # (`AdaptersOff`: the frozen model)
+            return out, bias
         x = input_.to(torch.float32)
         if cfg.dropout and torch.is_grad_enabled() and module.training:  # (log-probs without grad: no dropout)
             x = torch.nn.functional.dropout(x, cfg.dropout)
@@ -149,6 +152,7 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
         return out + (scale * (h @ b.t())).to(out.dtype), bias
 
     module.forward = lora_forward
+    module.lora_off = False
     sharded = module.sharded_state_dict
 
     def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
@@ -168,6 +172,32 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
 
     module.sharded_state_dict = sharded_state_dict
     module.lora_scale = scale
+
+
+class AdaptersOff:
+    """The actor with its adapters off: the frozen model it started from, which is a LoRA run's reference model
+    (``kl_coef``) without a second copy of the model in memory. Computes log-probs as a role does (`schedule`)."""
+
+    name = "reference"
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def schedule(self, batches: list, loss_fn: Any, forward_only: bool) -> list:
+        assert forward_only, "the reference model is not trained"
+        with adapters_off(self.actor.lora):
+            return self.actor.schedule(batches, loss_fn, forward_only=True)
+
+
+@contextlib.contextmanager
+def adapters_off(adapted: dict[str, Any]) -> Iterator[None]:
+    for m in adapted.values():
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted.values():
+            m.lora_off = False
 
 
 def adapter_params(model: torch.nn.Module, world: int, tp: int, dp: int, pp: int, ep: int, etp: int) -> int:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from rlx.config import Config, TrainConfig
     from rlx.plugins import Plugins
     from rlx.protocols import CriticEstimator
+    from rlx.train.lora import AdaptersOff
     from rlx.train.megatron_patches.checkpoint import BackgroundWrites
     from rlx.train.spec import ModelSpec
 
@@ -112,7 +113,7 @@ class CriticStep:
             local.update(part)
         return gather(local)
 
-    def prepare(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None,
+    def prepare(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | AdaptersOff | None,
                 values: dict[int, torch.Tensor] | None = None) -> TrainBatch:
         """Advantages and returns of the batch (on the actor's ranks), from `values` (the critic's, when it has
         ranks of its own) or the critic beside the actor."""
@@ -170,7 +171,7 @@ class CriticStep:
                 "critic/grad_norm": vals["grad_norm"],
                 "critic/lr": self.critic.lr}
 
-    def train_actor(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None,
+    def train_actor(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | AdaptersOff | None,
                     step_index: int) -> dict[str, float | None]:
         """The actor's updates (none during the critic's warm-up); the step's metrics but the critic's."""
         metrics: dict[str, float | None] = {}
@@ -188,7 +189,7 @@ class CriticStep:
         metrics["critic/warmup"] = 0.0
         return metrics
 
-    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | None, step_index: int,
+    def run(self, batch: RolloutBatch, actor: ModelRole, reference: ModelRole | AdaptersOff | None, step_index: int,
             hold_actor: Callable[[], None], hold_critic: Callable[[], None]) -> dict[str, float | None]:
         """Critic, then (after the warm-up) actor, in the same ranks; global metrics. `hold_actor` and
         `hold_critic` make one side resident on the device (`rlx.train.offload`) before it works."""

@@ -40,6 +40,7 @@ from rlx.types import Group, RolloutBatch, Sample
 if TYPE_CHECKING:
     from rlx.config import ObjectiveConfig, TrainConfig
     from rlx.protocols import AdvantageEstimator, Balancer, PolicyLoss
+    from rlx.train.lora import AdaptersOff
 
 
 def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm) -> TrainBatch:
@@ -128,7 +129,7 @@ class RLStep:
         return [samples[i] for i in parts[self.par.dp_rank]]
 
     @torch.no_grad()
-    def logprobs(self, role: ModelRole, samples: list[Sample]) -> dict[int, torch.Tensor]:
+    def logprobs(self, role: ModelRole | AdaptersOff, samples: list[Sample]) -> dict[int, torch.Tensor]:
         """Per-token log-probs of each sample's response under `role` ({} on stages before the last)."""
 
         def collect(mb: PackedBatch, logits: torch.Tensor):
@@ -192,7 +193,7 @@ class RLStep:
             vals.update(zip(maxes, most.tolist(), strict=True))
         return vals
 
-    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | None) -> dict[str, float | None]:
+    def run(self, tb: TrainBatch, actor: ModelRole, reference: ModelRole | AdaptersOff | None) -> dict[str, float | None]:
         """Train `actor` on the batch; returns global metrics (sums over ranks made means)."""
         policy_loss = self.policy_loss
         if policy_loss is None:

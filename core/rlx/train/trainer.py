@@ -2,7 +2,8 @@
 
 The same code on CPU (gloo) and GPU (NCCL). The model comes from the bridge registered for the
 checkpoint's ``model_type``; the actor loads the HF checkpoint (each rank reading its own slice), the
-reference model (only when ``train.objective.kl_coef > 0``) starts from the actor's weights in memory.
+reference model (only when ``train.objective.kl_coef > 0``) starts from the actor's weights in memory (with
+``train.lora`` it is the actor with its adapters off: no second copy).
 Weight pushes and HF export stream the actor's tensors stage by stage: only one rank per pipeline
 stage (data-parallel rank 0, tensor-parallel rank 0) sends, after its tensor-parallel group gathers
 each tensor in turn.
@@ -20,6 +21,7 @@ from rlx.config import Config, trainer_offloads
 from rlx.errors import RLXError
 from rlx.models.tiny import resolve_model_path
 from rlx.train.kernel_choice import matmul_choice, use_matmul
+from rlx.train.lora import AdaptersOff
 from rlx.train.model import ModelRole, ParallelState, device, init_distributed, torch_dtype
 from rlx.train.offload import Residency
 from rlx.train.ppo import CriticStep, check_critic_model
@@ -48,13 +50,15 @@ class Trainer:
                                indexer_kl_coef=tc.objective.indexer_kl_coef, mtp_loss_coef=tc.objective.mtp_loss_coef,
                                qat=tc.qat)
         self.actor.load_hf(self.model_path)
-        self.reference = None
-        if tc.objective.kl_coef > 0:
+        self.reference: ModelRole | AdaptersOff | None = None
+        if tc.objective.kl_coef > 0 and tc.lora is None:
             self.reference = ModelRole("reference", self.spec, self.par, tc.parallel, dtype, routing_replay=replay,
                                        qat=tc.qat)
             self.reference.load_from(self.actor)
             self.reference.freeze()
         self.actor.start_training(tc.optim, tc.num_steps * tc.updates_per_step, tc.lora, cfg.run.seed)
+        if tc.objective.kl_coef > 0 and tc.lora is not None:  # the frozen model is the actor with its adapters off
+            self.reference = AdaptersOff(self.actor)
         self.estimator = plugins.build("advantages", tc.objective.advantage)
         policy_loss = plugins.build("losses", tc.objective.loss)
         self.loss_norm = loss_norm(tc.objective, policy_loss)
@@ -74,8 +78,9 @@ class Trainer:
             self.critic.start_training(tc.critic.optim, tc.num_steps * tc.updates_per_step)
             self.critic_step = CriticStep(tc, critic_estimator, self.step_fn, self.critic, self.loss_norm)
         self.step = 0
-        self.memory = Residency(trainer_offloads(cfg), {"actor": self.actor, "reference": self.reference,
-                                                        "critic": self.critic}, device())
+        copy = self.reference if isinstance(self.reference, ModelRole) else None  # (a reference of its own)
+        self.memory = Residency(trainer_offloads(cfg), {"actor": self.actor, "reference": copy, "critic": self.critic},
+                                device())
         self.memory.hold()  # the engines' turn first: they size their cache by the memory they find
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float | None]:
@@ -96,7 +101,7 @@ class Trainer:
         return metrics
 
     def _hold_actor(self) -> None:
-        self.memory.hold(actor="all", **({"reference": "weights"} if self.reference is not None else {}))
+        self.memory.hold(actor="all", **({"reference": "weights"} if isinstance(self.reference, ModelRole) else {}))
 
     def train_actor(self, batch: RolloutBatch,
                     values: dict[int, torch.Tensor]) -> tuple[dict[str, float | None], dict[int, torch.Tensor]]:

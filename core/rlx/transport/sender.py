@@ -128,7 +128,7 @@ class WeightSender:
                 print(f"rlx: closing the previous weight transport: {e}", flush=True)
         self.transport = self.plugins.build("transports", self.spec)
         if self.adapters and not getattr(self.transport, "adapters", False):
-            raise RLXError(f"weight_sync.transport {self.spec.name!r} does not carry LoRA adapters (train.lora.push: "
+            raise RLXError(f"weight_sync.transport {getattr(self.transport, 'name', self.spec)!r} does not carry LoRA adapters (train.lora.push: "
                            f"adapter): use tensor, disk or delta, or push: merged")
         transport, ctx = self._ready()
         if self.adapters and self.par.rank == 0:

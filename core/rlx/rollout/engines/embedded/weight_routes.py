@@ -208,10 +208,16 @@ class WeightRoutes:
         name, adapters = body.get("lora_name"), self.s.adapters
         if adapters is None:
             return self._lora_answer("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if not isinstance(name, str):
+            raise BadRequest("lora_name is required")
         loop = asyncio.get_running_loop()
-        gone = loop.create_future()
+        gone: asyncio.Future[None] = loop.create_future()
+
+        def done() -> None:
+            loop.call_soon_threadsafe(_done, gone)
+
         try:
-            await self._call(lambda: adapters.unload(name, lambda: loop.call_soon_threadsafe(_done, gone)))
+            await self._call(lambda: adapters.unload(name, done))
         except W.WireError as e:
             return self._lora_answer(str(e))
         await gone

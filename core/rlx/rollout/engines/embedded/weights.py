@@ -295,7 +295,9 @@ def checksums(model: torch.nn.Module | None, names: list[str] | None, head: int 
     dtype than the rest). `state`: these tensors instead of the model's (a LoRA adapter's)."""
     from rlx.transport.payloads import tensor_hash
 
-    state = served_state(model) if state is None else state
+    if state is None:
+        assert model is not None, "checksums of a model, or of `state`"
+        state = served_state(model)
     unknown = [n for n in (names or []) if n not in state]
     if unknown:
         raise WeightError(f"unknown weight {unknown[0]!r}")
