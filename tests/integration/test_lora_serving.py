@@ -86,7 +86,7 @@ def test_adapters_from_disk_and_tensors_serve_mixed_batches_as_peft(lora_engine,
             body = {"input_ids": [prompt] * 3, "lora_path": [None, "a", "b"], "return_logprob": True,
                     "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
             out = await c.request("POST", "/generate", body)
-            # batches of one adapter (peft's plain path, that adapter active), of the base model (adapters off), mixed
+            # batches of one adapter, of the base model alone, mixed again
             for lora_path in ("b", None, "a", [None, "a", "b"]):
                 out += await c.request("POST", "/generate", {**body, "lora_path": lora_path})
             with pytest.raises(EngineError, match="requested LoRA adapters are not loaded: c"):

@@ -261,6 +261,7 @@ class Run:
         print(f"rlx: restarting the trainers ({self.restarts} of train.max_restarts {cfg.train.max_restarts})",
               file=sys.stderr, flush=True)
         await self.saved_whole(failing=True)  # (a dead rank's part is not written: the folder is dropped)
+        self.weights.ready.clear()  # (an engine back meanwhile gets the restarted trainers' weights)
         self.trainer.shutdown()
         assert self.placement is not None, "trainer ranks that can die are Ray actors"
         self.trainers.group = trainer = await asyncio.to_thread(ray_trainer_group, cfg, self.placement.pg)
@@ -280,6 +281,7 @@ class Run:
         self.step, self.version = step, version
         self.weights.version = version
         await self.weights.push(version)  # the engines go back to the weights trained from
+        self.weights.ready.set()
         print(f"rlx: trainers restarted from {where}; going on at step {step}", file=sys.stderr, flush=True)
         self.log = MetricsLog(self.out, resume_step=step - 1)
         self.saved = step - 1

@@ -28,6 +28,8 @@ class Weights:
         self.trainer, self.fleet, self.out = trainer, fleet, str(out)
         self.adapter = adapter if adapter is not None and adapter.on else None
         self.unloads: set[asyncio.Task] = set()
+        self.ready = asyncio.Event()  # clear while the trainers restart: an engine back waits for their weights
+        self.ready.set()
         self.lock = asyncio.Lock()
         self.version = version  # the trainer's policy version: what a catch-up pushes
         self.urls: list[str] | None = None  # where the transport points now
@@ -61,7 +63,7 @@ class Weights:
                         return 0  # back), or none runs (rollout.source: replay)
                     if self.adapter is None:
                         return await asyncio.to_thread(self.trainer.push_weights, version)
-                    name = f"actor-v{version}-{secrets.token_hex(3)}"  # new each push: never loaded before
+                    name = adapter_name(version)
                     try:
                         sent = await asyncio.to_thread(self.trainer.push_weights, version, name)
                     except BaseException:
@@ -106,6 +108,20 @@ class Weights:
         self.unloads.add(task)
         task.add_done_callback(self.unloads.discard)
 
+    def _tidy(self, engine: Any) -> None:
+        """Unload from an engine back what it still holds of the adapters unloaded while it was out."""
+        async def tidy() -> None:
+            from rlx.transport import served_adapters
+
+            assert self.adapter is not None
+            async with engine.client() as c:
+                for name in await served_adapters(c) - {self.adapter.name, *self.adapter.users}:
+                    await c.unload_lora_adapter(name)
+
+        task = asyncio.create_task(tidy())
+        self.unloads.add(task)
+        task.add_done_callback(self.unloads.discard)
+
     async def close(self) -> None:
         """Cancel the adapters' unloads still under way (the engines stop with the run)."""
         for task in list(self.unloads):
@@ -122,15 +138,23 @@ class Weights:
         while True:
             engine, done = await health.joins.get()
             try:
+                await self.ready.wait()
                 async with self.lock:
                     self.urls = None
                     await self._point([engine])
-                    if self.adapter is None:
+                    adapter = self.adapter
+                    if adapter is None:
                         await asyncio.to_thread(self.trainer.push_weights, self.version)
-                    elif self.adapter.name is not None:  # the adapter requests name (none yet: the base model)
-                        await asyncio.to_thread(self.trainer.push_weights, self.adapter.version, self.adapter.name,
-                                                True)
+                    elif adapter.version < self.version and not self.fleet.weight_targets:
+                        # every engine was out at the pushes since: it gets the trainer's adapter, requests name it
+                        name = adapter_name(self.version)
+                        await asyncio.to_thread(self.trainer.push_weights, self.version, name)
+                        self._serve(name, self.version)
+                    elif adapter.name is not None:  # the adapter requests name (none yet: the base model)
+                        await asyncio.to_thread(self.trainer.push_weights, adapter.version, adapter.name, True)
                     await health.admit(engine)
+                    if adapter is not None:
+                        self._tidy(engine)
             except Exception as e:  # noqa: BLE001 - the engine stays out: its recovery says why
                 if not done.done():
                     done.set_exception(e)
@@ -140,3 +164,9 @@ class Weights:
 
     def metrics(self) -> dict[str, float]:
         return self.fleet.health.metrics() if self.fleet.health is not None else {}
+
+
+def adapter_name(version: int) -> str:
+    """A name for the actor's adapter of `version` that no engine has loaded before (one per push: a retried push, a
+    restarted run or an engine kept across a resume never meets its own name)."""
+    return f"actor-v{version}-{secrets.token_hex(3)}"

@@ -152,8 +152,7 @@ class GenerateContext:
                                       temperature=float(params.get("temperature", 1.0)))
             if params.get("max_new_tokens") is not None and params["max_new_tokens"] > room:
                 params = {**params, "max_new_tokens": room}
-        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts, self.adapter.name,
-                              self.adapter.version)
+        req = GenerateRequest(input_ids, params, True, rid, self.routed_experts)  # (its adapter: `_send`)
         if self.coalesce and params.get("n", 1) == 1:
             res = await self._join(req)
         else:
@@ -194,8 +193,7 @@ class GenerateContext:
     async def _send_together(self, batch: _Together) -> None:
         reqs = batch.requests
         one = reqs[0] if len(reqs) == 1 else GenerateRequest(
-            reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts,
-            reqs[0].lora_path, reqs[0].lora_version)
+            reqs[0].input_ids, {**reqs[0].sampling_params, "n": len(reqs)}, True, None, self.routed_experts)
         try:
             async with self.gate:
                 results = await self._send(one)
@@ -218,8 +216,11 @@ class GenerateContext:
     async def _send(self, req: GenerateRequest) -> list[GenerateResult]:
         """Send `req` (one result per sample); with fault tolerance, send it again (from the same tokens:
         nothing of a failed request is kept) when its engine failed, once an engine serves, at most
-        ``max_resends`` times. With LoRA adapters, a request sent again names the adapter served now (the engine it
-        goes to may have only that one: a restarted engine)."""
+        ``max_resends`` times. With LoRA adapters, the request names the adapter served as it leaves (not when it was
+        made: it may have waited out a swap) and holds it until answered; sent again, it names the one served then
+        (the engine it goes to may have only that one: a restarted engine)."""
+        if self.adapter.on:
+            req.lora_path, req.lora_version = self.adapter.name, self.adapter.version
         self.adapter.hold(req.lora_path)
         try:
             return await self._send_resending(req)

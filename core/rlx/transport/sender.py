@@ -192,7 +192,6 @@ class WeightSender:
                 return
             if tensors is None:
                 raise RLXError("no LoRA adapter was pushed by this trainer yet, to push again")
-            self.last_adapter = tensors
             transport, ctx = self._ready()
             ctx = dataclasses.replace(ctx, senders=1, adapter=Adapter(name, self.trainer.adapter_config(tensors)))
             self.run(transport.send(iter(tensors.items()), version, ctx))
@@ -200,6 +199,7 @@ class WeightSender:
             sent[0] = sum(t.numel() * t.element_size() for t in tensors.values())
             if self.verify_weights != "off":
                 self.run(verify_adapter(ctx.engines, name, version))
+            self.last_adapter = tensors
 
         self.pushes += 1
         self._agree(send)

@@ -5,9 +5,9 @@ mixes requests of several adapters and of the base model.
 peft does the serving: its LoRA layers are injected into the transformers model (``inject_adapter_in_model``, one
 adapter name per load, on exactly the modules the adapter has tensors for), and every forward passes each row's adapter
 (``adapter_names``, ``"__base__"`` for none) to them through a pre-forward hook, which is peft's own mixed-batch path.
-A batch whose rows all use one adapter (or none) takes peft's plain path instead, with that adapter active (or the
-adapters off): fewer operations, the same numbers. The adapters are held in fp32 and their branch computed in fp32, as
-rlx's trainer computes it.
+Every batch takes that path, whatever adapters its rows name: peft's plain path (one active adapter) rounds the
+adapter's output otherwise in bf16, and was no faster here (`benchmarks/lora.py`). The adapters are held in fp32 and
+their branch computed in fp32, then added in the model's dtype, as rlx's trainer does.
 
 Everything here runs in the scheduler's thread, except reading which adapters are loaded.
 """
@@ -25,7 +25,6 @@ import torch
 from rlx.transport.payloads import WireError
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
-MIXED, UNSET = object(), object()  # (`Adapters.active`: rows of several adapters; not known)
 PREFIX = "base_model.model."  # peft's tensor names: base_model.model.<module>.lora_A.weight
 
 
@@ -43,9 +42,7 @@ class Adapters:
         self.loaded: dict[str, str] = {}  # name -> where it came from (a folder, or "__tensor__"), as SGLang lists it
         self.users: Counter[str] = Counter()  # requests admitted and not finished, per adapter
         self.closing: dict[str, list[Callable[[], None]]] = {}  # unloads waiting for their requests to finish
-        self.rows: list[str] | None = None  # each row's adapter in the forward under way, when they differ
-        self.active: object = UNSET  # the adapter the layers apply (None: none; MIXED: each row's own)
-        self.layers: list[Any] = []  # peft's LoRA layers in the model
+        self.rows: list[str] | None = None  # each row's adapter in the forward under way
         self.hooked: set[int] = set()
         # checkpoint module names -> the model's, where transformers renamed them on load (`weights.name_as_checkpoint`)
         renamed: dict[str, str] = getattr(model, "rlx_checkpoint_names", {})
@@ -108,8 +105,6 @@ class Adapters:
             if isinstance(e, AdapterError):
                 raise
             raise AdapterError(f"LoRA adapter {name}: {type(e).__name__}: {e}") from None
-        finally:
-            self.layers, self.active = [m for _, m in self._layers()], UNSET
         self.loaded[name] = source
 
     def unload(self, name: str, done: Callable[[], None]) -> None:
@@ -146,7 +141,6 @@ class Adapters:
             if name in module.lora_A:
                 module.delete_adapter(name)
         getattr(self.model, "peft_config", {}).pop(name, None)  # (what inject_adapter_in_model records)
-        self.active = UNSET
 
     def _layers(self) -> Iterator[tuple[str, Any]]:
         from peft.tuners.lora import LoraLayer
@@ -166,27 +160,13 @@ class Adapters:
     @contextlib.contextmanager
     def serving(self, rows: list[str | None]) -> Iterator[None]:
         """A forward of rows generated with these adapters (None: the base model)."""
-        names = set(rows)
-        if self.layers:
-            self._activate(names.pop() if len(names) == 1 else MIXED)
-            self.rows = [BASE if r is None else r for r in rows] if self.active is MIXED else None
+        self.rows = [BASE if r is None else r for r in rows] if self.hooked else None
         try:
             yield
         finally:
             self.rows = None
 
-    def _activate(self, name: object) -> None:
-        """Make the layers apply adapter `name` to every row (None: none), or each row's own (MIXED)."""
-        if name is self.active or name == self.active:
-            return
-        for m in self.layers:
-            on = name is MIXED or name in m.lora_A
-            m.enable_adapters(on)
-            if on and name is not MIXED:
-                m.set_adapter(name, inference_mode=True)
-        self.active = name
-
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict]:
-        if self.rows is not None:  # peft's mixed-batch path: no adapter applies to rows that do not name it
-            kwargs["adapter_names"] = self.rows
+        # every LoRA layer runs peft's mixed-batch path, so that no adapter applies to rows that do not name it
+        kwargs["adapter_names"] = self.rows if self.rows is not None else [BASE] * args[0].shape[0]
         return args, kwargs
