@@ -93,13 +93,17 @@ def test_sync_run_with_ray_survives_a_killed_engine(tiny_model_path, tmp_path):
 
 
 def test_async_run_survives_a_frozen_engine(tiny_model_path, tmp_path):
+    """With LoRA adapter pushes too: the engine started in the frozen one's place gets the adapter requests name,
+    requests sent again name the adapter served then, and older adapters are unloaded as they fall out of use."""
     err, rows = run_with_a_fault(tmp_path, "async", signal.SIGSTOP, "--set", "train.mode=async",
-                                 "--set", "ray.enabled=false")
+                                 "--set", "ray.enabled=false", "--set", "train.lora.rank=4")
     assert_every_sample_once(tmp_path / "async")
     last = rows[-1]
     assert last["engines/taken_out"] == 1 and last["engines/restarts"] == 1 and last["engines/rejoined"] == 1, last
     assert "health probe(s) in a row failed" in err and "serves again" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "unloading LoRA adapter" not in err  # (every unload found its adapter)
+    # the adapters alone (rank 4, peft's layout: 9,728 floats), or nothing while every engine was out
+    assert {r["weight_sync/bytes"] for r in rows} <= {0.0, 38912.0}
     # without Ray the trainer is the driver's process, started without sleeping waits: it keeps its one thread
     assert ("CPU threads (async mode, cores shared): trainer ranks [1], engines [1, 1]; OMP_WAIT_POLICY: trainer "
             "ranks unset, engines PASSIVE; the trainer runs in this process") in err
