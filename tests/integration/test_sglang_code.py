@@ -300,6 +300,16 @@ def test_broadcast_group_with_sglangs_own_engine_side(version, tmp_path):
         assert r["hashes"] == want
 
 
+class ContextClient:
+    """A stand-in engine client: an async context manager, as `Engine.client` gives one."""
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+
 def test_lora_adapter_payloads_load_with_sglangs_tp_worker(tmp_path):
     """The tensor transport's adapter push, as SGLang 0.5.23's TP worker takes it: its deserialization of rlx's payload,
     its sha256 check of rlx's ``expected_checksums`` (and its refusal of a wrong one), its LoRA config class on rlx's
@@ -312,13 +322,7 @@ def test_lora_adapter_payloads_load_with_sglangs_tp_worker(tmp_path):
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"]}
     bodies = []
 
-    class Client:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            pass
-
+    class Client(ContextClient):
         async def load_lora_adapter_from_tensors(self, name, config, serialized, expected_checksums=None):
             bodies.append({"lora_name": name, "config_dict": config, "serialized_named_tensors": serialized,
                            "expected_checksums": expected_checksums})
@@ -363,13 +367,7 @@ def test_tensor_payloads_load_with_sglangs_loader(version, tp, tmp_path):
              ("lm_head.weight", torch.randn(3, 6))]
     bodies = []
 
-    class Client:
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            pass
-
+    class Client(ContextClient):
         async def begin_weight_update(self):
             return False
 
