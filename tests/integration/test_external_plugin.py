@@ -161,9 +161,12 @@ def test_a_bridge_a_transport_and_a_loss_from_outside_work_with_no_change_to_rlx
     assert row["registers"] == {"losses": ["vanilla_pg"], "transports": ["one-by-one"], "models": ["phi3"]}
 
     # the plugin's own tests: rlx's contract suites, through the installed entry point
-    r = run(scratch_venv, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "contracts_check.py"))
+    r = run(scratch_venv, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(src / "contracts_check.py"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "failed" not in r.stdout and "skipped" not in r.stdout, r.stdout[-500:]
+    assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-500:]
+    # skipped: only the adapter push, which its transport does not say it carries
+    skips = [line for line in r.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) == 1 and "'one-by-one' does not carry LoRA adapters" in skips[0], r.stdout[-800:]
 
     # and a run that trains a Phi-3 with them: its own bridge, its loss, its transport
     model = phi3_with_tokenizer(tmp_path / "phi3", tiny_model_path)
