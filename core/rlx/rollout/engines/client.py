@@ -292,7 +292,8 @@ class EngineClient:
                                              expected_checksums: dict[str, str] | None = None) -> Any:
         """Serve a peft adapter sent as tensors: `config` its ``adapter_config``, `serialized` one payload per TP rank
         (`rlx.transport.payloads.serialize_tensor_dict`); with `expected_checksums` (sha256 of each tensor's bytes,
-        `rlx.transport.payloads.sha256`) the engine refuses an adapter that did not arrive intact."""
+        `rlx.transport.payloads.sha256`) the engine checks the adapter arrived intact (the embedded engine refuses one that
+        did not; SGLang 0.5.23's TP worker raises, which stops its server)."""
         body = {"lora_name": name, "config_dict": config, "serialized_named_tensors": serialized}
         if expected_checksums is not None:
             body["expected_checksums"] = expected_checksums

@@ -192,7 +192,7 @@ class WeightRoutes:
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
         """``serialized_named_tensors`` (one payload per TP rank: this engine reads the first) holds a dict of the
         adapter's tensors; with ``expected_checksums`` (sha256 of each tensor's bytes) an adapter whose tensors differ
-        is refused, as SGLang refuses it."""
+        is refused (SGLang 0.5.23's TP worker raises on it instead, which stops its server)."""
         body = await self._json(request)
         payloads, config = body.get("serialized_named_tensors"), body.get("config_dict")
         if not isinstance(payloads, list) or not payloads:
