@@ -104,9 +104,7 @@ class Weights:
 
             await self.fleet.for_each(one, self.fleet.weight_targets)
 
-        task = asyncio.create_task(unload())
-        self.unloads.add(task)
-        task.add_done_callback(self.unloads.discard)
+        self._background(unload())
 
     def _tidy(self, engine: Any) -> None:
         """Unload from an engine back what it still holds of the adapters unloaded while it was out."""
@@ -118,7 +116,11 @@ class Weights:
                 for name in await served_adapters(c) - {self.adapter.name, *self.adapter.users}:
                     await c.unload_lora_adapter(name)
 
-        task = asyncio.create_task(tidy())
+        self._background(tidy())
+
+    def _background(self, work: Any) -> None:
+        """Run `work` (an unload) beside the run; `close` cancels what is left of it."""
+        task = asyncio.create_task(work)
         self.unloads.add(task)
         task.add_done_callback(self.unloads.discard)
 
