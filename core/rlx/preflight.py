@@ -66,6 +66,8 @@ def check_components(cfg: Config, plugins: Plugins) -> list[Problem]:
         fields.append((path, kind, value))
     fields += [(("eval", "datasets", i, "rewards"), "rewards", d.rewards)
                for i, d in enumerate(cfg.eval.datasets) if d.rewards is not None]
+    fields += [(("train", "lora", "adapters", i, "rewards"), "rewards", a.rewards)
+               for i, a in enumerate(cfg.train.lora.adapters if cfg.train.lora else []) if a.rewards is not None]
     for path, kind, value in fields:
         specs = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
         for i, spec in specs:
@@ -174,6 +176,9 @@ def check(cfg: Config) -> list[Problem]:
         problems += _rows(cfg, Path(cfg.data.path), ("data", "path"))
     for i, source in enumerate(cfg.data.mix if cfg.rollout.source == "generate" else []):
         problems += _rows(cfg, Path(source.path), ("data", "mix", i, "path"), cfg.data.source(i))
+    for i, a in enumerate(cfg.train.lora.adapters if cfg.train.lora and cfg.rollout.source == "generate" else []):
+        problems += _rows(cfg, Path(a.data.path), ("train", "lora", "adapters", i, "data", "path"),
+                          cfg.data.reading(a.data))
     for i, d in enumerate(cfg.eval.datasets):
         problems += _rows(cfg, Path(d.path), ("eval", "datasets", i, "path"))
     return problems

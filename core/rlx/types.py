@@ -101,6 +101,7 @@ class Sample:
     routed_experts: str | None = None
     teacher: TeacherScore | None = None  # on-policy distillation: its teacher's scores (None: not distilled)
     adapter: str | None = None  # the LoRA adapter its last model tokens came from, as engines name it ("actor-v3")
+    lora: str | None = None  # multi-LoRA: the adapter (train.lora.adapters) that samples it and trains on it
 
     @property
     def total_len(self) -> int:
@@ -196,6 +197,11 @@ class RolloutBatch:
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "response_len/mean": sum(lens) / len(lens) if lens else 0.0,
         }
+        for name in sorted({s.lora for s in samples if s.lora is not None}):  # multi-LoRA: each adapter's own
+            mine = [s for s in trainable if s.lora == name]
+            got = [s.reward for s in mine if s.reward is not None]
+            m[f"lora/{name}/reward_mean"] = sum(got) / len(got) if got else 0.0
+            m[f"lora/{name}/samples"] = float(len(mine))
         spec = [s.metadata["speculative"] for s in samples if "speculative" in s.metadata]
         if spec:  # as SGLang reports them: drafts accepted of those proposed, tokens per verify step
             verify, proposed, correct, tokens = (sum(c[i] for c in spec) for i in range(4))

@@ -149,10 +149,11 @@ def test_a_mixture_draws_by_weight_in_a_reproducible_order_that_resumes_exactly(
     """3:1 over 4000 draws: the first source's share is 0.75 within sampling error (sd 0.007); each source reads its
     own columns and keeps its own shuffled cursor (epochs of 5 and of 3 rows); rows are numbered after the sources
     before them; two mixtures with one seed draw alike, another seed otherwise; a saved position continues exactly."""
+    from rlx.config import Config, ModelConfig
     from rlx.data.datasets import MixedDataset, open_dataset
 
     cfg = mixture(tmp_path)
-    m = open_dataset(cfg, seed=4)
+    m = open_dataset(Config(model=ModelConfig(path="m"), data=cfg), seed=4)
     assert isinstance(m, MixedDataset) and len(m) == 8
     rows = [m.next() for _ in range(4000)]
     share = sum(r.label == "a" for r in rows) / len(rows)
@@ -182,3 +183,32 @@ def test_one_dataset_or_a_mixture_not_both(tmp_path):
 
     with pytest.raises(ValidationError, match="set data.path .one dataset. or data.mix .several., not both"):
         DataConfig(path="x.jsonl", mix=mixture(tmp_path).mix)
+
+
+def test_each_adapter_of_a_multi_lora_run_draws_its_own_prompts_in_turn_by_weight(tmp_path):
+    """``train.lora.adapters``: rows come from each adapter's own file in turn, weights 2:1 giving exactly two of the
+    first per one of the second in every three draws (smooth weighted round-robin), each row marked with its adapter and
+    read with its own columns; rows are numbered after the adapters before them; a saved position continues exactly,
+    and one saved for other adapters is refused by name."""
+    from rlx.config import Config, DataSource, LoRAAdapterConfig, LoRAConfig, ModelConfig
+    from rlx.data.datasets import AdapterDatasets, open_dataset
+
+    a = write(tmp_path, [json.dumps({"prompt": f"a{i}", "label": "a"}) for i in range(5)], "a.jsonl")
+    b = write(tmp_path, [json.dumps({"q": f"b{i}", "label": "b"}) for i in range(3)], "b.jsonl")
+    adapters = [LoRAAdapterConfig(name="add", data=DataSource(path=str(a), weight=2)),
+                LoRAAdapterConfig(name="sub", data=DataSource(path=str(b), prompt_key="q"))]
+    cfg = Config(model=ModelConfig(path="m"), train={"lora": LoRAConfig(adapters=adapters)})
+    d = open_dataset(cfg, seed=4)
+    assert isinstance(d, AdapterDatasets) and len(d) == 8
+    rows = [d.next() for _ in range(30)]
+    assert [r.lora for r in rows[:6]] == ["add", "sub", "add", "add", "sub", "add"]
+    assert all([r.lora for r in rows[i:i + 3]].count("add") == 2 for i in range(0, 30, 3))
+    assert all(r.label == r.prompt[0] == {"add": "a", "sub": "b"}[r.lora] for r in rows)
+    assert {r.index for r in rows if r.lora == "sub"} == {5, 6, 7}
+    state = json.loads(json.dumps(d.state_dict()))
+    more = [d.next().prompt for _ in range(12)]
+    resumed = AdapterDatasets(cfg.data, adapters, seed=4)
+    resumed.load_state_dict(state)
+    assert [resumed.next().prompt for _ in range(12)] == more
+    with pytest.raises(RLXError, match=r"not of the adapters \['sub', 'add'\]"):
+        AdapterDatasets(cfg.data, adapters[::-1], seed=4).load_state_dict(state)

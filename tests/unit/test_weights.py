@@ -188,8 +188,8 @@ def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_bef
         def setup_transport(self, urls, out):
             pass
 
-        def push_weights(self, version, adapter=None, again=False):
-            pushed.append((version, adapter))
+        def push_weights(self, version, adapters=None, again=False):
+            pushed.append((version, adapters[None]))
             if self.fail:
                 raise RuntimeError("engine refused")
             return 100
@@ -207,7 +207,7 @@ def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_bef
 
     served = ServedAdapter(on=True)
     trainer = Trainer()
-    weights = Weights(trainer, Fleet(), "out", adapter=served)  # type: ignore[arg-type]
+    weights = Weights(trainer, Fleet(), "out", adapters={None: served})  # type: ignore[arg-type]
 
     async def run():
         assert await weights.push(1) == 100 and served.version == 1
@@ -231,3 +231,54 @@ def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_bef
     assert [v for v, _ in pushed] == [1, 2, 3] and all(name.startswith(f"actor-v{v}-") for v, name in pushed)
     assert len({name for _, name in pushed}) == 3 and unloaded == [first, pushed[2][1]]
     assert served.version == 2  # the failed push changed nothing requests name
+
+
+def test_a_multi_lora_push_sends_every_adapter_under_its_own_name_and_unloads_each_old_one_by_its_own_requests():
+    """``train.lora.adapters``: one push sends each adapter of the version under a name of its own (``<name>-vN-<hex>``),
+    which that adapter's requests name from then on; an adapter's older one is unloaded once its own requests are done,
+    whatever the other adapter's requests hold."""
+    import asyncio
+
+    from rlx.orchestrate.weights import Weights
+    from rlx.rollout.context import ServedAdapter
+
+    unloaded: list[str] = []
+    pushed: list[dict] = []
+
+    class Trainer:
+        def setup_transport(self, urls, out):
+            pass
+
+        def push_weights(self, version, adapters=None, again=False):
+            pushed.append(dict(adapters))
+            return 100
+
+    class Client:
+        async def unload_lora_adapter(self, name):
+            unloaded.append(name)
+
+    class Fleet:
+        health = None
+        weight_targets = [type("Engine", (), {"url": "http://e"})()]
+
+        async def for_each(self, fn, engines=None):
+            return [await fn(Client()) for _ in engines]
+
+    add, sub = ServedAdapter(on=True), ServedAdapter(on=True)
+    weights = Weights(Trainer(), Fleet(), "out", adapters={"add": add, "sub": sub})  # type: ignore[arg-type]
+
+    async def run():
+        await weights.push(1)
+        old_add, old_sub = add.name, sub.name
+        add.hold(old_add)  # a request of adapter add in flight
+        await weights.push(2)
+        done, waiting = await asyncio.wait(set(weights.unloads), return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == len(waiting) == 1 and unloaded == [old_sub]  # sub's old one: no request names it; add's is still in use
+        add.release(old_add)
+        await asyncio.gather(*weights.unloads)
+        assert sorted(unloaded) == sorted([old_add, old_sub])
+
+    asyncio.run(run())
+    assert [sorted(p) for p in pushed] == [["add", "sub"]] * 2
+    assert all(p[k].startswith(f"{k}-v{v}-") for v, p in enumerate(pushed, 1) for k in p)
+    assert (add.name, sub.name) == (pushed[1]["add"], pushed[1]["sub"]) and add.version == sub.version == 2

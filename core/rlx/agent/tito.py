@@ -188,7 +188,7 @@ class Session:
                 continue
             if template is not None:
                 s.group_id, s.index, s.label = template.group_id, template.index, template.label
-                s.prompt_text, s.metadata = template.prompt_text, dict(template.metadata)
+                s.prompt_text, s.metadata, s.lora = template.prompt_text, dict(template.metadata), template.lora
             s.metadata.pop("final", None)  # a regenerated sample's template may carry an earlier run's mark
             s.metadata["sampled_tokens"] = sum(t.sampled for t in self.turns if t.chain == i)
             if i == last:

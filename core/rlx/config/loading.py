@@ -174,7 +174,7 @@ def resolve_paths(cfg: Config, base: Path) -> None:
         value = getattr(node, keys[-1])
         if value:
             setattr(node, keys[-1], resolve(value, keys in MODEL_FIELDS))
-    for source in cfg.data.mix:
+    for source in [*cfg.data.mix, *(a.data for a in (cfg.train.lora.adapters if cfg.train.lora else []))]:
         source.path = resolve(source.path, False)
     for d in cfg.eval.datasets:
         if "://" not in d.path:

@@ -59,6 +59,7 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         problems.append((("train", "critic", "parallel"), "a critic layout of its own runs in processes of its own: "
                          "set ray.enabled: true (or leave it out: the critic then shares the actor's process)"))
     problems += _quantization(cfg)
+    problems += _adapters(cfg)
     if cfg.train.lora is not None:
         obj = cfg.train.objective
         for where, on, why in ((("train", "qat"), cfg.train.qat is not None, "quantisation-aware training quantises "
@@ -107,6 +108,31 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
         for key, field in AsyncConfig.model_fields.items():
             if getattr(cfg.train.async_, key) != field.default:  # a dumped config has the defaults
                 problems.append((("train", "async", key), "applies to train.mode: async only"))
+    return problems
+
+
+def _adapters(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
+    """Multi-LoRA (``train.lora.adapters``): what names an adapter names one, and what the adapters need."""
+    lora = cfg.train.lora
+    names = [a.name for a in lora.adapters] if lora is not None else []
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    for i, d in enumerate(cfg.eval.datasets):
+        if d.adapter is not None and d.adapter not in names:
+            problems.append((("eval", "datasets", i, "adapter"), f"{d.adapter!r} is not one of train.lora.adapters "
+                             f"({', '.join(names) or 'none listed'})"))
+    if not names:
+        return problems
+    assert lora is not None
+    if cfg.data.path is not None or cfg.data.mix:
+        problems.append((("data", "mix" if cfg.data.mix else "path"), "with train.lora.adapters each adapter reads "
+                         "its own prompts (train.lora.adapters[*].data): leave data's path and mix out (its column "
+                         "keys and limits apply to every adapter's)"))
+    if lora.push != "adapter":
+        problems.append((("train", "lora", "push"), "several adapters are served beside one base model: merged "
+                         "weights would be one model; use push: adapter"))
+    if cfg.weight_sync.transport.name not in ("tensor", "disk"):
+        problems.append((("weight_sync", "transport"), f"several adapters travel through the tensor or disk "
+                         f"transport (a {cfg.weight_sync.transport.name} version is one model's, or one adapter's)"))
     return problems
 
 

@@ -99,7 +99,11 @@ class DataConfig(Section):
 
     def source(self, i: int) -> DataConfig:
         """This section as mixture source `i` reads it: its path, with its own column keys where it sets them."""
-        s = self.mix[i]
+        return self.reading(self.mix[i])
+
+    def reading(self, s: DataSource) -> DataConfig:
+        """This section as it reads dataset `s` (a mixture's source, a LoRA adapter's data): its path, with its own
+        column keys where it sets them."""
         keys = ("prompt_key", "messages_key", "label_key", "metadata_key")
         return self.model_copy(update={"path": s.path, "mix": [],
                                        **{k: getattr(s, k) for k in keys if getattr(s, k) is not None}})
@@ -484,6 +488,26 @@ LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 LORA_TARGETS: tuple[LoRATarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+class LoRAAdapterConfig(Section):
+    """One adapter of a multi-LoRA run (``train.lora.adapters``): its prompts and rewards. Its rank, alpha and
+    targets are ``train.lora``'s."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$", max_length=40)  # engines serve it as <name>-v<version>-<hex>
+    # its prompts (read with data's keys where it sets none); weight: its share of each step's prompts
+    data: DataSource
+    rewards: list[RewardSpec] | None = None  # default: rollout.rewards
+
+    @field_validator("rewards", mode="before")
+    @classmethod
+    def _rewards(cls, v: Raw) -> Raw:
+        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_rewards(cls, v: Raw) -> Raw:
+        return unique_rewards(v)
+
+
 class LoRAConfig(Section):
     """LoRA on the actor (`rlx.train.lora`): adapters on the decoder layers' projections (experts' too), fp32, the
     rest of the model frozen; the optimizer holds the adapters only. Engines get the adapters (``push: adapter``: they
@@ -497,6 +521,26 @@ class LoRAConfig(Section):
     # adapter: engines load each version's adapter (SGLang's LoRA routes, launched with --enable-lora) and requests
     # name it; merged: engines get W + (alpha / rank) B A as full weights (any transport, quantised rollouts, experts)
     push: Literal["adapter", "merged"] = "adapter"
+    # multi-LoRA: several adapters over the one base model, each with its own data and rewards, sampled by the same
+    # engines at once and trained together in each step (none: one adapter, on data and rollout.rewards)
+    adapters: list[LoRAAdapterConfig] = Field(default_factory=list)
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: list[LoRAAdapterConfig]) -> list[LoRAAdapterConfig]:
+        names = [a.name for a in v]
+        if len(v) == 1:
+            raise ValueError("lists one adapter: one adapter is train.lora without adapters (on data and "
+                             "rollout.rewards); list two or more to train several")
+        if len(set(names)) < len(names):
+            raise ValueError(f"adapter names must be unique (they name the adapters engines serve, samples and "
+                             f"metrics): {names}")
+        return v
+
+    @property
+    def names(self) -> list[str | None]:
+        """The adapters the run trains by name: one, None, without ``adapters``."""
+        return [a.name for a in self.adapters] or [None]
 
 
 class TrainConfig(Section):
@@ -613,6 +657,7 @@ class EvalDatasetConfig(Section):
     # sampling: default the rollout's, greedy (temperature 0) when n_samples is 1; given, it replaces it
     sampling: SamplingConfig | None = None
     rewards: list[RewardSpec] | None = None  # default: rollout.rewards
+    adapter: str | None = None  # multi-LoRA: the train.lora.adapters entry that answers (None: the base model)
     correct_at: float = 1.0  # a sample is correct (pass@k, success rate) when its reward is at least this
 
     @field_validator("rewards", mode="before")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from rlx.config import DataConfig, SamplingConfig
+from rlx.config import Config, DataConfig, LoRAAdapterConfig, SamplingConfig
 from rlx.errors import RLXError
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class PromptRow:
     label: Any
     metadata: dict[str, Any] = field(default_factory=dict)
     path: Path = Path()  # the file it came from, for messages
+    lora: str | None = None  # multi-LoRA: the adapter whose prompt it is (`AdapterDatasets`)
 
     @property
     def where(self) -> str:
@@ -250,10 +251,48 @@ class MixedDataset:
             d.load_state_dict(s)
 
 
-def open_dataset(cfg: DataConfig, seed: int) -> PromptDataset | MixedDataset:
-    """The run's prompts: ``data.path``, or the mixture ``data.mix``."""
-    if cfg.mix:
-        return MixedDataset(cfg, seed)
-    if cfg.path is None:
+class AdapterDatasets:
+    """Multi-LoRA's prompts (``train.lora.adapters``): each adapter's own dataset, taken in turn by weight (smooth
+    weighted round-robin: with weights 1 and 1, one of each alternately; with 2 and 1, two of the first per one of the
+    second), each row marked with its adapter; the same interface as `PromptDataset`."""
+
+    def __init__(self, cfg: DataConfig, adapters: list[LoRAAdapterConfig], seed: int = 0):
+        self.names = [a.name for a in adapters]
+        self.sources = [PromptDataset(cfg.reading(a.data), Path(a.data.path), seed + 1_000_003 * i)
+                        for i, a in enumerate(adapters)]
+        self.offsets = [sum(len(d) for d in self.sources[:i]) for i in range(len(self.sources))]
+        self.weights = [a.data.weight for a in adapters]
+        self.credits = [0.0] * len(adapters)
+        self.path = "train.lora.adapters (" + ", ".join(str(d.path) for d in self.sources) + ")"
+
+    def next(self) -> PromptRow:
+        self.credits = [c + w for c, w in zip(self.credits, self.weights, strict=True)]
+        i = max(range(len(self.credits)), key=lambda k: (self.credits[k], -k))
+        self.credits[i] -= sum(self.weights)
+        row = self.sources[i].next()
+        return dataclasses.replace(row, index=self.offsets[i] + row.index, lora=self.names[i])
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.sources)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adapters": self.names, "credits": list(self.credits), "sources": [d.state_dict() for d in self.sources]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("adapters") != self.names:
+            raise RLXError(f"the checkpoint's data position is not of the adapters {self.names} (train.lora.adapters "
+                           f"changed since it was saved: {state.get('adapters')})")
+        self.credits = [float(c) for c in state["credits"]]
+        for d, s in zip(self.sources, state["sources"], strict=True):
+            d.load_state_dict(s)
+
+
+def open_dataset(cfg: Config, seed: int) -> PromptDataset | MixedDataset | AdapterDatasets:
+    """The run's prompts: ``data.path``, the mixture ``data.mix``, or each of ``train.lora.adapters``' own."""
+    if cfg.train.lora is not None and cfg.train.lora.adapters:
+        return AdapterDatasets(cfg.data, cfg.train.lora.adapters, seed)
+    if cfg.data.mix:
+        return MixedDataset(cfg.data, seed)
+    if cfg.data.path is None:
         raise RLXError("a prompt file (or data.mix) is required")
-    return PromptDataset(cfg, Path(cfg.path), seed)
+    return PromptDataset(cfg.data, Path(cfg.data.path), seed)

@@ -89,7 +89,10 @@ async def _train(cfg: Config, plugins: Plugins, stop: StopRequest, *, resume: bo
             RolloutSession(cfg, plugins, spawn, with_data=cfg.rollout.source == "generate"))
         trainer = await trainers.ready()
         write_placement(out, await asyncio.to_thread(trainer.hosts), [e.url for e in session.fleet.engines])
-        weights = Weights(trainer, session.fleet, out, adapter=session.ctx.adapter if session.fleet.engines else None)
+        served: dict[str | None, Any] | None = None  # (no engines: nothing to serve)
+        if session.fleet.engines:
+            served = dict(session.ctx.adapters.items()) or {None: session.ctx.adapter}
+        weights = Weights(trainer, session.fleet, out, adapters=served)
         stack.push_async_callback(weights.close)
         await weights.setup()
         if session.fleet.health is not None:

@@ -121,9 +121,9 @@ class TrainerWorker:
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self.sender.setup(engine_urls, output_dir, self.host)
 
-    def push_weights(self, version: int, adapter: str | None = None, again: bool = False) -> int:
+    def push_weights(self, version: int, adapters: dict[str | None, str] | None = None, again: bool = False) -> int:
         """Push (`WeightSender.push`); the bytes this rank sent."""
-        return self.sender.push(version, adapter, again)
+        return self.sender.push(version, adapters, again)
 
     def save(self, folder: str, background: bool = False) -> None:
         """The trainer's checkpoint into `folder`; `background`: its tensors copied now and written while the rank
@@ -189,10 +189,11 @@ class TrainerGroup(ABC):
     def setup_transport(self, engine_urls: list[str], output_dir: str) -> None:
         self._all("setup_transport", engine_urls, output_dir)
 
-    def push_weights(self, version: int, adapter: str | None = None, again: bool = False) -> int:
-        """Push the trainer's weights as `version` (with adapter pushes, its LoRA adapter as `adapter`; `again`: the
-        adapter pushed last); the bytes sent."""
-        return sum(self._all("push_weights", version, adapter, again))
+    def push_weights(self, version: int, adapters: dict[str | None, str] | None = None, again: bool = False) -> int:
+        """Push the trainer's weights as `version` (with adapter pushes, its LoRA adapters, each under the name
+        `adapters` gives it: None the one adapter, multi-LoRA's by name; `again`: those pushed last); the bytes
+        sent."""
+        return sum(self._all("push_weights", version, adapters, again))
 
     def save(self, folder: Path, background: bool = False) -> None:
         self._all("save", str(folder), background)

@@ -22,11 +22,12 @@ class Weights:
     failed because an engine failed (it fails a health probe now) is done again without that engine."""
 
     def __init__(self, trainer: TrainerGroup, fleet: EngineFleet, out: Path, version: int = 0,
-                 adapter: ServedAdapter | None = None):
-        """`adapter` (``train.lora.push: adapter``, when its ``on``): what requests name, moved to each adapter pushed;
-        the engines unload the older ones once no request uses them."""
+                 adapters: dict[str | None, ServedAdapter] | None = None):
+        """`adapters` (``train.lora.push: adapter``, those ``on``): what requests name, by adapter (None: the one
+        adapter; multi-LoRA's by name), each moved to its adapter pushed; the engines unload the older ones once no
+        request uses them."""
         self.trainer, self.fleet, self.out = trainer, fleet, str(out)
-        self.adapter = adapter if adapter is not None and adapter.on else None
+        self.adapters = {k: a for k, a in (adapters or {}).items() if a.on}
         self.unloads: set[asyncio.Task] = set()
         self.ready = asyncio.Event()  # clear while the trainers restart: an engine back waits for their weights
         self.ready.set()
@@ -61,16 +62,9 @@ class Weights:
                     await self._point(self.fleet.weight_targets)
                     if not self.fleet.weight_targets:  # every engine is out (each gets the weights when it comes
                         return 0  # back), or none runs (rollout.source: replay)
-                    if self.adapter is None:
+                    if not self.adapters:
                         return await asyncio.to_thread(self.trainer.push_weights, version)
-                    name = adapter_name(version)
-                    try:
-                        sent = await asyncio.to_thread(self.trainer.push_weights, version, name)
-                    except BaseException:
-                        self._unload(name)  # (some engines may have it)
-                        raise
-                    self._serve(name, version)
-                    return sent
+                    return await self._push_adapters(version)
                 except Exception as e:
                     health = self.fleet.health
                     if health is None or attempt == 2:
@@ -83,18 +77,30 @@ class Weights:
                           f"that serve", file=sys.stderr, flush=True)
         raise AssertionError("unreachable: the third attempt returns or raises")
 
-    def _serve(self, name: str, version: int) -> None:
-        """After adapter `name` of `version` was pushed: requests name it from now on, and the engines unload the one
-        before once no request uses it (in the background: a paused engine holds its requests)."""
-        assert self.adapter is not None
-        old, self.adapter.name, self.adapter.version = self.adapter.name, name, version
-        if old is not None and old != name:
-            self._unload(old)
+    async def _push_adapters(self, version: int) -> int:
+        """Each adapter of `version`, under a name of its own no engine has had; requests name them from then on."""
+        names = {key: adapter_name(version, key) for key in self.adapters}
+        try:
+            sent = await asyncio.to_thread(self.trainer.push_weights, version, names)
+        except BaseException:
+            for key, name in names.items():
+                self._unload(key, name)  # (some engines may have some)
+            raise
+        for key, name in names.items():
+            self._serve(key, name, version)
+        return sent
 
-    def _unload(self, name: str) -> None:
+    def _serve(self, key: str | None, name: str, version: int) -> None:
+        """After adapter `key`'s `name` of `version` was pushed: its requests name it from now on, and the engines
+        unload the one before once no request uses it (in the background: a paused engine holds its requests)."""
+        adapter = self.adapters[key]
+        old, adapter.name, adapter.version = adapter.name, name, version
+        if old is not None and old != name:
+            self._unload(key, old)
+
+    def _unload(self, key: str | None, name: str) -> None:
         async def unload() -> None:
-            assert self.adapter is not None
-            await self.adapter.unused(name)
+            await self.adapters[key].unused(name)
 
             async def one(c):
                 try:
@@ -111,9 +117,9 @@ class Weights:
         async def tidy() -> None:
             from rlx.transport import served_adapters
 
-            assert self.adapter is not None
+            used = {n for a in self.adapters.values() for n in (a.name, *a.users)}
             async with engine.client() as c:
-                for name in await served_adapters(c) - {self.adapter.name, *self.adapter.users}:
+                for name in await served_adapters(c) - used:
                     await c.unload_lora_adapter(name)
 
         self._background(tidy())
@@ -144,18 +150,18 @@ class Weights:
                 async with self.lock:
                     self.urls = None
                     await self._point([engine])
-                    adapter = self.adapter
-                    if adapter is None:
+                    served = {k: a.name for k, a in self.adapters.items() if a.name is not None}
+                    if not self.adapters:
                         await asyncio.to_thread(self.trainer.push_weights, self.version)
-                    elif adapter.version < self.version and not self.fleet.weight_targets:
-                        # every engine was out at the pushes since: it gets the trainer's adapter, requests name it
-                        name = adapter_name(self.version)
-                        await asyncio.to_thread(self.trainer.push_weights, self.version, name)
-                        self._serve(name, self.version)
-                    elif adapter.name is not None:  # the adapter requests name (none yet: the base model)
-                        await asyncio.to_thread(self.trainer.push_weights, adapter.version, adapter.name, True)
+                    elif (any(a.version < self.version for a in self.adapters.values())
+                          and not self.fleet.weight_targets):
+                        # every engine was out at the pushes since: it gets the trainer's adapters, requests name them
+                        await self._push_adapters(self.version)
+                    elif served:  # the adapters requests name (none yet: the base model)
+                        version = max(a.version for a in self.adapters.values())  # (pushed together)
+                        await asyncio.to_thread(self.trainer.push_weights, version, served, True)
                     await health.admit(engine)
-                    if adapter is not None:
+                    if self.adapters:
                         self._tidy(engine)
             except Exception as e:  # noqa: BLE001 - the engine stays out: its recovery says why
                 if not done.done():
@@ -168,7 +174,7 @@ class Weights:
         return self.fleet.health.metrics() if self.fleet.health is not None else {}
 
 
-def adapter_name(version: int) -> str:
-    """A name for the actor's adapter of `version` that no engine has loaded before (one per push: a retried push, a
-    restarted run or an engine kept across a resume never meets its own name)."""
-    return f"actor-v{version}-{secrets.token_hex(3)}"
+def adapter_name(version: int, key: str | None = None) -> str:
+    """A name for the actor's adapter `key` (None: the one adapter) of `version` that no engine has loaded before (one
+    per push: a retried push, a restarted run or an engine kept across a resume never meets its own name)."""
+    return f"{key or 'actor'}-v{version}-{secrets.token_hex(3)}"

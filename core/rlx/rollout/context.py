@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlx.config import SamplingConfig
+from rlx.errors import RLXError
 from rlx.rollout.engines.client import EngineClient, EngineError, GenerateRequest, GenerateResult
 from rlx.rollout.engines.health import resendable
 from rlx.types import Sample, SampleStatus
@@ -108,6 +109,7 @@ class GenerateContext:
     vocab_size: int | None = None  # the model's embedding rows: an id outside them is never sent (SGLang dies)
     seed: int | None = None  # run.seed under run.deterministic: every request gets a sampling_seed (`request_seed`)
     adapter: ServedAdapter = field(default_factory=ServedAdapter)  # the LoRA adapter requests name
+    adapters: dict[str, ServedAdapter] = field(default_factory=dict)  # multi-LoRA's, by name (`for_sample`)
     _rids: Any = field(default_factory=itertools.count)
     _rid_samples: dict[str, int] = field(default_factory=dict)  # rid -> sample id, until the request is sent
     _together: dict[Any, _Together] = field(default_factory=dict)  # requests gathering this turn of the loop
@@ -166,7 +168,7 @@ class GenerateContext:
 
     async def _join(self, req: GenerateRequest) -> GenerateResult:
         """`req`'s result, from one request with the identical requests issued in this turn of the event loop."""
-        key = (tuple(req.input_ids), json.dumps(req.sampling_params, sort_keys=True), req.lora_path)
+        key = (tuple(req.input_ids), json.dumps(req.sampling_params, sort_keys=True), id(self.adapter))
         batch = self._together.get(key)
         if batch is None:
             loop = asyncio.get_running_loop()
@@ -292,7 +294,12 @@ class _Together:
 
 def for_sample(ctx: GenerateContext, sample: Sample) -> GenerateContext:
     """`ctx`, with the sampling the sample's row asks for (its ``metadata.sampling``, `rlx.data.datasets`) over
-    the run's."""
+    the run's, and naming the sample's own adapter (multi-LoRA: `Sample.lora`)."""
+    if sample.lora is not None:
+        if sample.lora not in ctx.adapters:
+            raise RLXError(f"sample {sample.sample_id} is adapter {sample.lora!r}'s, which these engines are not "
+                           f"given (train.lora.adapters: {sorted(ctx.adapters) or 'none'})")
+        ctx = dataclasses.replace(ctx, adapter=ctx.adapters[sample.lora])
     overrides = sample.metadata.get("sampling")
     if not overrides:
         return ctx

@@ -83,6 +83,10 @@ class Evaluator:
                 rows = PromptDataset(cfg.data, Path(spec.path), cfg.run.seed).rows[: spec.max_prompts]
             except RLXError as e:
                 raise RLXError(f"eval.datasets[{i}] ({spec.name}): {e}") from None
+            if spec.adapter is not None and spec.adapter not in ctx.adapters:
+                raise RLXError(f"eval.datasets[{i}] ({spec.name}): adapter {spec.adapter!r} is one a run trains "
+                               f"(train.lora.adapters); these engines serve no such adapter (rl eval evaluates a "
+                               f"model: export the run with --save-hf and evaluate the adapter merged)")
             ids = [tokenize_prompt(ctx.tokenizer, r, cfg.data.apply_chat_template) for r in rows]
             rewards = (Rewards(spec.rewards, plugins, cfg.rollout, f"eval.datasets[{i}].rewards")
                        if spec.rewards is not None else Rewards(cfg.rollout.rewards, plugins, cfg.rollout))
@@ -109,7 +113,8 @@ class Evaluator:
 
     async def _group(self, ctx, spec, rewards, index, row, prompt) -> list[Sample]:
         samples = [Sample(prompt_ids=list(prompt), prompt_text=row.prompt or "", label=row.label, group_id=index,
-                          sample_id=index * spec.n_samples + j, index=j, metadata=dict(row.metadata))
+                          sample_id=index * spec.n_samples + j, index=j, metadata=dict(row.metadata),
+                          lora=spec.adapter)
                    for j in range(spec.n_samples)]
         out = await asyncio.gather(*(self._sample(ctx, s, rewards) for s in samples))
         return [s for branch in out for s in branch[-1:]]  # an agent's trajectory counts once, by its answer

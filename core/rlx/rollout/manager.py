@@ -60,6 +60,10 @@ class RolloutManager:
         self.teachers = teachers
         self.generator = plugins.build("generators", self.rc.generator)
         self.rewards = Rewards(self.rc.rewards, plugins, self.rc)
+        # multi-LoRA: each adapter's own rewards, where it lists them (its samples' `Sample.lora`)
+        adapters = cfg.train.lora.adapters if cfg.train.lora is not None else []
+        self.adapter_rewards = {a.name: Rewards(a.rewards, plugins, self.rc, f"train.lora.adapters[{i}].rewards")
+                                for i, a in enumerate(adapters) if a.rewards is not None}
         self.sem = asyncio.Semaphore(self.rc.requests.max_concurrency)
         self.next_group_id = 0
         self.next_sample_id = 0
@@ -116,7 +120,7 @@ class RolloutManager:
         for i in range(self.rc.n_samples_per_prompt):
             samples.append(Sample(prompt_ids=list(ids), prompt_text=row.prompt or "", label=row.label,
                                   group_id=gid, sample_id=self.next_sample_id, index=i,
-                                  metadata=dict(row.metadata)))
+                                  metadata=dict(row.metadata), lora=row.lora))
             self.next_sample_id += 1
         return Group(gid, samples, prompt_index=row.index)
 
@@ -153,12 +157,13 @@ class RolloutManager:
         todo = [s for s in out if s.status.trainable and s.reward is None]
         if not todo:
             return
+        rewards = self.adapter_rewards.get(out[0].lora, self.rewards)  # type: ignore[arg-type]
         if len(out) == 1:
-            await self.rewards.score(todo[0])
+            await rewards.score(todo[0])
             return
         final = next((s for s in reversed(out) if s.metadata.get("final")), out[-1])
         if final.status.trainable and final.reward is None:
-            await self.rewards.score(final)
+            await rewards.score(final)
         for s in todo:
             if s is final:
                 continue
@@ -335,7 +340,7 @@ class RolloutManager:
             metadata = {k: v for k, v in s.metadata.items() if k not in GENERATED_METADATA}
             fresh.setdefault(s.index, Sample(prompt_ids=s.prompt_ids, prompt_text=s.prompt_text, label=s.label,
                                              group_id=s.group_id, sample_id=s.sample_id, index=s.index,
-                                             metadata=metadata))
+                                             metadata=metadata, lora=s.lora))
         group.samples = [fresh[i] for i in sorted(fresh)]
         self.pending.insert(0, group)
 

@@ -55,6 +55,16 @@ def family_engine_args(model_path: str, plugins: Plugins) -> dict[str, Any]:
     return model_spec(model_path, plugins).engine_args()
 
 
+def served_adapters(cfg: Config) -> dict[str, Any]:
+    """The LoRA adapters requests name (``train.lora.push: adapter``): the one adapter, or with several
+    (``train.lora.adapters``) each by its name, its samples' requests naming it (`for_sample`), and the base model
+    for the rest."""
+    names = cfg.train.lora.names if adapter_pushes(cfg) and cfg.train.lora is not None else [None]
+    if names == [None]:
+        return {"adapter": ServedAdapter(on=adapter_pushes(cfg))}
+    return {"adapter": ServedAdapter(), "adapters": {name: ServedAdapter(on=True) for name in names}}
+
+
 class RolloutSession:
     def __init__(self, cfg: Config, plugins: Plugins, spawn=None, with_data: bool = True):
         """`spawn`: how engine processes start (see `EngineFleet`); default local processes.
@@ -89,9 +99,11 @@ class RolloutSession:
         dataset = None
         if self.with_data:
             try:
-                dataset = open_dataset(self.cfg.data, self.cfg.run.seed)
+                dataset = open_dataset(self.cfg, self.cfg.run.seed)
             except RLXError as e:
-                raise RLXError(f"data.{'mix' if self.cfg.data.mix else 'path'}: {e}") from None
+                where = ("train.lora.adapters" if self.cfg.train.lora is not None and self.cfg.train.lora.adapters
+                         else f"data.{'mix' if self.cfg.data.mix else 'path'}")
+                raise RLXError(f"{where}: {e}") from None
         await self.fleet.start()
         try:
             return await self._enter(tokenizer, dataset)
@@ -108,7 +120,7 @@ class RolloutSession:
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
             health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
             vocab_size=vocab_size(self.cfg.model.path), seed=self.cfg.run.seed if self.cfg.run.deterministic else None,
-            adapter=ServedAdapter(on=adapter_pushes(self.cfg)))
+            **served_adapters(self.cfg))
         ctx.context_length = await self.fleet.context_length()
         if dataset is not None:
             self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all,

@@ -23,7 +23,8 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
     safetensors shards of at most 1 GB written by each stage's sender, what the trainer does not hold copied
     unchanged from the original checkpoint (`ModelSpec.carried`: a wrapper's vision tower, untrained MTP layers), and
     their index. `folder` must be on storage every trainer host sees (with pipeline stages on several hosts). With
-    ``train.lora`` the weights are the merged ones, and `export_adapter` writes the adapters in `folder`/adapter."""
+    ``train.lora`` the weights are the merged ones, and `export_adapter` writes the adapters in `folder`/adapter; with
+    several (``train.lora.adapters``) the weights are the base model's, and each adapter is in `folder`/adapter-<name>."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -79,11 +80,11 @@ def export_hf(trainer: Trainer, folder: Path) -> None:
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}, indent=1))
 
     agree(par, index)
-    if trainer.actor.lora:
-        export_adapter(trainer, folder / "adapter")
+    for key in trainer.actor.lora_keys:
+        export_adapter(trainer, folder / ("adapter" if key is None else f"adapter-{key}"), key)
 
 
-def export_adapter(trainer: Trainer, folder: Path) -> None:
+def export_adapter(trainer: Trainer, folder: Path, key: str | None = None) -> None:
     """The actor's LoRA adapters (``train.lora``) as peft saves them: ``adapter_config.json`` and
     ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``, ``lora_B``), for the transformers
     model of the original checkpoint (``PeftModel.from_pretrained``). Written by rank 0 (adapters are small); not
@@ -97,7 +98,7 @@ def export_adapter(trainer: Trainer, folder: Path) -> None:
             print(f"rlx: warning: no peft adapter in {folder}: the adapters on experts have no peft form for "
                   f"transformers' fused experts (the merged checkpoint beside it has them)", file=sys.stderr)
         return
-    tensors = trainer.adapter_tensors()
+    tensors = trainer.adapter_tensors(key)
     if tensors is None:  # (rank 0 writes)
         return
     save_peft_adapter(folder, tensors, trainer.adapter_config(tensors))

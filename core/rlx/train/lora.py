@@ -17,9 +17,13 @@ Choices:
 * Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: one adapter on the fused projection,
   ``A`` shared by its parts and ``B`` over their rows, which is exactly one peft adapter per part with the same
   ``A``. So targets name HF (peft) modules, and the parts of a fused projection are targeted together.
-* What engines get and ``--save-hf`` writes are the merged weights, ``W + (alpha / rank) B A``, through the model
-  bridge as for full training; pushing the adapters alone is not built yet. ``--save-hf`` writes the adapters in
-  peft's format beside them (`adapters`: the model bridge lays them out as it lays out the weights they sit on).
+* Engines get the adapters alone (``push: adapter``, `adapters`: the model bridge lays them out as it lays out the
+  weights they sit on, in peft's names) or the merged weights, ``W + (alpha / rank) B A``, through the model bridge as
+  for full training (``push: merged``). ``--save-hf`` writes the merged weights and the adapters in peft's format.
+* Multi-LoRA (``train.lora.adapters``): each projection holds one ``A``, ``B`` pair per adapter (``lora_A_<name>``;
+  the one adapter's are ``lora_A``, ``lora_B``), all starting alike. A micro-batch holds one adapter's samples
+  (`rlx.train.step.RLStep.packed`) and the forward uses that adapter's pair (`select`), so each adapter's gradient
+  comes from its own samples only; one optimizer steps them all (Adam's moments are per parameter).
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
         if expert:
             global_name = EXPERT.sub(f".local_experts.{int(expert.group(1)) + expert_offset}.", global_name)
         gated = key == "linear_fc1" and getattr(module.config, "gated_linear_unit", False)
-        _add_adapter(module, column, cfg, seed, global_name, fused_gate_up=gated)
+        for adapter in cfg.names:
+            _add_adapter(module, column, cfg, seed, global_name, fused_gate_up=gated, key=adapter)
         module.lora_column = column
         # (exact in fp32: `adapters` reads it back after the model bridge moved the rows or columns around)
         module.lora_key = (layer * 4096 + (int(expert.group(1)) + expert_offset + 1 if expert else 0)) * 16 + list(
@@ -99,12 +104,33 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
     if getattr(config, "moe_router_enable_expert_bias", False):
         config.moe_router_bias_update_rate = 0.0  # the aux-loss-free routing bias is the base's: frozen too
     for pname, p in model.named_parameters():
-        if not pname.endswith(("lora_A", "lora_B")):
+        if not pname.rpartition(".")[2].startswith(("lora_A", "lora_B")):
             p.requires_grad_(False)
     return found
 
 
-def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_name: str, fused_gate_up: bool) -> None:
+def suffix(key: str | None) -> str:
+    """What follows ``lora_A`` and ``lora_B`` in the names of adapter `key`'s factors (None: the one adapter)."""
+    return "" if key is None else f"_{key}"
+
+
+def factors(module: Any, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapter `key`'s ``A`` and ``B`` on `module`."""
+    return getattr(module, f"lora_A{suffix(key)}"), getattr(module, f"lora_B{suffix(key)}")
+
+
+def select(adapted: dict[str, Any], key: str | None) -> None:
+    """The adapter the next forwards of the `adapted` projections use (a micro-batch's samples' `Sample.lora`)."""
+    for m in adapted.values():
+        if f"lora_A{suffix(key)}" not in m._parameters:
+            have = sorted(k.removeprefix("lora_A_") for k in m._parameters if k.startswith("lora_A_"))
+            raise RLXError(f"a sample of adapter {key!r} reached a trainer whose adapters are "
+                           f"{have or 'one, unnamed (train.lora without adapters)'}")
+        m.lora_active = key
+
+
+def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_name: str, fused_gate_up: bool,
+                 key: str | None) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     group = getattr(module, "tp_group", None)
@@ -116,12 +142,16 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
     if not column:
         a = a[:, rank * in_local:(rank + 1) * in_local]
     device = module.weight.device
-    module.lora_A = torch.nn.Parameter(a.to(torch.float32).contiguous().to(device))
-    module.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=torch.float32, device=device))
-    split = module.lora_B if column else module.lora_A  # split over the ranks with the weight
-    set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
-    for p in (module.lora_A, module.lora_B):  # experts' gradients reduce over their own data-parallel ranks
+    names = f"lora_A{suffix(key)}", f"lora_B{suffix(key)}"
+    lora_a = torch.nn.Parameter(a.to(torch.float32).contiguous().to(device))
+    lora_b = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=torch.float32, device=device))
+    module.register_parameter(names[0], lora_a)
+    module.register_parameter(names[1], lora_b)
+    set_tensor_model_parallel_attributes(lora_b if column else lora_a, True, 0 if column else 1, 1)  # split as W
+    for p in (lora_a, lora_b):  # experts' gradients reduce over their own data-parallel ranks
         setattr(p, "allreduce", getattr(module.weight, "allreduce", True))
+    if getattr(module, "lora_scale", None) is not None:  # another adapter's: the forward and checkpoint are set
+        return
     scale = cfg.alpha / cfg.rank
     # experts under expert tensor parallelism (megatron's "explicit expert communication"): the token dispatcher, not
     # the projection, gathers their input over the group and sums their row-parallel outputs, so a projection's
@@ -140,7 +170,7 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
         x = input_.to(torch.float32)
         if cfg.dropout and torch.is_grad_enabled() and module.training:  # (log-probs without grad: no dropout)
             x = torch.nn.functional.dropout(x, cfg.dropout)
-        a, b = module.lora_A, module.lora_B
+        a, b = factors(module, module.lora_active)
         if tp > 1 and explicit:  # an expert's: partial products, as the weight's
             if column:
                 a = _SumGradOverGroup.apply(a, group)
@@ -153,6 +183,7 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
 
     module.forward = lora_forward
     module.lora_off = False
+    module.lora_active = key
     sharded = module.sharded_state_dict
 
     def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
@@ -160,14 +191,16 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         out = sharded(prefix, sharded_offsets, metadata)
-        lora = make_sharded_tensors_for_checkpoint(
-            {"lora_A": module.lora_A, "lora_B": module.lora_B}, prefix, {"lora_B": 0} if column else {"lora_A": 1},
-            sharded_offsets, tp_group=group, dp_cp_group=(metadata or {})["dp_cp_group"])
-        if fused_gate_up and column:  # B's rows are [gate; up] on each rank, as the weight's
-            key = f"{prefix}lora_B"
-            lora[key] = apply_swiglu_sharded_factory(lora[key], sharded_offsets,
-                                                     (metadata or {}).get("singleton_local_shards", False))
-        out.update(lora)
+        for k in cfg.names:
+            a_name, b_name = f"lora_A{suffix(k)}", f"lora_B{suffix(k)}"
+            lora = make_sharded_tensors_for_checkpoint(
+                dict(zip((a_name, b_name), factors(module, k), strict=True)), prefix,
+                {b_name: 0} if column else {a_name: 1}, sharded_offsets, tp_group=group,
+                dp_cp_group=(metadata or {})["dp_cp_group"])
+            if fused_gate_up and column:  # B's rows are [gate; up] on each rank, as the weight's
+                lora[prefix + b_name] = apply_swiglu_sharded_factory(
+                    lora[prefix + b_name], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+            out.update(lora)
         return out
 
     module.sharded_state_dict = sharded_state_dict
@@ -260,9 +293,11 @@ class Merged(dict):
 ROW_PARTS = ("o_proj", "down_proj")
 
 
-def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Each adapted HF projection of `role`'s pipeline stage with its peft ``lora_A`` ``[rank, in]`` and ``lora_B``
-    ``[out, rank]`` (without the scale), as peft names and lays them out for the transformers model: the factor
+def adapters(role: Any, targets: Sequence[str], key: str | None = None
+             ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each adapted HF projection of `role`'s pipeline stage with adapter `key`'s (None: the one adapter's) peft
+    ``lora_A`` ``[rank, in]`` and ``lora_B`` ``[out, rank]`` (without the scale), as peft names and lays them out for
+    the transformers model: the factor
     split over ranks goes through the model bridge in the weight's place (its rows or columns moved as the weight's,
     one more row or column carrying the projection's key), the whole one comes from the rank holding it.
     Collective over the trainer's ranks: every rank calls it, and those with ``gathers`` iterate to the end (as
@@ -272,7 +307,7 @@ def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Ten
     state = role._local_state(role.model)
     whole: dict[int, torch.Tensor] = {}
     for name, m in role.lora.items():
-        a, b = m.lora_A.detach(), m.lora_B.detach()
+        a, b = (t.detach() for t in factors(m, key))
         if m.lora_column:
             state[f"{name}.weight"] = torch.cat([b, torch.full((b.shape[0], 1), float(m.lora_key), device=b.device)], 1)
             whole[m.lora_key] = a.cpu()
@@ -281,7 +316,7 @@ def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Ten
             whole[m.lora_key] = b.cpu()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, whole)
-    factors = {k: v for part in everyone for k, v in part.items()}
+    gathered = {k: v for part in everyone for k, v in part.items()}
     if not role.par.gathers:  # (a data-parallel replica of ranks that gather)
         return
     for hf_name, t in role.hf_of(state):
@@ -289,7 +324,7 @@ def adapters(role: Any, targets: Sequence[str]) -> Iterator[tuple[str, torch.Ten
         if kind != "weight" or module.rpartition(".")[2] not in targets:
             continue
         if module.endswith(ROW_PARTS):
-            yield module, t[:-1].float(), factors[int(t[-1, 0])]
+            yield module, t[:-1].float(), gathered[int(t[-1, 0])]
         else:
-            yield module, factors[int(t[0, -1])], t[:, :-1].float()
+            yield module, gathered[int(t[0, -1])], t[:, :-1].float()
 

@@ -40,6 +40,7 @@ from rlx.errors import RLXError
 from rlx.train.megatron_patches import checkpoint as checkpoint_patches
 from rlx.train.moe import sum_router_grads
 from rlx.train.packing import PackedBatch
+from rlx.train.lora import select
 from rlx.train.spec import HFCheckpoint, ModelSpec, Stage
 
 if TYPE_CHECKING:
@@ -290,6 +291,7 @@ class ModelRole:
             self.routing = RoutingReplay(self.model, spec.num_layers, topk, routing_replay, spec.num_experts)
         self.trainable = False
         self.lora: dict[str, torch.nn.Module] = {}  # the projections with LoRA adapters, by module name
+        self.lora_keys: list[str | None] = []  # the adapters they hold (None: the one adapter; multi-LoRA's names)
         self.adapter_params = 0  # the adapters' parameters (all ranks', each once)
         self.ddp: Any = None
         self.optimizer: Any = None
@@ -304,6 +306,7 @@ class ModelRole:
 
             local_experts = (self.spec.num_experts or 0) // self.par.ep
             self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
+            self.lora_keys = lora.names
             p = self.par
             self.adapter_params = adapter_params(self.model, p.world, p.tp, p.dp, p.pp, p.ep, p.etp)
             if p.rank == 0:  # (with Ray in the trainer's log; `lora/params` in the metrics)
@@ -445,6 +448,8 @@ class ModelRole:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
+            if len(self.lora_keys) > 1:  # multi-LoRA: a micro-batch is one adapter's (`RLStep.packed`)
+                select(self.lora, mb.samples[0].lora)
             extra = {}
             if self.spec.num_experts:  # pads stay out of the routers' statistics and expert-bias counts
                 pads = mb.pad_mask.clone()
@@ -517,7 +522,7 @@ class ModelRole:
         with experts split over ranks its expert-parallel groups: every rank with `ParallelState.gathers`
         must iterate to the end)."""
         state = self._local_state(self.model)
-        if self.lora:  # (`rlx.train.lora`): the weights the adapters make, each when it is gathered
+        if self.lora_keys == [None]:  # (`rlx.train.lora`): the weights the adapter makes, each when it is gathered
             from rlx.train.lora import Merged
 
             state = Merged(state, self.lora)

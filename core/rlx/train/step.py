@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,8 @@ from rlx.train.objective import MAX_KEYS, metric_keys, micro_loss, response_logp
 from rlx.train.packing import PackedBatch, micro_batches, pack
 from rlx.types import Group, RolloutBatch, Sample
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
     from rlx.config import ObjectiveConfig, TrainConfig
     from rlx.protocols import AdvantageEstimator, Balancer, PolicyLoss
@@ -44,12 +46,16 @@ if TYPE_CHECKING:
 
 
 def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm) -> TrainBatch:
-    """Advantages and normalisation weights of every trainable sample of the batch."""
+    """Advantages and normalisation weights of every trainable sample of the batch (multi-LoRA: each adapter's
+    samples on their own, as if they were a batch of their own, `by_adapter`)."""
     groups = [g for g in batch.groups if g.trainable]
-    adv = estimator.advantages(groups)
-    if not isinstance(adv, Mapping):
-        raise RLXError(f"advantage estimator {getattr(estimator, 'name', estimator)!r} returned "
-                       f"{type(adv).__name__}; the contract is a mapping sample_id -> advantage")
+    adv: dict[int, Any] = {}
+    for part in by_adapter(groups, lambda g: g.samples[0].lora):
+        got = estimator.advantages(part)
+        if not isinstance(got, Mapping):
+            raise RLXError(f"advantage estimator {getattr(estimator, 'name', estimator)!r} returned "
+                           f"{type(got).__name__}; the contract is a mapping sample_id -> advantage")
+        adv.update(got)
     groups = [g for g in groups if any(s.sample_id in adv for s in g.trainable)]
     samples = [s for g in groups for s in g.trainable if s.sample_id in adv]
     if not samples:
@@ -60,9 +66,21 @@ def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm)
 
 
 def per_token_weights(groups: list[Group], samples: list[Sample], loss_norm: Norm) -> dict[int, torch.Tensor]:
-    """Each sample's normalisation weight per response token (`token_weights`), 0 where the loss mask is 0."""
-    w = token_weights(groups, loss_norm)
+    """Each sample's normalisation weight per response token (`token_weights`; multi-LoRA: over its adapter's samples,
+    so that each adapter's loss is the mean over its own), 0 where the loss mask is 0."""
+    w: dict[int, float] = {}
+    for part in by_adapter(groups, lambda g: g.samples[0].lora):
+        w.update(token_weights(part, loss_norm))
     return {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
+
+
+def by_adapter(items: list[T], adapter: Callable[[T], str | None]) -> list[list[T]]:
+    """`items` (groups, samples) by their multi-LoRA adapter (`Sample.lora`), in order of first appearance, each part
+    in its order; one part without adapters."""
+    parts: dict[str | None, list[T]] = {}
+    for x in items:
+        parts.setdefault(adapter(x), []).append(x)
+    return list(parts.values())
 
 
 def batch_probes(samples: list[Sample]) -> dict[str, float]:
@@ -121,8 +139,9 @@ class RLStep:
         self.par = par
 
     def packed(self, samples: list[Sample]) -> list[PackedBatch]:
-        return [pack([samples[i] for i in idx], self.tc.row_tokens)
-                for idx in micro_batches([s.total_len for s in samples], self.tc.max_tokens_per_micro_batch)]
+        """`samples` packed into micro-batches; each holds one adapter's (multi-LoRA: the forward uses its adapter)."""
+        return [pack([part[i] for i in idx], self.tc.row_tokens) for part in by_adapter(samples, lambda s: s.lora)
+                for idx in micro_batches([s.total_len for s in part], self.tc.max_tokens_per_micro_batch)]
 
     def my_share(self, samples: list[Sample]) -> list[Sample]:
         parts = self.balancer.partition([s.total_len for s in samples], self.par.dp, self.flops)
@@ -159,6 +178,13 @@ class RLStep:
         """The step's mini-batches (one optimizer update each) as this rank's shares, and each one's scale."""
         updates = self.tc.updates_per_step
         cuts = [tb.samples[i::updates] for i in range(updates)]
+        if updates > 1 and len({s.lora for s in tb.samples}) > 1:  # multi-LoRA: each adapter's part its own mean
+            for cut in cuts:
+                for part in by_adapter(cut, lambda s: s.lora):
+                    total = sum(float(tb.weights[s.sample_id].sum()) for s in part) or 1.0
+                    for s in part:
+                        tb.weights[s.sample_id] = tb.weights[s.sample_id] / total
+            return [self.my_share(g) for g in cuts], [1.0] * updates
         return [self.my_share(g) for g in cuts], mini_batch_scales(tb, cuts)
 
     def update(self, role: ModelRole, minis: list[list[Sample]], scales: list[float],

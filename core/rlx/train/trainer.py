@@ -60,6 +60,10 @@ class Trainer:
         if tc.objective.kl_coef > 0 and tc.lora is not None:  # the frozen model is the actor with its adapters off
             self.reference = AdaptersOff(self.actor)
         self.estimator = plugins.build("advantages", tc.objective.advantage)
+        if getattr(self.estimator, "needs_critic", False) and tc.lora is not None and tc.lora.adapters:
+            raise RLXError(f"train.objective.advantage {tc.objective.advantage.name!r} trains a critic, which would be "
+                           f"one for every adapter of train.lora.adapters (their rewards differ): multi-LoRA is "
+                           f"built for critic-free estimators (grpo, rloo, reinforce++ and their kin)")
         policy_loss = plugins.build("losses", tc.objective.loss)
         self.loss_norm = loss_norm(tc.objective, policy_loss)
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
@@ -137,8 +141,9 @@ class Trainer:
         dist.all_reduce(experts, op=dist.ReduceOp.MAX)
         return bool(experts.item())
 
-    def adapter_tensors(self) -> dict[str, torch.Tensor] | None:
-        """The actor's LoRA adapters whole, by peft's names for the transformers model
+    def adapter_tensors(self, key: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The actor's LoRA adapter `key` (None: the one adapter; multi-LoRA's by name) whole, by peft's names for the
+        transformers model
         (``base_model.model.<module>.lora_A.weight``, ``lora_B``; fused parts share their A), on CPU: on rank 0, None
         elsewhere. What an adapter push sends and ``--save-hf`` writes. Collective over every rank."""
         import torch.distributed as dist
@@ -152,7 +157,7 @@ class Trainer:
         def collect() -> None:
             self.memory.hold(actor="weights")  # (colocated offload: the adapters are with the weights)
             try:
-                for module, a, b in adapters(self.actor, targets):
+                for module, a, b in adapters(self.actor, targets, key):
                     if self.par.sender:
                         mine[f"base_model.model.{module}.lora_A.weight"] = a.cpu().clone()
                         mine[f"base_model.model.{module}.lora_B.weight"] = b.cpu().clone()

@@ -62,7 +62,7 @@ class WeightSender:
         self.pushes = 0
         self.quantization = quantization
         self.adapters = adapters
-        self.last_adapter: dict[str, Any] | None = None  # rank 0: the adapter it last pushed (`push`'s `again`)
+        self.last_adapter: dict[str | None, Any] = {}  # rank 0: the adapters it last pushed (`push`'s `again`)
         self.fp8: tuple[tuple[int, int], set[str]] | None = None  # the served FP8 checkpoint's block and names
         self.transport: Transport | None = None
         self.ctx: TransportContext | None = None
@@ -140,9 +140,10 @@ class WeightSender:
         assert self.transport is not None and self.ctx is not None, "setup() first"
         return self.transport, self.ctx
 
-    def push(self, version: int, adapter: str | None = None, again: bool = False) -> int:
+    def push(self, version: int, adapters: dict[str | None, str] | None = None, again: bool = False) -> int:
         """Send the stages' weights one stage after another, let sender 0 commit `version`, then verify. Returns the
-        bytes this rank sent. With adapter pushes, the actor's adapter as `adapter` (`_push_adapter`).
+        bytes this rank sent. With adapter pushes, the actor's adapters, each under its name in `adapters`
+        (`_push_adapter`).
 
         Stages take turns: an engine that serves weight requests one at a time (SGLang) could otherwise
         take two stages' broadcasts in different orders on different engines and wait forever. A failure
@@ -150,9 +151,9 @@ class WeightSender:
         """
         assert self.ctx is not None, "setup() first"
         if self.adapters:
-            if adapter is None:
-                raise RLXError("train.lora.push: adapter: a push names the adapter the engines serve it as")
-            return self._push_adapter(version, adapter, again)
+            if not adapters:
+                raise RLXError("train.lora.push: adapter: a push names the adapters the engines serve them as")
+            return sum(self._push_adapter(version, key, name, again) for key, name in adapters.items())
         ctx = self.ctx
         full = self.verify_weights == "full" and self.pushes % self.full_interval == 0
         self.pushes += 1
@@ -179,12 +180,13 @@ class WeightSender:
             self._agree(lambda: self.run(check) if check is not None else None)
         return sent[0]
 
-    def _push_adapter(self, version: int, name: str, again: bool) -> int:
-        """The actor's LoRA adapter, whole, from rank 0 (it is small): sent and committed as `Adapter` `name` for
-        `version`, which engines serve beside the base model; then each engine is checked to report `version` and
-        serve the adapter (its integrity the engine checks as it loads it, where the transport sends checksums).
-        `again`: the adapter rank 0 last pushed, not the trainer's (to an engine back: the one requests name)."""
-        tensors = self.last_adapter if again else self.trainer.adapter_tensors()  # (collective unless again)
+    def _push_adapter(self, version: int, key: str | None, name: str, again: bool) -> int:
+        """The actor's LoRA adapter `key` (None: the one; multi-LoRA's by name), whole, from rank 0 (it is small): sent
+        and committed as `Adapter` `name` for `version`, which engines serve beside the base model; then each engine
+        is checked to report `version` and serve the adapter (its integrity the engine checks as it loads it, where
+        the transport sends checksums). `again`: the adapter rank 0 last pushed, not the trainer's (to an engine back:
+        the one requests name)."""
+        tensors = self.last_adapter.get(key) if again else self.trainer.adapter_tensors(key)  # (collective unless again)
         sent = [0]
 
         def send() -> None:
@@ -199,7 +201,7 @@ class WeightSender:
             sent[0] = sum(t.numel() * t.element_size() for t in tensors.values())
             if self.verify_weights != "off":
                 self.run(verify_adapter(ctx.engines, name, version))
-            self.last_adapter = tensors
+            self.last_adapter[key] = tensors
 
         self.pushes += 1
         self._agree(send)

@@ -164,8 +164,10 @@ class EngineFleet:
             args.setdefault("enable_memory_saver", True)
             if args.get("enable_lora"):  # the base weights come back from host memory: adapter pushes never resend
                 args.setdefault("enable_weights_cpu_backup", True)  # them (SGLang's released weights are garbage)
-        if args.get("enable_lora") and self.cfg.train.mode == "async":  # versions in flight at once, and the base
-            args.setdefault("max_loras_per_batch", max(8, self.cfg.train.async_.max_staleness + 2))
+        if args.get("enable_lora"):  # each adapter's versions in flight at once (async), and the base model
+            versions = self.cfg.train.async_.max_staleness + 1 if self.cfg.train.mode == "async" else 1
+            adapters = len(self.cfg.train.lora.names) if self.cfg.train.lora is not None else 1
+            args.setdefault("max_loras_per_batch", max(8, adapters * versions + 1))
         dtype = self.cfg.model.dtype
         if self.cfg.run.deterministic:
             args.setdefault("enable_deterministic_inference", True)
