@@ -22,7 +22,9 @@ def example(folder: Path, name: str, example: str, *, steps: int, seed: int | No
     the end."""
     doc = yaml.safe_load((ROOT / "examples" / example).read_text())
     doc["run"].update(output_dir=str(folder / name), loggers=[], **({"seed": seed} if seed is not None else {}))
-    doc["data"]["path"] = str(ROOT / "examples" / doc["data"]["path"])
+    for data in [doc["data"], *(a["data"] for a in doc["train"].get("lora", {}).get("adapters", []))]:
+        if "path" in data:
+            data["path"] = str(ROOT / "examples" / data["path"])
     if evals is None:
         doc.pop("eval", None)
     else:

@@ -113,6 +113,10 @@ def _check_critic(cfg: Config, plugins: Plugins) -> list[Problem]:
     if getattr(plugins.get("advantages", name), "needs_critic", False):
         if obj.kl_in_reward and not obj.kl_coef:
             problems.append((("train", "objective", "kl_in_reward"), "needs a KL penalty: set kl_coef > 0"))
+        if cfg.train.lora is not None and cfg.train.lora.adapters:
+            problems.append((("train", "objective", "advantage"), f"{name!r} trains a critic, which would be one for "
+                             f"every adapter of train.lora.adapters (their rewards differ): multi-LoRA is built for "
+                             f"critic-free estimators (grpo, rloo, reinforce++ and their kin)"))
         return problems
     why = f"applies to advantage estimators with a critic (gae); train.objective.advantage is {name!r}"
     default = CriticConfig().model_dump()

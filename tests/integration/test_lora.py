@@ -127,3 +127,94 @@ def test_rl_train_with_lora_pushes_the_merged_weights_and_exports_a_peft_adapter
         got = adapted(input_ids=ids).logits
     assert (want - before).abs().max() > 1e-3  # the adapters moved the model
     assert (got - want).abs().max() < 1e-5
+
+
+def test_rl_train_trains_two_adapters_at_once_each_on_its_own_prompts_and_rewards(tiny_model_path, tmp_path):
+    """Multi-LoRA (``train.lora.adapters``), `rl train` without Ray: adapter ``add`` on addition prompts scored by
+    ``digits``, ``sub`` on subtraction scored by ``exact_match``; each step draws two prompts of each, one engine
+    samples both adapters, each request naming its own adapter's version (``<name>-vN-<hex>``), and the trainer's
+    log-probs match the engine's for both although the adapters moved far (lr 1e-2); a push moves both adapters'
+    bytes; --save-hf writes the base model unchanged and a peft adapter per name, which differ."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlx.data.replay import read_batches
+    from rlx.tasks import arithmetic, write_jsonl
+
+    add = write_jsonl(arithmetic(20, seed=1, ops="+"), tmp_path / "add.jsonl")
+    sub = write_jsonl(arithmetic(20, seed=2, ops="-"), tmp_path / "sub.jsonl")
+    cfg = small_run_config(
+        tmp_path, "run", data={"path": None},
+        rollout={"n_prompts": 4, "save_batches": True},
+        train={"num_steps": 3, "optim": {"lr": 1e-2}, "objective": {"kl_coef": 0.01},
+               "lora": {"rank": 8, "alpha": 16, "adapters": [
+                   {"name": "add", "data": {"path": str(add)}},
+                   {"name": "sub", "data": {"path": str(sub)}, "rewards": ["exact_match"]}]}},
+        eval={"interval": 3, "at_start": False, "datasets": [
+            {"name": "add", "path": str(add), "max_prompts": 4, "adapter": "add"},
+            {"name": "base", "path": str(add), "max_prompts": 4}]},
+        ray={"enabled": False})
+    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    c = AutoConfig.from_pretrained(tiny_model_path)
+    h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.intermediate_size
+    floats = 8 * (6 * h + i) + 8 * (q + 2 * kv + h + 2 * i + h)  # one adapter's, per layer (as the test above)
+    assert [r["weight_sync/bytes"] for r in rows] == [2 * 4 * floats * c.num_hidden_layers] * 3
+    assert all(r["lora/add/samples"] == r["lora/sub/samples"] == 4 for r in rows)  # two prompts of each, n = 2
+    assert rows[-1]["kl"] > 1e-3  # the adapters moved the policy
+    assert rows[-1]["train_rollout_logprob_diff"] < 1e-4  # the engine serves each adapter as the trainer holds it
+    for step, groups in read_batches(tmp_path / "run" / "batches").items():
+        for s in (s for g in groups for s in g.samples):
+            assert s.lora == ("add" if "+" in s.prompt_text else "sub")
+            assert set(s.rewards) == {"digits" if s.lora == "add" else "exact_match"}
+            assert s.adapter is None if step == 1 else s.adapter.startswith(f"{s.lora}-v{step - 1}-")
+    evals = {r["dataset"]: r for r in map(json.loads, (tmp_path / "run" / "eval.jsonl").read_text().splitlines())}
+    assert set(evals) == {"add", "base"}
+    loaded = {}
+    for f in Path(tiny_model_path).glob("*.safetensors"):
+        loaded.update(load_file(f))
+    exported = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(f))
+    assert all(torch.equal(exported[n], t.to(exported[n].dtype)) for n, t in loaded.items())  # the base, frozen
+    ids = torch.tensor([[1, 264, 263, 201, 284, 324, 5, 17, 42]])
+    logits = {}
+    for name in ("add", "sub"):
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[name] = PeftModel.from_pretrained(base, tmp_path / "hf" / f"adapter-{name}").eval()(
+                input_ids=ids).logits
+    assert (logits["add"] - logits["sub"]).abs().max() > 1e-3  # two adapters, trained apart
+    # `rl eval` of the run's checkpoint serves each adapter as exported beside the base (`serve_exported_adapters`,
+    # tests/unit/test_evaluate.py): the answers of the run's last evaluation (greedy, the same weights)
+    answers = {d: (tmp_path / "run" / "eval_samples" / "step_3" / f"{d}.jsonl").read_text() for d in ("add", "base")}
+    p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "eval", str(cfg), "--checkpoint",
+                        str(tmp_path / "run" / "checkpoints")], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    again = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()][-2:]
+    assert {r["dataset"]: (r["step"], r["pass@1"]) for r in again} == {
+        d: (3, evals[d]["pass@1"]) for d in ("add", "base")}
+    assert {d: (tmp_path / "run" / "eval_samples" / "step_3" / f"{d}.jsonl").read_text() for d in answers} == answers
+
+
+def test_two_adapters_train_together_as_each_alone_and_at_tp2_as_in_one_process(tiny_model_path, tmp_path):
+    """Multi-LoRA in the trainer: adapters ``a`` and ``b`` take the four groups in turn; two steps of both at TP=2 equal
+    one process; and ``a``, trained beside ``b`` in one step (one optimizer; gradient clipping off, the one thing
+    adapters share), ends exactly as the one adapter trained on ``a``'s groups alone: its loss is the mean over its own
+    samples, its gradient from its micro-batches only, its Adam moments its own."""
+    two = {**LORA, "adapters": [{"name": "a", "data": {"path": "a.jsonl"}}, {"name": "b", "data": {"path": "b.jsonl"}}]}
+    optim = {"clip_grad": 0.0}
+    both = run(tmp_path, tiny_model_path, 1, lora=two, optim=optim)
+    assert both["m1"]["lora/params"] == 2 * 8192
+    assert_same(run(tmp_path, tiny_model_path, 2, tp=2, lora=two, optim=optim), both, KEYS)
+    alone = run(tmp_path, tiny_model_path, 1, lora=LORA, optim=optim, groups=[0, 2])
+    factors = {n: w for n, w in alone["weights"].items() if ".lora_" in n}
+    assert len(factors) == 2 * 2 * 7  # two layers, seven projections, A and B
+    for name, w in factors.items():
+        got = both["weights"]["a@" + name]
+        assert max(abs(x - y) for x, y in zip(got, w, strict=True)) < 1e-5, name
+    assert all(both["weights"]["b@" + n] != both["weights"]["a@" + n] for n in factors)  # b trained on its own groups

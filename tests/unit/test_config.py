@@ -315,3 +315,34 @@ def test_adapter_pushes_refuse_what_cannot_carry_or_serve_adapters():
         found = problems(f"model: {{path: /m}}\ntrain: {{lora: {{}}}}\n{section}\n")
         assert any("with train.lora.push: adapter:" in msg and why in msg for _, msg in found), found
         assert parse(f"model: {{path: /m}}\ntrain: {{lora: {{push: merged}}}}\n{section}\n").train.lora.push == "merged"
+
+
+def test_multi_lora_names_each_adapter_once_and_refuses_what_one_model_would_serve():
+    """``train.lora.adapters``: two or more, each named once; each reads its own prompts (data's path and mix are left
+    out), travels as an adapter (not merged) through tensor or disk; eval datasets name adapters it lists; a critic
+    would be one for every adapter (preflight)."""
+    import json
+
+    two = [{"name": "add", "data": {"path": "a.jsonl"}}, {"name": "sub", "data": {"path": "b.jsonl"}}]
+
+    def doc(lora=None, **sections):
+        return json.dumps({"model": {"path": "/m"}, **sections,
+                           "train": {"lora": {"adapters": two, **(lora or {})}, **sections.pop("train", {})}})
+
+    assert parse(doc()).train.lora.names == ["add", "sub"]
+    assert parse("model: {path: /m}\ntrain: {lora: {}}\n").train.lora.names == [None]
+    for adapters, why in (([two[0]], "lists one adapter"), ([two[0], two[0]], "adapter names must be unique"),
+                          ([two[0], {**two[1], "name": "a-1"}], "pattern")):
+        with pytest.raises(ConfigError, match=why):
+            parse(json.dumps({"model": {"path": "/m"}, "train": {"lora": {"adapters": adapters}}}))
+    for text, where, why in (
+            (doc(data={"path": "d.jsonl"}), "data.path", "each adapter reads its own prompts"),
+            (doc(lora={"push": "merged"}), "train.lora.push", "merged weights would be one model"),
+            (doc(weight_sync={"transport": "delta"}), "weight_sync.transport", "tensor or disk transport"),
+            (doc(eval={"datasets": [{"name": "e", "path": "e.jsonl", "adapter": "mul"}]}), "eval.datasets[0].adapter",
+             "'mul' is not one of train.lora.adapters (add, sub)"),
+            (doc(train={"objective": {"advantage": "gae"}}), "train.objective.advantage", "one for every adapter")):
+        found = problems(text, plugins=build_plugins(entry_points=False))
+        assert any(w.endswith(where) and why in msg for w, msg in found), (where, found)
+    found = problems("model: {path: /m}\neval: {datasets: [{name: e, path: e.jsonl, adapter: add}]}\n")
+    assert any("not one of train.lora.adapters (none listed)" in msg for _, msg in found), found

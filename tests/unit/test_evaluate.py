@@ -74,3 +74,44 @@ def test_table_has_a_row_per_dataset():
     lines = text.splitlines()
     assert lines[0].split() == ["dataset", "pass@1", "reward_mean"]
     assert lines[1].split() == ["a", "0.5", "0.25"] and lines[2].split() == ["b", "1", "-"]
+
+
+def test_rl_eval_serves_a_multi_lora_runs_exported_adapters_to_the_datasets_that_name_them(tmp_path):
+    """`rl eval --checkpoint` of a multi-LoRA run: each adapter an eval dataset names is loaded into every engine from
+    the export (``adapter-<name>``, peft's folder) and that dataset's requests name it; an export without it is an
+    error naming the dataset and the folder."""
+    import asyncio
+    import json
+
+    from rlx.config import parse_config
+    from rlx.errors import RLXError
+    from rlx.orchestrate.evals import serve_exported_adapters
+    from rlx.rollout.context import ServedAdapter
+
+    cfg = parse_config(json.dumps({
+        "model": {"path": "/m"},
+        "train": {"lora": {"adapters": [{"name": n, "data": {"path": f"{n}.jsonl"}} for n in ("add", "sub")]}},
+        "eval": {"datasets": [{"name": "a", "path": "e.jsonl", "adapter": "add"}, {"name": "b", "path": "e.jsonl"}]}}))
+    loaded = []
+
+    class Client:
+        async def load_lora_adapter(self, name, path):
+            loaded.append((name, path))
+
+    class Session:
+        class fleet:
+            @staticmethod
+            async def for_each(fn):
+                return [await fn(Client()) for _ in range(2)]  # two engines
+
+        class ctx:
+            adapters = {"add": ServedAdapter(on=True), "sub": ServedAdapter(on=True)}
+
+    (tmp_path / "adapter-add").mkdir()
+    (tmp_path / "adapter-add" / "adapter_config.json").write_text("{}")
+    asyncio.run(serve_exported_adapters(cfg, Session, tmp_path))  # type: ignore[arg-type]
+    assert loaded == [("add", str(tmp_path / "adapter-add"))] * 2
+    assert Session.ctx.adapters["add"].name == "add" and Session.ctx.adapters["sub"].name is None  # (no dataset's)
+    Session.ctx.adapters["add"] = ServedAdapter(on=True)
+    with pytest.raises(RLXError, match=r"eval.datasets\[0\].adapter 'add': .* has no adapter-add"):
+        asyncio.run(serve_exported_adapters(cfg, Session, tmp_path / "elsewhere"))  # type: ignore[arg-type]

@@ -186,3 +186,29 @@ def test_with_adapter_pushes_every_request_names_the_served_adapter_and_its_toke
     assert [r.lora_path for r in c.requests] == [None, "actor-v3"]
     assert (base.lora_path, base.token_weight_versions) == (None, ["0", "0"])
     assert (adapted.lora_path, adapted.weight_version, adapted.token_weight_versions) == ("actor-v3", "3", ["3", "3"])
+
+
+def test_each_multi_lora_sample_names_its_own_adapter_and_identical_prompts_of_two_adapters_stay_apart():
+    """Multi-LoRA: `for_sample` gives a sample's requests its adapter (``Sample.lora``), whose version its tokens get;
+    identical requests of two adapters issued together are two requests (coalescing joins one adapter's only); a
+    sample of no adapter is the base model's; an adapter the engines are not given is an error naming it."""
+    from rlx.rollout.context import ServedAdapter, for_sample
+    from rlx.types import Sample
+
+    c = Client()
+    add, sub = ServedAdapter(on=True, name="add-v2-aa", version=2), ServedAdapter(on=True, name="sub-v2-bb", version=2)
+    g = GenerateContext(c, None, SamplingConfig(max_new_tokens=2), coalesce=True,  # type: ignore[arg-type]
+                        adapters={"add": add, "sub": sub})
+
+    async def run():
+        return await asyncio.gather(*(for_sample(g, Sample([5], lora=lora)).generate([5, 6], dict(P))
+                                      for lora in ("add", "add", "sub", None)))
+
+    results = asyncio.run(run())
+    assert sorted((r.lora_path or "", r.sampling_params.get("n", 1)) for r in c.requests) == [
+        ("", 1), ("add-v2-aa", 2), ("sub-v2-bb", 1)]
+    assert [r.lora_path for r in results] == ["add-v2-aa", "add-v2-aa", "sub-v2-bb", None]
+    assert [r.token_weight_versions for r in results[:3]] == [["2", "2"]] * 3
+    assert add.users == sub.users == {}  # released once answered
+    with pytest.raises(Exception, match="adapter 'mul'"):
+        for_sample(g, Sample([5], lora="mul"))

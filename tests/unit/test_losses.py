@@ -165,6 +165,42 @@ def test_prepare_spreads_scalar_advantages_of_any_numeric_type_and_checks_per_to
         prepare(RolloutBatch(1, [g]), Short(), "token")
 
 
+def test_multi_lora_advantages_and_normalisation_are_each_adapters_own():
+    """Multi-LoRA (``multi``): the estimator sees each adapter's groups as a batch of their own (a batch statistic, such
+    as REINFORCE++'s whitening, never mixes two adapters' rewards), and each adapter's loss is the mean over its own
+    loss-masked tokens (token norm: adapter a's 6 tokens 1/6 each, b's one token 1); without ``multi`` the batch is
+    one (1/7 each); a sample of no adapter is refused."""
+    from rlx.errors import RLXError
+    from rlx.train.step import prepare
+    from rlx.types import RolloutBatch
+
+    groups = [group(0, [1.0, 0.0], masks=[[1, 1, 1], [0, 1]]), group(1, [2.0], masks=[[1]], first_id=2),
+              group(2, [0.0, 1.0], masks=[[1], [1]], first_id=3)]
+    for g, lora in zip(groups, ["a", "b", "a"]):
+        for x in g.samples:
+            x.lora = lora
+    calls = []
+
+    class Seen:
+        name = "seen"
+
+        def advantages(self, gs):
+            calls.append([g.group_id for g in gs])
+            return {x.sample_id: 1.0 for g in gs for x in g.samples}
+
+    tb = prepare(RolloutBatch(1, groups), Seen(), "token", multi=True)
+    assert calls == [[0, 2], [1]]
+    samples = [x for g in groups for x in g.samples]
+    assert tb.tokens(samples, "weights").tolist() == pytest.approx(
+        [1 / 6, 1 / 6, 1 / 6, 0, 1 / 6] + [1.0] + [1 / 6, 1 / 6])
+    plain = prepare(RolloutBatch(1, groups), Seen(), "token")
+    assert calls[-1] == [0, 1, 2] and plain.tokens(samples, "weights").tolist() == pytest.approx(
+        [1 / 7, 1 / 7, 1 / 7, 0, 1 / 7] + [1 / 7] + [1 / 7, 1 / 7])
+    groups[1].samples[0].lora = None
+    with pytest.raises(RLXError, match="a sample without an adapter"):
+        prepare(RolloutBatch(1, groups), Seen(), "token", multi=True)
+
+
 def test_response_logprobs_and_entropy_of_the_tempered_distribution():
     """Log-probs and entropy of softmax(logits / temperature) at the response positions, against a direct
     computation. (rlx used to take the entropy from the logits after megatron's cross entropy had turned them

@@ -656,7 +656,7 @@ class EvalDatasetConfig(Section):
     max_prompts: int | None = Field(None, ge=1)  # the first N prompts of the file (default: all)
     # sampling: default the rollout's, greedy (temperature 0) when n_samples is 1; given, it replaces it
     sampling: SamplingConfig | None = None
-    rewards: list[RewardSpec] | None = None  # default: rollout.rewards
+    rewards: list[RewardSpec] | None = None  # default: its adapter's, or rollout.rewards
     adapter: str | None = None  # multi-LoRA: the train.lora.adapters entry that answers (None: the base model)
     correct_at: float = 1.0  # a sample is correct (pass@k, success rate) when its reward is at least this
 

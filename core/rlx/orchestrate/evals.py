@@ -79,8 +79,25 @@ async def evaluate(cfg: Config, plugins: Plugins, checkpoint: Path | None = None
     for g in cfg.rollout.engines:  # engines that name their own model serve the policy evaluated too
         g.model_path = None
     async with RolloutSession(cfg, plugins, with_data=False) as session:
+        await serve_exported_adapters(cfg, session, Path(path))
         metrics, samples = await Evaluator(cfg, plugins, session.ctx).run()
     return metrics, write_rows(Path(cfg.run.output_dir), step, metrics, samples, checkpoint=source or path)
+
+
+async def serve_exported_adapters(cfg: Config, session: RolloutSession, folder: Path) -> None:
+    """Multi-LoRA: the adapters eval datasets name, as `folder` holds them exported beside the base model
+    (``adapter-<name>``, peft's), loaded into the engines, and requests of those datasets naming them."""
+    for i, d in enumerate(cfg.eval.datasets):
+        if d.adapter is None or session.ctx.adapters[d.adapter].name is not None:
+            continue
+        adapter = folder / f"adapter-{d.adapter}"
+        if not (adapter / "adapter_config.json").is_file():
+            raise RLXError(f"eval.datasets[{i}].adapter {d.adapter!r}: {folder} has no {adapter.name} (peft's "
+                           f"adapter_config.json); evaluate a multi-LoRA run's checkpoint (--checkpoint), which is "
+                           f"exported with its adapters")
+        name = d.adapter
+        await session.fleet.for_each(lambda c: c.load_lora_adapter(name, str(adapter)))
+        session.ctx.adapters[name].name = name
 
 
 class Evals:

@@ -69,6 +69,13 @@ def dataset_metrics(spec: EvalDatasetConfig, groups: list[list[Sample]]) -> dict
     return out
 
 
+def adapter_rewards(cfg: Config, adapter: str | None) -> list[Any]:
+    """The rewards an eval dataset of `adapter` (multi-LoRA) scores with when it lists none: the adapter's own, where it
+    lists them, else ``rollout.rewards``."""
+    own = next((a.rewards for a in (cfg.train.lora.adapters if cfg.train.lora else []) if a.name == adapter), None)
+    return own if own is not None else cfg.rollout.rewards
+
+
 class Evaluator:
     """Runs every eval dataset of the config through a generator context (the run's engines)."""
 
@@ -84,12 +91,11 @@ class Evaluator:
             except RLXError as e:
                 raise RLXError(f"eval.datasets[{i}] ({spec.name}): {e}") from None
             if spec.adapter is not None and spec.adapter not in ctx.adapters:
-                raise RLXError(f"eval.datasets[{i}] ({spec.name}): adapter {spec.adapter!r} is one a run trains "
-                               f"(train.lora.adapters); these engines serve no such adapter (rl eval evaluates a "
-                               f"model: export the run with --save-hf and evaluate the adapter merged)")
+                raise RLXError(f"eval.datasets[{i}] ({spec.name}): adapter {spec.adapter!r} is not one these engines "
+                               f"serve (train.lora.adapters: {sorted(ctx.adapters) or 'none'})")
             ids = [tokenize_prompt(ctx.tokenizer, r, cfg.data.apply_chat_template) for r in rows]
             rewards = (Rewards(spec.rewards, plugins, cfg.rollout, f"eval.datasets[{i}].rewards")
-                       if spec.rewards is not None else Rewards(cfg.rollout.rewards, plugins, cfg.rollout))
+                       if spec.rewards is not None else Rewards(adapter_rewards(cfg, spec.adapter), plugins, cfg.rollout))
             self.datasets.append((spec, rows, ids, rewards))
         self.sem = asyncio.Semaphore(cfg.rollout.requests.max_concurrency)
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
-from rlx.data.datasets import MixedDataset, PromptDataset, PromptRow, tokenize_prompt
+from rlx.data.datasets import AdapterDatasets, MixedDataset, PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext, for_sample
 from rlx.rollout.engines.client import EngineError
@@ -47,7 +47,8 @@ GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_t
 
 
 class RolloutManager:
-    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset, ctx: GenerateContext,
+    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset | AdapterDatasets,
+                 ctx: GenerateContext,
                  abort_all: Callable[[], Any] | None = None, teachers: Teachers | None = None):
         """`abort_all`: an async callable that aborts every in-flight request on every engine. `teachers`: those
         of on-policy distillation, which score each finished sample (`rlx.rollout.teachers`)."""
@@ -139,7 +140,8 @@ class RolloutManager:
         if not isinstance(out, list) or not all(isinstance(s, Sample) for s in out):
             raise RLXError(f"generator {self.rc.generator.name!r} must return a list of Sample, got {type(out).__name__}")
         seen: set[int] = set()
-        for s in out:  # branches (subagents, compaction): fresh ids, one trajectory
+        for s in out:  # branches (subagents, compaction): fresh ids, one trajectory, the sample's adapter
+            s.lora = sample.lora
             if s.sample_id < 0 or s.sample_id in seen:
                 s.sample_id, self.next_sample_id = self.next_sample_id, self.next_sample_id + 1
             seen.add(s.sample_id)

@@ -51,6 +51,12 @@ WORKER = textwrap.dedent("""
     for gid, k in enumerate([3, 2, 4, 1]):
         groups.append(Group(gid, [sample(gid, sid + j, 4 + (sid + j) % 7) for j in range(k)]))
         sid += k
+    names = [a["name"] for a in (args["lora"] or {}).get("adapters", [])]
+    for group in groups:  # multi-LoRA: the groups of each adapter in turn
+        for s in group.samples:
+            s.lora = names[group.group_id % len(names)] if names else None
+    if args["groups"] is not None:
+        groups = [groups[i] for i in args["groups"]]
     if replay != "none":  # an engine whose routers differ from the trainer's: its routing and log-probs
         import base64
         from transformers import AutoModelForCausalLM
@@ -96,11 +102,14 @@ WORKER = textwrap.dedent("""
     if trainer.par.gathers:
         named = {k: v.flatten().tolist() for k, v in trainer.hf_tensors()}
         mine = named if trainer.par.sender else {}
-    if args["lora"]:  # and the adapters as peft lays them out (every rank calls it)
+    if args["lora"]:  # and the adapters as peft lays them out (every rank calls it), multi-LoRA's as <name>@...
         from rlx.train.lora import adapters
-        for module, a, b in adapters(trainer.actor, cfg.train.lora.target_modules):
-            if trainer.par.sender:
-                mine[module + ".lora_A"], mine[module + ".lora_B"] = a.flatten().tolist(), b.flatten().tolist()
+        for key in cfg.train.lora.names:
+            at = f"{key}@" if key else ""
+            for module, a, b in adapters(trainer.actor, cfg.train.lora.target_modules, key):
+                if trainer.par.sender:
+                    mine[at + module + ".lora_A"], mine[at + module + ".lora_B"] = (a.flatten().tolist(),
+                                                                                    b.flatten().tolist())
     parts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, mine)
     if torch.distributed.get_rank() == 0:
@@ -115,16 +124,17 @@ WORKER = textwrap.dedent("""
 def run(folder: Path, model_path: str, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, replay: str = "none",
         noise: float = 0.25, timeout_s: float = 600, env: dict[str, str] | None = None,
         objective: dict[str, Any] | None = None, optim: dict[str, Any] | None = None,
-        lora: dict[str, Any] | None = None) -> dict[str, Any]:
+        lora: dict[str, Any] | None = None, groups: list[int] | None = None) -> dict[str, Any]:
     """`env`: added to the workers' environment (``CUDA_VISIBLE_DEVICES: ""`` runs them on the CPU); `objective`,
     `optim`: more ``train.objective`` and ``train.optim`` settings; `lora`: ``train.lora`` (the weights returned are
-    then the merged ones)."""
+    then the merged ones; with ``adapters``, the groups are each adapter's in turn, the weights the base model's, and
+    each adapter's factors come as ``<name>@<module>.lora_A``); `groups`: train on these of the four groups only."""
     from rlx.testing.warm import world
 
     folder = Path(folder)
     script = folder / "parallel_worker.py"
     script.write_text(WORKER)
-    more = {"objective": objective or {}, "optim": optim or {}, "lora": lora}
+    more = {"objective": objective or {}, "optim": optim or {}, "lora": lora, "groups": groups}
     out = folder / f"out-{nproc}-{tp}-{pp}-{ep}-{replay}-{abs(hash(json.dumps(more, sort_keys=True)))}.json"
     args = dict(model=model_path, tp=tp, pp=pp, ep=ep, nproc=nproc, out=str(out), replay=replay, noise=noise, **more)
     r = world(script, [json.dumps(args)], nproc, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout_s)

@@ -45,12 +45,15 @@ if TYPE_CHECKING:
     from rlx.train.lora import AdaptersOff
 
 
-def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm) -> TrainBatch:
-    """Advantages and normalisation weights of every trainable sample of the batch (multi-LoRA: each adapter's
-    samples on their own, as if they were a batch of their own, `by_adapter`)."""
+def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm, multi: bool = False) -> TrainBatch:
+    """Advantages and normalisation weights of every trainable sample of the batch (`multi`, multi-LoRA: each
+    adapter's samples on their own, as if they were a batch of their own, `by_adapter`)."""
     groups = [g for g in batch.groups if g.trainable]
+    if multi and any(s.lora is None for g in groups for s in g.samples):
+        raise RLXError(f"step {batch.step}: a sample without an adapter (Sample.lora) reached the trainer of "
+                       f"train.lora.adapters (a replay of batches from a run without them?)")
     adv: dict[int, Any] = {}
-    for part in by_adapter(groups, lambda g: g.samples[0].lora):
+    for part in by_adapter(groups, lambda g: g.samples[0].lora if multi else None):
         got = estimator.advantages(part)
         if not isinstance(got, Mapping):
             raise RLXError(f"advantage estimator {getattr(estimator, 'name', estimator)!r} returned "
@@ -61,15 +64,16 @@ def prepare(batch: RolloutBatch, estimator: AdvantageEstimator, loss_norm: Norm)
     if not samples:
         raise RLXError(f"step {batch.step}: no trainable samples (all failed or filtered)")
     advantages = {s.sample_id: _per_token(adv[s.sample_id], s, estimator) for s in samples}
-    return TrainBatch(batch.step, groups, samples, advantages, per_token_weights(groups, samples, loss_norm),
+    return TrainBatch(batch.step, groups, samples, advantages, per_token_weights(groups, samples, loss_norm, multi),
                       metrics=batch_probes(samples))
 
 
-def per_token_weights(groups: list[Group], samples: list[Sample], loss_norm: Norm) -> dict[int, torch.Tensor]:
-    """Each sample's normalisation weight per response token (`token_weights`; multi-LoRA: over its adapter's samples,
-    so that each adapter's loss is the mean over its own), 0 where the loss mask is 0."""
+def per_token_weights(groups: list[Group], samples: list[Sample], loss_norm: Norm, multi: bool = False
+                      ) -> dict[int, torch.Tensor]:
+    """Each sample's normalisation weight per response token (`token_weights`; `multi`, multi-LoRA: over its adapter's
+    samples, so that each adapter's loss is the mean over its own), 0 where the loss mask is 0."""
     w: dict[int, float] = {}
-    for part in by_adapter(groups, lambda g: g.samples[0].lora):
+    for part in by_adapter(groups, lambda g: g.samples[0].lora if multi else None):
         w.update(token_weights(part, loss_norm))
     return {s.sample_id: torch.tensor(s.loss_mask, dtype=torch.float32) * w[s.sample_id] for s in samples}
 
@@ -137,10 +141,12 @@ class RLStep:
         self.balancer = balancer
         self.flops = flops
         self.par = par
+        self.multi = train_cfg.lora is not None and bool(train_cfg.lora.adapters)  # multi-LoRA
 
     def packed(self, samples: list[Sample]) -> list[PackedBatch]:
         """`samples` packed into micro-batches; each holds one adapter's (multi-LoRA: the forward uses its adapter)."""
-        return [pack([part[i] for i in idx], self.tc.row_tokens) for part in by_adapter(samples, lambda s: s.lora)
+        parts = by_adapter(samples, lambda s: s.lora) if self.multi else [samples]
+        return [pack([part[i] for i in idx], self.tc.row_tokens) for part in parts
                 for idx in micro_batches([s.total_len for s in part], self.tc.max_tokens_per_micro_batch)]
 
     def my_share(self, samples: list[Sample]) -> list[Sample]:
@@ -178,7 +184,7 @@ class RLStep:
         """The step's mini-batches (one optimizer update each) as this rank's shares, and each one's scale."""
         updates = self.tc.updates_per_step
         cuts = [tb.samples[i::updates] for i in range(updates)]
-        if updates > 1 and len({s.lora for s in tb.samples}) > 1:  # multi-LoRA: each adapter's part its own mean
+        if updates > 1 and self.multi:  # multi-LoRA: each adapter's part its own mean
             for cut in cuts:
                 for part in by_adapter(cut, lambda s: s.lora):
                     total = sum(float(tb.weights[s.sample_id].sum()) for s in part) or 1.0
@@ -248,8 +254,10 @@ class RLStep:
                            keys, MAX_KEYS)
         w = vals.pop("weight") or 1.0
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
-        metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl", "mtp_loss")
-                                             if k in vals}
+        # (multi-LoRA: each adapter's loss is the mean over its samples: the metrics are their mean over adapters)
+        adapters = len({s.lora for s in tb.samples}) if self.multi else 1
+        metrics: dict[str, float | None] = {k: vals[k] / updates / adapters
+                                             for k in ("loss", "pg_loss", "kl", "mtp_loss") if k in vals}
         for k in ("clip_frac", "tis_weight", "tis_masked", "entropy", "distill_topk_kl"):
             if k in vals:
                 metrics[k] = vals[k] / w

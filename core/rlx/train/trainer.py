@@ -60,10 +60,6 @@ class Trainer:
         if tc.objective.kl_coef > 0 and tc.lora is not None:  # the frozen model is the actor with its adapters off
             self.reference = AdaptersOff(self.actor)
         self.estimator = plugins.build("advantages", tc.objective.advantage)
-        if getattr(self.estimator, "needs_critic", False) and tc.lora is not None and tc.lora.adapters:
-            raise RLXError(f"train.objective.advantage {tc.objective.advantage.name!r} trains a critic, which would be "
-                           f"one for every adapter of train.lora.adapters (their rewards differ): multi-LoRA is "
-                           f"built for critic-free estimators (grpo, rloo, reinforce++ and their kin)")
         policy_loss = plugins.build("losses", tc.objective.loss)
         self.loss_norm = loss_norm(tc.objective, policy_loss)
         self.step_fn = RLStep(tc, policy_loss, plugins.build("balancers", tc.balancer), self.spec.flops, self.par)
@@ -97,7 +93,7 @@ class Trainer:
             metrics = self.critic_step.run(batch, self.actor, self.reference, self.step, self._hold_actor,
                                            lambda: self.memory.hold(critic="all"))
         else:
-            tb = prepare(batch, self.estimator, self.loss_norm)
+            tb = prepare(batch, self.estimator, self.loss_norm, self.step_fn.multi)
             self._hold_actor()
             metrics = self.step_fn.run(tb, self.actor, self.reference)
         self.memory.hold()
