@@ -23,7 +23,7 @@ def main():
     from rlx.types import Group, RolloutBatch, Sample, SampleStatus
 
     model, tp, pp, ep, world, folder, mode, out = sys.argv[1:9]
-    lora = {"lora": {"rank": 4, "alpha": 8}} if sys.argv[9:] == ["lora"] else {}
+    lora = {"lora": json.loads(sys.argv[9])} if sys.argv[9:] else {}
     cfg = parse_config(json.dumps({"run": {"output_dir": out + ".run"}, "ray": {"enabled": False},
                                    "model": {"path": model},
                                    "train": {"parallel": {"tp": int(tp), "pp": int(pp), "ep": int(ep),
@@ -72,7 +72,8 @@ if __name__ == "__main__":  # (megatron's checkpoint writer spawns a helper proc
 KEYS = ("loss", "pg_loss", "entropy", "grad_norm", "samples", "tokens", "lr")
 
 
-def run(tmp_path, model, tp, pp, ep, world, folder, mode, lora=False):
+def run(tmp_path, model, tp, pp, ep, world, folder, mode, lora=None):
+    """`lora`: ``train.lora`` (True: rank 4, alpha 8, the default targets)."""
     from rlx.models.tiny import resolve_model_path
     from rlx.testing.warm import world as warm_world
 
@@ -81,7 +82,9 @@ def run(tmp_path, model, tp, pp, ep, world, folder, mode, lora=False):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / f"out-{mode}-{tp}-{pp}-{ep}-{world}.json"
-    r = warm_world(script, [model, tp, pp, ep, world, folder, mode, out, *(["lora"] if lora else [])], int(world),
+    lora = {"rank": 4, "alpha": 8} if lora is True else lora
+    r = warm_world(script, [model, tp, pp, ep, world, folder, mode, out, *([json.dumps(lora)] if lora else [])],
+                   int(world),
                    env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
@@ -125,7 +128,7 @@ def test_experts_move_between_expert_parallel_layouts_ep_1_included(tmp_path):
 def test_gated_delta_net_layers_change_tensor_and_pipeline_parallelism(tmp_path):
     """A GDN layer's in_proj rows are each rank's q, k, v, z, beta and a side by side (and conv1d's channels its q,
     k and v): saved as a tensor each, split by heads, they resume from TP=1 at PP=2 and TP=2, and from TP=2 at TP=1,
-    dt_bias and A_log (each rank's own heads) included."""
+    dt_bias and A_log (each rank's own heads) included; and LoRA's B on in_proj, split alike, from TP=2 at TP=1."""
     pytest.importorskip("rlx_model_qwen", reason="the tiny Qwen3-Next is rlx-model-qwen's (pip install -e "
                                                  "plugins/models/qwen)")
     model = "builtin://tiny-qwen3-next"
@@ -134,6 +137,10 @@ def test_gated_delta_net_layers_change_tensor_and_pipeline_parallelism(tmp_path)
     same_steps(run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt", "load-tp2"), uninterrupted)
     uninterrupted = run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt-tp2", "save")
     same_steps(run(tmp_path, model, 1, 1, 1, 1, tmp_path / "ckpt-tp2", "load-tp1"), uninterrupted)
+    # LoRA on in_proj: B's rows are each rank's q, k, v, z, beta and a as the weight's, saved as a tensor each
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
+    uninterrupted = run(tmp_path, model, 2, 1, 1, 2, tmp_path / "ckpt-lora", "save", lora=lora)
+    same_steps(run(tmp_path, model, 1, 1, 1, 1, tmp_path / "ckpt-lora", "load-lora-tp1", lora=lora), uninterrupted)
 
 
 def test_full_width_qk_norms_change_tensor_parallelism(tmp_path):

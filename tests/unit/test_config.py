@@ -315,6 +315,11 @@ def test_adapter_pushes_refuse_what_cannot_carry_or_serve_adapters():
         found = problems(f"model: {{path: /m}}\ntrain: {{lora: {{}}}}\n{section}\n")
         assert any("with train.lora.push: adapter:" in msg and why in msg for _, msg in found), found
         assert parse(f"model: {{path: /m}}\ntrain: {{lora: {{push: merged}}}}\n{section}\n").train.lora.push == "merged"
+    gdn = "train: {lora: {target_modules: [in_proj_qkvz, in_proj_ba, out_proj]}}\n"
+    found = problems(f"model: {{path: /m}}\n{gdn}rollout: {{engines: [{{backend: sglang}}]}}\n")
+    assert any(w.endswith("rollout.engines[0].backend") and "gated delta nets (in_proj_ba, in_proj_qkvz, out_proj)"
+               in msg for w, msg in found), found
+    assert parse(f"model: {{path: /m}}\n{gdn}").train.lora.target_modules[0] == "in_proj_qkvz"  # the embedded engine's
 
 
 def test_multi_lora_names_each_adapter_once_and_refuses_what_one_model_would_serve():

@@ -81,7 +81,13 @@ def check_modes(cfg: Config) -> list[tuple[tuple[Any, ...], str]]:
                      "not name the adapter their engines serve; use train.lora.push: merged")):
                 if on:
                     problems.append((where, f"with train.lora.push: adapter: {why}"))
+            gdn = sorted(t for t in cfg.train.lora.target_modules if t.startswith("in_proj_") or t == "out_proj")
             for i, g in enumerate(cfg.rollout.engines):
+                if g.backend == "sglang" and g.update_weights and gdn:
+                    problems.append((("rollout", "engines", i, "backend"), f"with train.lora.push: adapter: SGLang "
+                                     f"0.5.23 takes LoRA on gated delta nets ({', '.join(gdn)}) only under its own "
+                                     f"fused names, not peft's for the transformers model; use backend: embedded, or "
+                                     f"train.lora.push: merged"))
                 if not g.update_weights:
                     problems.append((("rollout", "engines", i, "update_weights"), "with train.lora.push: adapter: "
                                      "every request names the adapter pushed last, which engines that take no "

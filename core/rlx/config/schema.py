@@ -483,7 +483,9 @@ class CheckpointConfig(Section):
 
 #: the HF (peft) module names LoRA can target (`rlx.train.lora.PROJECTIONS`: megatron fuses q/k/v and gate/up)
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
-                     "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
+                     "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                     # gated delta nets' (Qwen3-Next: in_proj_qkvz, in_proj_ba; Qwen3.5: in_proj_qkv, _z, _b, _a)
+                     "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 #: what LoRA adapts unless told: attention's and the MLPs' projections (peft's usual "all linear" of a decoder)
 LORA_TARGETS: tuple[LoRATarget, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

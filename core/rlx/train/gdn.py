@@ -92,11 +92,13 @@ class GatedDeltaNet(MegatronModule):
     ``(device=, dtype=)`` to the gated delta rule to call (`rlx.train.kernel_choice.select` behind it)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int | None = None, pg_collection: object = None,
-                 kernel: Callable[..., Any] | None = None, **kwargs: Any):
+                 kernel: Callable[..., Any] | None = None, hf_in_proj: tuple[str, ...] = (), **kwargs: Any):
+        """`hf_in_proj`: the transformers modules ``in_proj`` holds, in peft's names (LoRA targets them together)."""
         super().__init__(config=config)
         if kernel is None:
             raise ValueError("GatedDeltaNet needs the kernel chooser of its model spec (kernel=...)")
         self.kernel_for = kernel
+        self.hf_in_proj = hf_in_proj
         self._kernels: dict[Any, Callable[..., Any]] = {}
         tp = getattr(pg_collection, "tp", None)
         self.tp = tp.size() if tp is not None else tensor_parallel.get_tensor_model_parallel_world_size()
@@ -125,9 +127,10 @@ class GatedDeltaNet(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> Any:
-        """In checkpoints, each of in_proj's q, k, v, z, beta and a rows (and conv1d's q, k, v channels) is a tensor
-        of its own, split over tensor-parallel ranks by heads, as are dt_bias and A_log: a rank's rows side by side
-        would interleave by rank in one tensor, and load only under the tensor parallelism that wrote them."""
+        """In checkpoints, each of in_proj's q, k, v, z, beta and a rows (and conv1d's q, k, v channels, and the rows of
+        LoRA's ``B`` factors on in_proj, `rlx.train.lora`) is a tensor of its own, split over tensor-parallel ranks by
+        heads, as are dt_bias and A_log: a rank's rows side by side would interleave by rank in one tensor, and load
+        only under the tensor parallelism that wrote them."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
         from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
@@ -136,8 +139,9 @@ class GatedDeltaNet(MegatronModule):
         axis = len(sharded_offsets)  # (pipeline parallelism prepends the layer's own)
         tp_rank = proj.global_offset[axis] // proj.local_shape[0]
         qk, v, n = self.nk_local * self.dk, self.nv_local * self.dv, self.nv_local
-        for name, parts in (("in_proj.weight", {"q": qk, "k": qk, "v": v, "z": v, "b": n, "a": n}),
-                            ("conv1d.weight", {"q": qk, "k": qk, "v": v})):
+        rows = {"q": qk, "k": qk, "v": v, "z": v, "b": n, "a": n}
+        lora = [(k.removeprefix(prefix), rows) for k in sd if k.startswith(f"{prefix}in_proj.lora_B")]
+        for name, parts in (("in_proj.weight", rows), ("conv1d.weight", {"q": qk, "k": qk, "v": v}), *lora):
             key = f"{prefix}{name}"
 
             def build(key: str, t: torch.Tensor, replica_id: Any, flattened_range: Any,

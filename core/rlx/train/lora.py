@@ -53,6 +53,8 @@ PROJECTIONS: dict[str, tuple[str, ...]] = {
     "self_attention.linear_kv_up_proj": ("kv_b_proj",),
     "linear_fc1": ("gate_proj", "up_proj"),
     "linear_fc2": ("down_proj",),
+    "self_attention.in_proj": (),  # a gated delta net's: the model's own parts (`rlx.train.gdn.GatedDeltaNet.hf_in_proj`)
+    "self_attention.out_proj": ("out_proj",),
 }
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -71,7 +73,8 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
         key = next((k for k in PROJECTIONS if name.endswith("." + k)), None)
         if key is None or not LAYER.match(name):
             continue
-        parts = PROJECTIONS[key]
+        parts: tuple[str, ...] = PROJECTIONS[key] or getattr(model.get_submodule(name.rpartition(".")[0]),
+                                                             "hf_in_proj", ())
         if not targets & set(parts):
             continue
         if not targets >= set(parts):
@@ -93,6 +96,7 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
         for adapter in cfg.names:
             _add_adapter(module, column, cfg, seed, global_name, fused_gate_up=gated, key=adapter)
         module.lora_column = column
+        module.lora_parts = parts
         # (exact in fp32: `adapters` reads it back after the model bridge moved the rows or columns around)
         module.lora_key = (layer * 4096 + (int(expert.group(1)) + expert_offset + 1 if expert else 0)) * 16 + list(
             PROJECTIONS).index(key)
@@ -290,7 +294,7 @@ class Merged(dict):
 
 
 #: the HF projections whose adapter's A is split with the weight (row-parallel in megatron): their B is whole
-ROW_PARTS = ("o_proj", "down_proj")
+ROW_PARTS = ("o_proj", "down_proj", "out_proj")
 
 
 def adapters(role: Any, targets: Sequence[str], key: str | None = None

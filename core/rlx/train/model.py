@@ -302,7 +302,7 @@ class ModelRole:
         """Wrap the loaded model for training with `optim` (an ``OptimConfig``); with `lora`, low-rank adapters
         seeded from `seed` are what trains (`rlx.train.lora`)."""
         if lora is not None:
-            from rlx.train.lora import PROJECTIONS, adapter_params, attach
+            from rlx.train.lora import adapter_params, attach
 
             local_experts = (self.spec.num_experts or 0) // self.par.ep
             self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
@@ -310,7 +310,7 @@ class ModelRole:
             p = self.par
             self.adapter_params = adapter_params(self.model, p.world, p.tp, p.dp, p.pp, p.ep, p.etp)
             if p.rank == 0:  # (with Ray in the trainer's log; `lora/params` in the metrics)
-                parts = sorted({x for n in self.lora for k, xs in PROJECTIONS.items() if n.endswith("." + k) for x in xs})
+                parts = sorted({x for m in self.lora.values() for x in cast(Any, m).lora_parts})
                 print(f"rlx: LoRA on {len(self.lora)} projections of rank 0 ({', '.join(parts)}): "
                       f"{self.adapter_params:,} adapter parameters trained", file=sys.stderr, flush=True)
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)

@@ -98,7 +98,10 @@ class QwenNextSpec(DecoderSpec):
         dense = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
         experts = (get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                             qk_layernorm=True, normalization="RMSNorm") if self.moe else None)
-        gdn = ModuleSpec(module=GatedDeltaNet, params={"kernel": functools.partial(self.kernel, "gdn")})
+        in_proj = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if self.gdn.flat else ("in_proj_qkvz",
+                                                                                                  "in_proj_ba")
+        gdn = ModuleSpec(module=GatedDeltaNet, params={"kernel": functools.partial(self.kernel, "gdn"),
+                                                       "hf_in_proj": in_proj})
         specs = []
         for layer in stage.layers():
             spec = copy.deepcopy(experts if experts is not None and self.is_moe_layer(layer) else dense)
