@@ -171,6 +171,25 @@ def test_an_fp8_engine_holds_what_it_is_pushed_and_computes_with_it_dequantised(
         load_named(model, [("model.embed_tokens.weight", state["model.embed_tokens.weight"].to(torch.float8_e4m3fn))])
 
 
+class Fleet:
+    """One engine, whose client records the adapters unloaded into `unloaded` (`Weights`' adapter tests)."""
+
+    health = None
+    weight_targets = [type("Engine", (), {"url": "http://e"})()]
+
+    def __init__(self, unloaded: list[str]):
+        self.unloaded = unloaded
+
+    async def for_each(self, fn, engines=None):
+        unloaded = self.unloaded
+
+        class Client:
+            async def unload_lora_adapter(self, name):
+                unloaded.append(name)
+
+        return [await fn(Client()) for _ in engines]
+
+
 def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_before_once_unused():
     """`Weights` with adapter pushes: each push loads an adapter of a new name, which requests name from then on; the
     one before is unloaded once no request in flight names it; a push that failed has its adapter unloaded too."""
@@ -194,20 +213,9 @@ def test_after_each_adapter_push_requests_name_it_and_engines_unload_the_one_bef
                 raise RuntimeError("engine refused")
             return 100
 
-    class Client:
-        async def unload_lora_adapter(self, name):
-            unloaded.append(name)
-
-    class Fleet:
-        health = None
-        weight_targets = [type("Engine", (), {"url": "http://e"})()]
-
-        async def for_each(self, fn, engines=None):
-            return [await fn(Client()) for _ in engines]
-
     served = ServedAdapter(on=True)
     trainer = Trainer()
-    weights = Weights(trainer, Fleet(), "out", adapters={None: served})  # type: ignore[arg-type]
+    weights = Weights(trainer, Fleet(unloaded), "out", adapters={None: served})  # type: ignore[arg-type]
 
     async def run():
         assert await weights.push(1) == 100 and served.version == 1
@@ -253,19 +261,8 @@ def test_a_multi_lora_push_sends_every_adapter_under_its_own_name_and_unloads_ea
             pushed.append(dict(adapters))
             return 100
 
-    class Client:
-        async def unload_lora_adapter(self, name):
-            unloaded.append(name)
-
-    class Fleet:
-        health = None
-        weight_targets = [type("Engine", (), {"url": "http://e"})()]
-
-        async def for_each(self, fn, engines=None):
-            return [await fn(Client()) for _ in engines]
-
     add, sub = ServedAdapter(on=True), ServedAdapter(on=True)
-    weights = Weights(Trainer(), Fleet(), "out", adapters={"add": add, "sub": sub})  # type: ignore[arg-type]
+    weights = Weights(Trainer(), Fleet(unloaded), "out", adapters={"add": add, "sub": sub})  # type: ignore[arg-type]
 
     async def run():
         await weights.push(1)

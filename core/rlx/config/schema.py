@@ -7,11 +7,12 @@ Every section forbids unknown keys, so a typo is an error, never a no-op.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 
 #: A config value as YAML or --set gave it, before the schema validates it (what a `mode="before"` validator sees).
@@ -224,6 +225,12 @@ def unique_rewards(specs: list[RewardSpec] | None) -> list[RewardSpec] | None:
     return specs
 
 
+#: A list of rewards: each given by name or as ``{name, args, weight}``, each once (`unique_rewards`).
+RewardSpecs = Annotated[list[RewardSpec],
+                        BeforeValidator(lambda v: [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v),
+                        AfterValidator(unique_rewards)]
+
+
 class DynamicSamplingConfig(Section):
     """Group filters (DAPO's dynamic sampling): groups a filter drops (this one, or a plugin's ``filter_group``)
     are replaced by groups of fresh prompts."""
@@ -275,7 +282,7 @@ class RolloutConfig(Section):
     n_prompts: int = Field(8, ge=1)  # prompts per rollout step
     n_samples_per_prompt: int = Field(4, ge=1)  # samples per prompt (the GRPO group size)
     generator: ComponentSpec = Field(default_factory=lambda: ComponentSpec(name="single_turn"))
-    rewards: list[RewardSpec] = Field(default_factory=list)  # combined by weighted sum
+    rewards: RewardSpecs = Field(default_factory=list)  # combined by weighted sum
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engines: list[EngineGroupConfig] = Field(default_factory=lambda: [EngineGroupConfig()])  # the topology
     external_engines: list[str] = Field(default_factory=list)  # attach to these URLs instead of launching
@@ -311,16 +318,6 @@ class RolloutConfig(Section):
     @classmethod
     def _generator(cls, v: Raw) -> Raw:
         return ComponentSpec.coerce(v)
-
-    @field_validator("rewards", mode="before")
-    @classmethod
-    def _rewards(cls, v: Raw) -> Raw:
-        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
-
-    @field_validator("rewards")
-    @classmethod
-    def _unique_rewards(cls, v: Raw) -> Raw:
-        return unique_rewards(v)
 
     @model_validator(mode="after")
     def _teachers(self) -> RolloutConfig:
@@ -497,17 +494,7 @@ class LoRAAdapterConfig(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_]+$", max_length=40)  # engines serve it as <name>-v<version>-<hex>
     # its prompts (read with data's keys where it sets none); weight: its share of each step's prompts
     data: DataSource
-    rewards: list[RewardSpec] | None = None  # default: rollout.rewards
-
-    @field_validator("rewards", mode="before")
-    @classmethod
-    def _rewards(cls, v: Raw) -> Raw:
-        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
-
-    @field_validator("rewards")
-    @classmethod
-    def _unique_rewards(cls, v: Raw) -> Raw:
-        return unique_rewards(v)
+    rewards: RewardSpecs | None = None  # default: rollout.rewards
 
 
 class LoRAConfig(Section):
@@ -658,19 +645,9 @@ class EvalDatasetConfig(Section):
     max_prompts: int | None = Field(None, ge=1)  # the first N prompts of the file (default: all)
     # sampling: default the rollout's, greedy (temperature 0) when n_samples is 1; given, it replaces it
     sampling: SamplingConfig | None = None
-    rewards: list[RewardSpec] | None = None  # default: its adapter's, or rollout.rewards
+    rewards: RewardSpecs | None = None  # default: its adapter's, or rollout.rewards
     adapter: str | None = None  # multi-LoRA: the train.lora.adapters entry that answers (None: the base model)
     correct_at: float = 1.0  # a sample is correct (pass@k, success rate) when its reward is at least this
-
-    @field_validator("rewards", mode="before")
-    @classmethod
-    def _rewards(cls, v: Raw) -> Raw:
-        return [ComponentSpec.coerce(x) for x in v] if isinstance(v, list) else v
-
-    @field_validator("rewards")
-    @classmethod
-    def _unique_rewards(cls, v: Raw) -> Raw:
-        return unique_rewards(v)
 
     def effective_sampling(self, rollout: SamplingConfig) -> SamplingConfig:
         if self.sampling is not None:
