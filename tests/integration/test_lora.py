@@ -50,10 +50,15 @@ def test_lora_at_tp2_trains_as_one_process_and_moves_adapters_only(tiny_model_pa
     assert adapted == 2 * 7  # two layers, seven projections each
 
 
-def test_the_parts_of_a_fused_projection_are_targeted_together(tiny_model_path, tmp_path):
+def test_the_parts_of_a_fused_projection_are_targeted_together_and_every_target_is_a_projection(tiny_model_path,
+                                                                                                 tmp_path):
     with pytest.raises(AssertionError, match="q_proj, k_proj, v_proj are one fused projection in megatron "
                                              r"\(self_attention.linear_qkv\): target all of them or none"):
         run(tmp_path, tiny_model_path, 1, lora={"target_modules": ["q_proj", "o_proj"]})
+    # a target the model has no projection for is an error, not a silent no-op (the default takes those it has)
+    with pytest.raises(AssertionError, match="train.lora.target_modules: in_proj_qkvz, out_proj name no projection of "
+                                             "this model"):
+        run(tmp_path, tiny_model_path, 1, lora={"target_modules": ["o_proj", "out_proj", "in_proj_qkvz"]})
 
 
 def test_lora_on_experts_at_ep2_trains_as_one_process(tmp_path):
@@ -205,7 +210,8 @@ def test_two_adapters_train_together_as_each_alone_and_at_tp2_as_in_one_process(
     """Multi-LoRA in the trainer: adapters ``a`` and ``b`` take the four groups in turn; two steps of both at TP=2 equal
     one process; and ``a``, trained beside ``b`` in one step (one optimizer; gradient clipping off, the one thing
     adapters share), ends exactly as the one adapter trained on ``a``'s groups alone: its loss is the mean over its own
-    samples, its gradient from its micro-batches only, its Adam moments its own."""
+    samples, its gradient from its micro-batches only, its Adam moments its own. (Its samples fall into the same two
+    mini-batches either way: the step's samples are cut every other one, and b's groups shift a's by an even count.)"""
     two = {**LORA, "adapters": [{"name": "a", "data": {"path": "a.jsonl"}}, {"name": "b", "data": {"path": "b.jsonl"}}]}
     optim = {"clip_grad": 0.0}
     both = run(tmp_path, tiny_model_path, 1, lora=two, optim=optim)

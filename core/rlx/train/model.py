@@ -308,9 +308,15 @@ class ModelRole:
             self.lora = attach(self.model, lora, seed, self.stage.layer_offset, self.par.ep_rank * local_experts)
             self.lora_keys = lora.names
             p = self.par
+            everyone: list[Any] = [None] * p.world  # the HF projections adapted on each stage
+            dist.all_gather_object(everyone, {x for m in self.lora.values() for x in cast(Any, m).lora_parts})
+            parts = sorted(set().union(*everyone))
+            unmatched = sorted(set(lora.target_modules) - set(parts))
+            if unmatched and "target_modules" in lora.model_fields_set:  # (the default: those the model has)
+                raise RLXError(f"train.lora.target_modules: {', '.join(unmatched)} name no projection of this model "
+                               f"(those it has of the targets: {', '.join(parts)})")
             self.adapter_params = adapter_params(self.model, p.world, p.tp, p.dp, p.pp, p.ep, p.etp)
             if p.rank == 0:  # (with Ray in the trainer's log; `lora/params` in the metrics)
-                parts = sorted({x for m in self.lora.values() for x in cast(Any, m).lora_parts})
                 print(f"rlx: LoRA on {len(self.lora)} projections of rank 0 ({', '.join(parts)}): "
                       f"{self.adapter_params:,} adapter parameters trained", file=sys.stderr, flush=True)
         self.ddp, self.optimizer, self.scheduler = self._wrap(optim, total_updates)

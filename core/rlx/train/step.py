@@ -195,24 +195,27 @@ class RLStep:
 
     def update(self, role: ModelRole, minis: list[list[Sample]], scales: list[float],
                loss_at: Callable[[float], Callable], keys: list[str], maxes: Sequence[str] = (),
-               loss_key: str = "loss", what: str = "loss", who: str = "policy") -> dict[str, float]:
+               loss_key: str = "loss", what: str = "loss", who: str = "policy",
+               divisors: Sequence[int] | None = None) -> dict[str, float]:
         """The update loop of every trained role (the actor's policy loss, the critic's value loss): one optimizer
         update of `role` per mini-batch, its micro-batches' loss `loss_at(scale)`. Returns the micro-batch
         metrics in `keys` summed over micro-batches, updates and ranks (tensor-parallel repeats counted once; every
-        rank reduces the same keys, whether or not its stage computes losses), ``grad_norm`` averaged over the
-        updates, and the maxima of the `maxes` keys."""
+        rank reduces the same keys, whether or not its stage computes losses), each update's divided by its
+        `divisors` entry (multi-LoRA: the adapters in its mini-batch, each of whose losses is a mean), ``grad_norm``
+        averaged over the updates, and the maxima of the `maxes` keys."""
         totals = dict.fromkeys(keys, 0.0)
         top = dict.fromkeys(maxes, 0.0)
         for update, (mini, scale) in enumerate(zip(minis, scales, strict=True), start=1):
             role.zero_grad()
             loss = 0.0
+            per = divisors[update - 1] if divisors else 1
             for m in role.schedule(self.packed(mini), loss_at(scale), forward_only=False):
                 loss += m.get(loss_key, 0.0)
                 for k, v in m.items():
                     if k in top:
                         top[k] = max(top[k], v)
                     else:
-                        totals[k] += v
+                        totals[k] += v / per
             self.check_finite(loss, update, len(minis), what, who)
             totals["grad_norm"] += role.optimizer_step() / self.par.world
         t = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
@@ -251,13 +254,12 @@ class RLStep:
         vals = self.update(actor, minis, scales,
                            lambda scale: functools.partial(micro_loss, tb=tb, policy_loss=policy_loss, cfg=self.obj,
                                                            diff_threshold=self.tc.logprob_diff_threshold, scale=scale),
-                           keys, MAX_KEYS)
+                           keys, MAX_KEYS, divisors=[len({s.lora for s in tb.samples[i::updates]})
+                                                     for i in range(updates)] if self.multi else None)
         w = vals.pop("weight") or 1.0
         # Losses are per-update means (summed over updates); the rest are weighted sums: make them means.
-        # (multi-LoRA: each adapter's loss is the mean over its samples: the metrics are their mean over adapters)
-        adapters = len({s.lora for s in tb.samples}) if self.multi else 1
-        metrics: dict[str, float | None] = {k: vals[k] / updates / adapters
-                                             for k in ("loss", "pg_loss", "kl", "mtp_loss") if k in vals}
+        metrics: dict[str, float | None] = {k: vals[k] / updates for k in ("loss", "pg_loss", "kl", "mtp_loss")
+                                             if k in vals}
         for k in ("clip_frac", "tis_weight", "tis_masked", "entropy", "distill_topk_kl"):
             if k in vals:
                 metrics[k] = vals[k] / w
