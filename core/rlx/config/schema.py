@@ -505,7 +505,8 @@ class LoRAConfig(Section):
     rank: int = Field(16, ge=1)  # r
     alpha: float = Field(32.0, gt=0)  # the adapter's output is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, in training forwards (peft's lora_dropout)
-    # peft's names of the projections to adapt (q/k/v, and gate/up, are fused in megatron: all or none of each)
+    # peft's names of the projections to adapt (q/k/v, and gate/up, are fused in megatron: all or none of each); one
+    # the model lacks is an error (the default: those of these the model has)
     target_modules: list[LoRATarget] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     # adapter: engines load each version's adapter (SGLang's LoRA routes, launched with --enable-lora) and requests
     # name it; merged: engines get W + (alpha / rank) B A as full weights (any transport, quantised rollouts, experts)

@@ -29,8 +29,8 @@ def test_lora_on_latent_attention_and_experts_at_tp2_matches_one_process(tmp_pat
     """LoRA (`rlx.train.lora`) on every projection DeepSeek-V3 has, latent attention's down and up projections
     and the experts' included: at TP=2 the experts are split over expert tensor-parallel ranks, whose token
     dispatcher (not the projection) gathers their input and sums their output, and their adapters follow it."""
-    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                                      "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]}
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj",
+                                                      "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]}
     single = run(tmp_path, MODEL, 1, lora=lora)
     assert_same(run(tmp_path, MODEL, 2, tp=2, lora=lora), single, ("loss", "pg_loss", "entropy", "kl", "grad_norm",
                                                                   "lora/params"))
