@@ -55,14 +55,15 @@ def family_engine_args(model_path: str, plugins: Plugins) -> dict[str, Any]:
     return model_spec(model_path, plugins).engine_args()
 
 
-def served_adapters(cfg: Config) -> dict[str, Any]:
-    """The LoRA adapters requests name (``train.lora.push: adapter``): the one adapter, or with several
-    (``train.lora.adapters``) each by its name, its samples' requests naming it (`for_sample`), and the base model
-    for the rest."""
-    names = cfg.train.lora.names if adapter_pushes(cfg) and cfg.train.lora is not None else [None]
-    if names == [None]:
-        return {"adapter": ServedAdapter(on=adapter_pushes(cfg))}
-    return {"adapter": ServedAdapter(), "adapters": {name: ServedAdapter(on=True) for name in names}}
+def request_adapters(cfg: Config) -> dict[str, Any]:
+    """`GenerateContext`'s LoRA adapters that requests name (``train.lora.push: adapter``): the one adapter, or with
+    several (``train.lora.adapters``) each by its name, for its samples' requests (`for_sample`; the base model for
+    the rest)."""
+    if not adapter_pushes(cfg) or cfg.train.lora is None:
+        return {}
+    if not cfg.train.lora.adapters:
+        return {"adapter": ServedAdapter(on=True)}
+    return {"adapters": {name: ServedAdapter(on=True) for name in cfg.train.lora.names if name is not None}}
 
 
 class RolloutSession:
@@ -120,7 +121,7 @@ class RolloutSession:
             self.fleet.client(), tokenizer, self.cfg.rollout.sampling, self.cfg.rollout.requests.retries,
             health=self.fleet.health, routed_experts=records_routing(self.cfg), coalesce=self.cfg.rollout.coalesces,
             vocab_size=vocab_size(self.cfg.model.path), seed=self.cfg.run.seed if self.cfg.run.deterministic else None,
-            **served_adapters(self.cfg))
+            **request_adapters(self.cfg))
         ctx.context_length = await self.fleet.context_length()
         if dataset is not None:
             self._manager = RolloutManager(self.cfg, self.plugins, dataset, ctx, abort_all=self.abort_all,
