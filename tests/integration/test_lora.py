@@ -139,7 +139,8 @@ def test_rl_train_trains_two_adapters_at_once_each_on_its_own_prompts_and_reward
     ``digits``, ``sub`` on subtraction scored by ``exact_match``; each step draws two prompts of each, one engine
     samples both adapters, each request naming its own adapter's version (``<name>-vN-<hex>``), and the trainer's
     log-probs match the engine's for both although the adapters moved far (lr 1e-2); a push moves both adapters'
-    bytes; --save-hf writes the base model unchanged and a peft adapter per name, which differ."""
+    bytes (disk: each in its own folder of the version); --save-hf writes the base model unchanged and a peft adapter
+    per name, which differ."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -159,6 +160,7 @@ def test_rl_train_trains_two_adapters_at_once_each_on_its_own_prompts_and_reward
         eval={"interval": 3, "at_start": False, "datasets": [
             {"name": "add", "path": str(add), "max_prompts": 4, "adapter": "add"},
             {"name": "base", "path": str(add), "max_prompts": 4}]},
+        weight_sync={"transport": {"name": "disk"}},  # (a folder per adapter and version; tensor: the example's)
         ray={"enabled": False})
     p = subprocess.run([sys.executable, "-m", "rlx_cli.main", "train", str(cfg), "--save-hf", str(tmp_path / "hf")],
                        capture_output=True, text=True, timeout=600)

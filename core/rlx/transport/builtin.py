@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -174,13 +174,16 @@ class DiskTransport:
         self.root = Path(self.config.path) if self.config.path else Path(ctx.output_dir) / "weights"
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def folder(self, version: int) -> Path:
-        return self.root / f"v{version}"
+    def folder(self, version: int, ctx: Any = None) -> Path:
+        """Version `version`'s folder; an adapter push's (``ctx.adapter``), the adapter's own in it (several adapters
+        go out at one version: multi-LoRA)."""
+        folder = self.root / f"v{version}"
+        return folder / ctx.adapter.name if ctx is not None and ctx.adapter is not None else folder
 
     async def send(self, named, version: int, ctx) -> None:
         from safetensors.torch import save_file  # torch: not when the plugins load
 
-        folder = self.folder(version)
+        folder = self.folder(version, ctx)
         folder.mkdir(parents=True, exist_ok=True)
         if ctx.adapter is not None:  # peft's folder, as SGLang loads it
             from rlx.transport.payloads import save_peft_adapter
@@ -192,7 +195,7 @@ class DiskTransport:
             await asyncio.to_thread(save_file, tensors, str(folder / f"model-s{ctx.sender:02d}-{i:05d}.safetensors"))
 
     async def commit(self, version: int, ctx) -> None:
-        folder = self.folder(version)
+        folder = self.folder(version, ctx)
 
         async def one(e):
             async with e.client() as c:
