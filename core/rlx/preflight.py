@@ -179,7 +179,7 @@ def check(cfg: Config) -> list[Problem]:
     if cfg.data.path and cfg.rollout.source == "generate":
         problems += _rows(cfg, Path(cfg.data.path), ("data", "path"))
     for i, source in enumerate(cfg.data.mix if cfg.rollout.source == "generate" else []):
-        problems += _rows(cfg, Path(source.path), ("data", "mix", i, "path"), cfg.data.source(i))
+        problems += _rows(cfg, Path(source.path), ("data", "mix", i, "path"), cfg.data.reading(source))
     for i, a in enumerate(cfg.train.lora.adapters if cfg.train.lora and cfg.rollout.source == "generate" else []):
         problems += _rows(cfg, Path(a.data.path), ("train", "lora", "adapters", i, "data", "path"),
                           cfg.data.reading(a.data))

@@ -98,10 +98,6 @@ class DataConfig(Section):
             raise ValueError("set data.path (one dataset) or data.mix (several), not both")
         return self
 
-    def source(self, i: int) -> DataConfig:
-        """This section as mixture source `i` reads it: its path, with its own column keys where it sets them."""
-        return self.reading(self.mix[i])
-
     def reading(self, s: DataSource) -> DataConfig:
         """This section as it reads dataset `s` (a mixture's source, a LoRA adapter's data): its path, with its own
         column keys where it sets them."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from rlx.config import Config, DataConfig, LoRAAdapterConfig, SamplingConfig
+from rlx.config import Config, DataConfig, DataSource, LoRAAdapterConfig, SamplingConfig
 from rlx.errors import RLXError
 
 if TYPE_CHECKING:
@@ -219,22 +219,30 @@ class MixedDataset:
     """Several datasets (``data.mix``), each prompt drawn from one at random by weight; the same interface as
     `PromptDataset`."""
 
-    def __init__(self, cfg: DataConfig, seed: int = 0):
+    what = "data.mix"  # (names it in errors)
+
+    def __init__(self, cfg: DataConfig, seed: int = 0, sources: list[DataSource] | None = None):
+        """`sources`: the datasets (default ``data.mix``), each read with `cfg`'s keys where it sets none."""
         self.seed = seed
+        sources = cfg.mix if sources is None else sources
         # each source its own shuffle (a seed of its own), its rows numbered after the sources before it
-        self.sources = [PromptDataset(cfg.source(i), Path(s.path), seed + 1_000_003 * i) for i, s in enumerate(cfg.mix)]
+        self.sources = [PromptDataset(cfg.reading(s), Path(s.path), seed + 1_000_003 * i) for i, s in enumerate(sources)]
         self.offsets = [sum(len(d) for d in self.sources[:i]) for i in range(len(self.sources))]
-        total = sum(s.weight for s in cfg.mix)
-        self.cumulative = [sum(s.weight for s in cfg.mix[:i + 1]) / total for i in range(len(cfg.mix))]
-        self.path = "data.mix (" + ", ".join(str(d.path) for d in self.sources) + ")"
+        self.weights = [s.weight for s in sources]
+        self.path = f"{self.what} (" + ", ".join(str(d.path) for d in self.sources) + ")"
         self.draws = 0
+        self.tags: list[str | None] = [None] * len(sources)  # what each source's rows carry as `PromptRow.lora`
+
+    def pick(self) -> int:
+        """The source of the next row: one at random by weight, from the seed and the draws so far alone."""
+        u, total = random.Random(f"{self.seed}/mix/{self.draws}").random(), sum(self.weights)
+        return next((k for k in range(len(self.weights)) if u < sum(self.weights[:k + 1]) / total), len(self.sources) - 1)
 
     def next(self) -> PromptRow:
-        u = random.Random(f"{self.seed}/mix/{self.draws}").random()
-        i = next((k for k, c in enumerate(self.cumulative) if u < c), len(self.sources) - 1)
+        i = self.pick()
         self.draws += 1
         row = self.sources[i].next()
-        return dataclasses.replace(row, index=self.offsets[i] + row.index)
+        return dataclasses.replace(row, index=self.offsets[i] + row.index, lora=self.tags[i])
 
     def __len__(self) -> int:
         return sum(len(d) for d in self.sources)
@@ -245,49 +253,42 @@ class MixedDataset:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "sources" not in state or len(state["sources"]) != len(self.sources):
             raise RLXError(f"the checkpoint's data position is not of this mixture of {len(self.sources)} datasets "
-                           f"(data.mix changed since it was saved)")
+                           f"({self.what} changed since it was saved)")
         self.draws = int(state["draws"])
         for d, s in zip(self.sources, state["sources"], strict=True):
             d.load_state_dict(s)
 
 
-class AdapterDatasets:
+class AdapterDatasets(MixedDataset):
     """Multi-LoRA's prompts (``train.lora.adapters``): each adapter's own dataset, taken in turn by weight (smooth
     weighted round-robin: with weights 1 and 1, one of each alternately; with 2 and 1, two of the first per one of the
-    second), each row marked with its adapter; the same interface as `PromptDataset`."""
+    second), each row marked with its adapter."""
+
+    what = "train.lora.adapters"
 
     def __init__(self, cfg: DataConfig, adapters: list[LoRAAdapterConfig], seed: int = 0):
-        self.names = [a.name for a in adapters]
-        self.sources = [PromptDataset(cfg.reading(a.data), Path(a.data.path), seed + 1_000_003 * i)
-                        for i, a in enumerate(adapters)]
-        self.offsets = [sum(len(d) for d in self.sources[:i]) for i in range(len(self.sources))]
-        self.weights = [a.data.weight for a in adapters]
+        super().__init__(cfg, seed, [a.data for a in adapters])
+        self.tags = [a.name for a in adapters]
         self.credits = [0.0] * len(adapters)
-        self.path = "train.lora.adapters (" + ", ".join(str(d.path) for d in self.sources) + ")"
 
-    def next(self) -> PromptRow:
+    def pick(self) -> int:
         self.credits = [c + w for c, w in zip(self.credits, self.weights, strict=True)]
         i = max(range(len(self.credits)), key=lambda k: (self.credits[k], -k))
         self.credits[i] -= sum(self.weights)
-        row = self.sources[i].next()
-        return dataclasses.replace(row, index=self.offsets[i] + row.index, lora=self.names[i])
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self.sources)
+        return i
 
     def state_dict(self) -> dict[str, Any]:
-        return {"adapters": self.names, "credits": list(self.credits), "sources": [d.state_dict() for d in self.sources]}
+        return {**super().state_dict(), "adapters": self.tags, "credits": list(self.credits)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("adapters") != self.names:
-            raise RLXError(f"the checkpoint's data position is not of the adapters {self.names} (train.lora.adapters "
+        if state.get("adapters") != self.tags:
+            raise RLXError(f"the checkpoint's data position is not of the adapters {self.tags} (train.lora.adapters "
                            f"changed since it was saved: {state.get('adapters')})")
+        super().load_state_dict(state)
         self.credits = [float(c) for c in state["credits"]]
-        for d, s in zip(self.sources, state["sources"], strict=True):
-            d.load_state_dict(s)
 
 
-def open_dataset(cfg: Config, seed: int) -> PromptDataset | MixedDataset | AdapterDatasets:
+def open_dataset(cfg: Config, seed: int) -> PromptDataset | MixedDataset:
     """The run's prompts: ``data.path``, the mixture ``data.mix``, or each of ``train.lora.adapters``' own."""
     if cfg.train.lora is not None and cfg.train.lora.adapters:
         return AdapterDatasets(cfg.data, cfg.train.lora.adapters, seed)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlx.config import Config
-from rlx.data.datasets import AdapterDatasets, MixedDataset, PromptDataset, PromptRow, tokenize_prompt
+from rlx.data.datasets import MixedDataset, PromptDataset, PromptRow, tokenize_prompt
 from rlx.errors import RLXError
 from rlx.rollout.context import GenerateContext, for_sample
 from rlx.rollout.engines.client import EngineError
@@ -47,8 +47,7 @@ GENERATED_METADATA = ("final", "sampled_tokens", "stale_masked_tokens", "agent_t
 
 
 class RolloutManager:
-    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset | AdapterDatasets,
-                 ctx: GenerateContext,
+    def __init__(self, cfg: Config, plugins: Plugins, dataset: PromptDataset | MixedDataset, ctx: GenerateContext,
                  abort_all: Callable[[], Any] | None = None, teachers: Teachers | None = None):
         """`abort_all`: an async callable that aborts every in-flight request on every engine. `teachers`: those
         of on-policy distillation, which score each finished sample (`rlx.rollout.teachers`)."""

@@ -113,20 +113,23 @@ def attach(model: torch.nn.Module, cfg: LoRAConfig, seed: int, layer_offset: int
     return found
 
 
-def suffix(key: str | None) -> str:
-    """What follows ``lora_A`` and ``lora_B`` in the names of adapter `key`'s factors (None: the one adapter)."""
-    return "" if key is None else f"_{key}"
+def names(key: str | None) -> tuple[str, str]:
+    """The parameter names of adapter `key`'s ``A`` and ``B`` (None, the one adapter: ``lora_A``, ``lora_B``;
+    multi-LoRA's: ``lora_A_<name>``)."""
+    end = "" if key is None else f"_{key}"
+    return f"lora_A{end}", f"lora_B{end}"
 
 
 def factors(module: Any, key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Adapter `key`'s ``A`` and ``B`` on `module`."""
-    return getattr(module, f"lora_A{suffix(key)}"), getattr(module, f"lora_B{suffix(key)}")
+    a, b = names(key)
+    return getattr(module, a), getattr(module, b)
 
 
 def select(adapted: dict[str, Any], key: str | None) -> None:
     """The adapter the next forwards of the `adapted` projections use (a micro-batch's samples' `Sample.lora`)."""
     for m in adapted.values():
-        if f"lora_A{suffix(key)}" not in m._parameters:
+        if names(key)[0] not in m._parameters:
             have = sorted(k.removeprefix("lora_A_") for k in m._parameters if k.startswith("lora_A_"))
             raise RLXError(f"a sample of adapter {key!r} reached a trainer whose adapters are "
                            f"{have or 'one, unnamed (train.lora without adapters)'}")
@@ -146,11 +149,10 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
     if not column:
         a = a[:, rank * in_local:(rank + 1) * in_local]
     device = module.weight.device
-    names = f"lora_A{suffix(key)}", f"lora_B{suffix(key)}"
     lora_a = torch.nn.Parameter(a.to(torch.float32).contiguous().to(device))
     lora_b = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=torch.float32, device=device))
-    module.register_parameter(names[0], lora_a)
-    module.register_parameter(names[1], lora_b)
+    for name, p in zip(names(key), (lora_a, lora_b), strict=True):
+        module.register_parameter(name, p)
     set_tensor_model_parallel_attributes(lora_b if column else lora_a, True, 0 if column else 1, 1)  # split as W
     for p in (lora_a, lora_b):  # experts' gradients reduce over their own data-parallel ranks
         setattr(p, "allreduce", getattr(module.weight, "allreduce", True))
@@ -196,7 +198,7 @@ def _add_adapter(module: Any, column: bool, cfg: LoRAConfig, seed: int, global_n
 
         out = sharded(prefix, sharded_offsets, metadata)
         for k in cfg.names:
-            a_name, b_name = f"lora_A{suffix(k)}", f"lora_B{suffix(k)}"
+            a_name, b_name = names(k)
             lora = make_sharded_tensors_for_checkpoint(
                 dict(zip((a_name, b_name), factors(module, k), strict=True)), prefix,
                 {b_name: 0} if column else {a_name: 1}, sharded_offsets, tp_group=group,
